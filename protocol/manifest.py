@@ -1,0 +1,228 @@
+"""Checkpoint manifests and content-addressed shards.
+
+A checkpoint is a directory in Hugging Face layout (safetensors weights, config, tokenizer files). It is
+cut into fixed-size shards named by their sha256; the manifest lists every file with its own hash and
+its shards, plus the policy version, and is signed by the coordinator's key. A receiver trusts nothing
+but that signature: it checks every shard's hash before storing or serving it, and every file's hash
+after assembling it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from protocol.identity import Identity, verify_signature
+from protocol.signing import canonical_json
+
+DEFAULT_SHARD_SIZE = 4 * 1024 * 1024
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(Exception):
+    """A manifest or shard failed a signature, hash, size or path check."""
+
+
+class ShardRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(max_length=255, description="Relative POSIX path inside the checkpoint directory.")
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    shards: list[ShardRef]
+
+    @field_validator("path")
+    @classmethod
+    def _safe_path(cls, v: str) -> str:
+        p = PurePosixPath(v)
+        if p.is_absolute() or ".." in p.parts or not p.parts or "\\" in v:
+            raise ValueError(f"unsafe path in manifest: {v!r}")
+        return v
+
+
+class CheckpointManifest(BaseModel):
+    """What a checkpoint version consists of. Signed as a whole by the coordinator."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_id: str = Field(max_length=128)
+    version: int = Field(ge=0, description="Policy version; strictly increasing within a run.")
+    created_at: float = 0.0
+    shard_size: int = Field(DEFAULT_SHARD_SIZE, gt=0)
+    files: list[FileEntry] = Field(max_length=1024)
+
+    def shards(self) -> list[ShardRef]:
+        """Every distinct shard, in file order."""
+        seen: dict[str, ShardRef] = {}
+        for f in self.files:
+            for s in f.shards:
+                seen.setdefault(s.sha256, s)
+        return list(seen.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def digest(self) -> str:
+        return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
+
+
+class SignedManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    manifest: CheckpointManifest
+    public_key: str = Field(min_length=64, max_length=64)
+    signature: str = Field(min_length=128, max_length=128)
+
+    @classmethod
+    def sign(cls, manifest: CheckpointManifest, identity: Identity) -> SignedManifest:
+        msg = b"swarmrl-manifest\n" + canonical_json(manifest.model_dump(mode="json"))
+        return cls(manifest=manifest, public_key=identity.public_key_hex, signature=identity.sign(msg))
+
+    def verify(self, trusted_key: str, *, newer_than: int | None = None) -> CheckpointManifest:
+        """The manifest, if signed by `trusted_key` (and newer than `newer_than`); else ManifestError."""
+        if self.public_key != trusted_key:
+            raise ManifestError("manifest signed by an untrusted key")
+        msg = b"swarmrl-manifest\n" + canonical_json(self.manifest.model_dump(mode="json"))
+        if not verify_signature(self.public_key, msg, self.signature):
+            raise ManifestError("bad manifest signature")
+        if newer_than is not None and self.manifest.version <= newer_than:
+            raise ManifestError(f"manifest version {self.manifest.version} is not newer than {newer_than}")
+        return self.manifest
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _iter_chunks(path: Path, size: int) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while block := f.read(size):
+            yield block
+
+
+class ShardStore:
+    """A directory of shards named by their sha256. `put` refuses bytes that do not match their name."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        if not _HEX64.match(sha256):
+            raise ManifestError(f"not a sha256: {sha256[:80]!r}")
+        return self.root / sha256[:2] / sha256
+
+    def has(self, sha256: str) -> bool:
+        return self.path(sha256).exists()
+
+    def get(self, sha256: str) -> bytes:
+        return self.path(sha256).read_bytes()
+
+    def put(self, sha256: str, data: bytes) -> None:
+        """Store `data` under its hash, atomically; ManifestError if the hash does not match."""
+        actual = sha256_bytes(data)
+        if actual != sha256:
+            raise ManifestError(f"shard hash mismatch: expected {sha256[:12]}, got {actual[:12]}")
+        dest = self.path(sha256)
+        if dest.exists():
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".part-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, dest)
+
+    def missing(self, manifest: CheckpointManifest) -> list[ShardRef]:
+        return [s for s in manifest.shards() if not self.has(s.sha256)]
+
+    def remove_unreferenced(self, keep: list[CheckpointManifest]) -> int:
+        """Delete shards no manifest in `keep` references; returns how many were removed."""
+        wanted = {s.sha256 for m in keep for s in m.shards()}
+        removed = 0
+        for p in self.root.glob("??/*"):
+            if p.name not in wanted and not p.name.startswith(".part-"):
+                p.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+
+def cut_checkpoint(
+    ckpt_dir: str | Path,
+    *,
+    run_id: str,
+    version: int,
+    store: ShardStore | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+) -> CheckpointManifest:
+    """List the files of `ckpt_dir` as content-addressed shards (and write them to `store` if given)."""
+    root = Path(ckpt_dir)
+    files: list[FileEntry] = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        shards: list[ShardRef] = []
+        h = hashlib.sha256()
+        for chunk in _iter_chunks(path, shard_size):
+            h.update(chunk)
+            digest = sha256_bytes(chunk)
+            shards.append(ShardRef(sha256=digest, size=len(chunk)))
+            if store is not None:
+                store.put(digest, chunk)
+        files.append(FileEntry(path=rel, size=path.stat().st_size, sha256=h.hexdigest(), shards=shards))
+    return CheckpointManifest(
+        run_id=run_id, version=version, created_at=time.time(), shard_size=shard_size, files=files
+    )
+
+
+def assemble_checkpoint(
+    manifest: CheckpointManifest, get_shard: Callable[[str], bytes], out_dir: str | Path
+) -> Path:
+    """Write the checkpoint's files into `out_dir` from verified shards, checking every file's hash.
+
+    Files are assembled in a temporary sibling directory and moved into place only when all of them
+    match, so `out_dir` either holds the whole verified checkpoint or does not exist.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        for entry in manifest.files:
+            dest = tmp / entry.path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            h = hashlib.sha256()
+            with open(dest, "wb") as f:
+                for ref in entry.shards:
+                    data = get_shard(ref.sha256)
+                    if len(data) != ref.size or sha256_bytes(data) != ref.sha256:
+                        raise ManifestError(f"shard {ref.sha256[:12]} of {entry.path} is corrupt")
+                    h.update(data)
+                    f.write(data)
+            if h.hexdigest() != entry.sha256:
+                raise ManifestError(f"file {entry.path} does not match its hash")
+        os.replace(tmp, out)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,217 @@
+"""Pydantic v2 schemas for every exchange between roles.
+
+Bounds on every list and string are part of the protocol: a message outside them is malformed and is
+refused whole with a 422 before any of it is used. Signed requests carry these models as the payload
+of a `protocol.signing.SignedEnvelope`; the `KIND_*` constants name them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol.manifest import CheckpointManifest, SignedManifest
+
+# Envelope kinds: the receiver refuses an envelope whose kind does not match the endpoint.
+KIND_REGISTER = "register"
+KIND_LEASE = "lease"
+KIND_SUBMIT = "submit"
+KIND_HEARTBEAT = "heartbeat"
+KIND_VERIFIER_PENDING = "verifier.pending"
+KIND_VERIFIER_VERDICTS = "verifier.verdicts"
+KIND_TRAINER_BATCH = "trainer.batch"
+KIND_TRAINER_SHARD = "trainer.shard"
+KIND_TRAINER_PUBLISH = "trainer.publish"
+KIND_TRAINER_METRICS = "trainer.metrics"
+
+MAX_GROUP_SIZE = 64
+MAX_PROMPTS_PER_LEASE = 256
+MAX_COMPLETION_TOKENS = 4096
+MAX_PROMPT_TOKENS = 8192
+
+
+class Strict(BaseModel):
+    """Unknown fields are an error, not silently dropped: a sender learns its message was wrong."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingSpec(Strict):
+    """How every rollout of a lease is sampled. Fixed by the coordinator, never chosen by a node."""
+
+    temperature: float = Field(1.0, gt=0, le=10, description="Softmax temperature.")
+    max_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length cap.")
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="Rollouts per prompt (the GRPO group).")
+
+
+class RunInfo(Strict):
+    """Public description of a training run (a pool): what a node needs to join it."""
+
+    run_id: str
+    task: str = Field(description="Task name, e.g. 'addition3'.")
+    coordinator_key: str = Field(description="Ed25519 public key that signs manifests, hex.")
+    sampling: SamplingSpec
+    max_staleness: int = Field(description="A group more than this many versions behind is refused.")
+    current_version: int = Field(description="Newest published policy version; -1 before the first.")
+    dht_peers: list[str] = Field(default_factory=list, description="libp2p multiaddrs to bootstrap the DHT.")
+
+
+class ChallengeRequest(Strict):
+    public_key: str = Field(min_length=64, max_length=64)
+
+
+class Challenge(Strict):
+    challenge: str = Field(description="Random hex string the registrant must sign within `expires_at`.")
+    expires_at: float
+
+
+class RegisterRequest(Strict):
+    """Signed with the key being registered: proves possession of the private key."""
+
+    challenge: str = Field(max_length=128)
+    name: str = Field("", max_length=64, description="Human-readable node name for dashboards.")
+    engine: str = Field("", max_length=32, description="Inference engine the node runs (vllm, torch).")
+
+
+class Registered(Strict):
+    node_id: str
+    run: RunInfo
+
+
+class LeaseRequest(Strict):
+    max_prompts: int = Field(8, ge=1, le=MAX_PROMPTS_PER_LEASE)
+    held_version: int = Field(-1, description="Newest policy version the node holds.")
+
+
+class LeasedPrompt(Strict):
+    prompt_id: str
+    text: str
+    seeds: list[int] = Field(description="One sampling seed per rollout, chosen by the coordinator.")
+
+
+class Lease(Strict):
+    lease_id: str
+    policy_version: int = Field(description="Coordinator's current version when the lease was issued.")
+    expires_at: float
+    sampling: SamplingSpec
+    prompts: list[LeasedPrompt]
+
+
+class Rollout(Strict):
+    seed: int = Field(description="The leased seed this rollout was sampled with.")
+    completion_ids: list[int] = Field(max_length=MAX_COMPLETION_TOKENS)
+    logprobs: list[float] = Field(max_length=MAX_COMPLETION_TOKENS, description="Per completion token.")
+    finish_reason: Literal["stop", "length"]
+    claimed_reward: float | None = Field(None, description="Informational only: never used for training.")
+    proof: str | None = Field(None, max_length=65536, description="Activation proof, base64 (optional).")
+
+
+class RolloutGroup(Strict):
+    prompt_id: str = Field(max_length=64)
+    prompt_ids: list[int] = Field(max_length=MAX_PROMPT_TOKENS, description="Prompt as tokenized by the node.")
+    rollouts: list[Rollout] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
+
+
+class RolloutSubmission(Strict):
+    lease_id: str = Field(max_length=64)
+    policy_version: int = Field(description="Version of the weights that generated every group here.")
+    groups: list[RolloutGroup] = Field(min_length=1, max_length=MAX_PROMPTS_PER_LEASE)
+    gen_seconds: float = Field(0.0, ge=0, description="Wall time the node spent generating (for metrics).")
+
+
+class SubmitResult(Strict):
+    accepted: list[str] = Field(description="Prompt ids taken for verification.")
+    rejected: dict[str, str] = Field(description="Prompt id -> reason it was refused.")
+
+
+class Heartbeat(Strict):
+    held_version: int = -1
+    status: str = Field("", max_length=64)
+
+
+class PendingRequest(Strict):
+    limit: int = Field(64, ge=1, le=1024)
+
+
+class PendingGroup(Strict):
+    """A submitted group awaiting verification, with the trusted facts the verifier needs."""
+
+    group_id: int
+    node_id: str
+    prompt_text: str
+    answer: str = Field(description="Ground truth, known only to the coordinator side.")
+    lease_version: int
+    sampling: SamplingSpec
+    seeds: list[int]
+    policy_version: int
+    group: RolloutGroup
+
+
+class Verdict(Strict):
+    group_id: int
+    accepted: bool
+    reason: str = ""
+    rewards: list[float] = Field(default_factory=list, description="Trusted rewards, one per rollout.")
+
+
+class VerdictBatch(Strict):
+    verdicts: list[Verdict] = Field(max_length=1024)
+
+
+class BatchRequest(Strict):
+    after_id: int = Field(0, description="Return accepted groups with a larger id (the trainer's cursor).")
+    limit: int = Field(64, ge=1, le=4096)
+
+
+class TrainingGroup(Strict):
+    group_id: int
+    policy_version: int
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    rewards: list[float]
+
+
+class TrainingBatch(Strict):
+    current_version: int
+    groups: list[TrainingGroup]
+
+
+class ShardUpload(Strict):
+    sha256: str = Field(min_length=64, max_length=64)
+    size: int = Field(ge=0)
+
+
+class PublishRequest(Strict):
+    manifest: CheckpointManifest
+
+
+class TrainerMetrics(Strict):
+    step: int
+    version: int
+    metrics: dict[str, float]
+
+
+class NodeStatus(BaseModel):
+    node_id: str
+    name: str
+    engine: str
+    held_version: int
+    groups_accepted: int
+    groups_rejected: int
+    banned: bool
+    last_seen: float
+
+
+class RunStatus(BaseModel):
+    run: RunInfo
+    nodes: list[NodeStatus]
+    groups_pending: int
+    groups_accepted: int
+    groups_rejected: int
+    metrics: list[TrainerMetrics]
+
+
+__all__ = [name for name in dir() if not name.startswith("_")] + ["CheckpointManifest", "SignedManifest"]

@@ -1,0 +1,1 @@
+"""The trainer role: builds the policy model, trains it by GRPO on verified groups, publishes checkpoints."""

@@ -1,0 +1,49 @@
+"""Greedy exact-match accuracy on the task's fixed held-out set."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from protocol.tasks import Problem, Task
+
+
+@torch.no_grad()
+def greedy_complete(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], max_new_tokens: int
+) -> list[str]:
+    """Greedy completions (stopped at EOS) for a batch of prompts, decoded to text."""
+    was_training = model.training
+    model.eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.train(was_training)
+    texts = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[: row.index(tokenizer.eos_token_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts
+
+
+def accuracy(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: tuple[Problem, ...] | list[Problem],
+    task: Task,
+    max_new_tokens: int = 8,
+    batch_size: int = 500,
+) -> float:
+    """Fraction of `problems` whose greedy completion is exactly right."""
+    correct = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        texts = greedy_complete(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
+        correct += sum(task.is_correct(t, p.answer) for t, p in zip(texts, chunk, strict=True))
+    return correct / max(len(problems), 1)
