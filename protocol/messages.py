@@ -153,6 +153,7 @@ class Verdict(Strict):
     accepted: bool
     reason: str = ""
     rewards: list[float] = Field(default_factory=list, description="Trusted rewards, one per rollout.")
+    ban: bool = Field(False, description="The failure proves cheating: ban the node, drop its unreleased groups.")
 
 
 class VerdictBatch(Strict):
