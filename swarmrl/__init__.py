@@ -1,0 +1,1 @@
+"""swarmrl: the command line (`swarmrl <role>`) and the local demo swarm."""

@@ -1,0 +1,208 @@
+"""The worker node: join a pool, keep the newest verified weights, lease prompts, generate, submit signed.
+
+Weights are fetched in a background thread and swapped into the engine between leases, so a broadcast
+never stalls generation; the node always generates with the newest version it holds and says which
+version that was. Every lease's sampling seeds come from the coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+from node.config import NodeConfig
+from node.engine import GenerationRequest, InferenceEngine, build_engine
+from node.fetcher import CheckpointFetcher, HttpOrigin, ShardSource
+from protocol.client import CoordinatorClient, CoordinatorError
+from protocol.identity import Identity
+from protocol.manifest import ManifestError
+from protocol.messages import Lease, Rollout, RolloutGroup, RolloutSubmission
+
+log = logging.getLogger("swarmrl.node")
+
+
+@dataclass
+class NodeStats:
+    leases: int = 0
+    groups_submitted: int = 0
+    groups_refused: int = 0
+    tokens: int = 0
+    gen_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    held_version: int = -1
+    last_error: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+
+def pinned_coordinator_key(cfg: NodeConfig, reported: str) -> str:
+    """The coordinator key to trust: the configured one, else the one pinned on first use."""
+    if cfg.coordinator_key:
+        if cfg.coordinator_key != reported:
+            raise RuntimeError("the coordinator presents a different key than the one configured: refusing")
+        return cfg.coordinator_key
+    pin = Path(str(cfg.key_path) + ".coordinator")
+    if pin.exists():
+        pinned = pin.read_text().strip()
+        if pinned != reported:
+            raise RuntimeError(f"coordinator key changed since first use (pinned in {pin}): refusing")
+        return pinned
+    pin.write_text(reported + "\n")
+    log.warning("trusting coordinator key %s… on first use (pinned in %s)", reported[:16], pin)
+    return reported
+
+
+class Node:
+    """One worker. `run()` loops until `stop()` or `max_leases`."""
+
+    def __init__(self, cfg: NodeConfig, extra_sources: list[ShardSource] | None = None):
+        self.cfg = cfg
+        self.identity = Identity.load_or_create(cfg.key_path)
+        self.client = CoordinatorClient(cfg.coordinator_url, self.identity)
+        self.stats = NodeStats()
+        self._extra_sources = extra_sources or []
+        self._stop = threading.Event()
+        self._ready: tuple[int, Path] | None = None  # newest verified checkpoint not yet loaded
+        self._ready_lock = threading.Lock()
+        self.engine: InferenceEngine | None = None
+        self.tokenizer: PreTrainedTokenizerFast | None = None
+        self.fetcher: CheckpointFetcher | None = None
+
+    # -- weights --------------------------------------------------------------------------------------
+
+    def _fetch_newer(self) -> None:
+        """Fetch the coordinator's newest manifest if it is newer than anything held or ready."""
+        assert self.fetcher is not None
+        signed = self.client.latest_manifest()
+        if signed is None:
+            return
+        with self._ready_lock:
+            newest = max(self.stats.held_version, self._ready[0] if self._ready else -1)
+        if signed.manifest.version <= newest:
+            return
+        manifest, path = self.fetcher.fetch(signed, held_version=newest)
+        with self._ready_lock:
+            self._ready = (manifest.version, path)
+
+    def _fetch_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._fetch_newer()
+            except (ManifestError, CoordinatorError, OSError) as e:
+                self.stats.last_error = f"fetch: {e}"
+                log.warning("checkpoint fetch failed: %s", e)
+            except Exception as e:  # keep the fetch thread alive: the main loop still works with old weights
+                self.stats.last_error = f"fetch: {e}"
+                log.exception("checkpoint fetch crashed")
+            self._stop.wait(self.cfg.poll_interval_s)
+
+    def _swap_in_weights(self, temperature: float) -> None:
+        with self._ready_lock:
+            ready, self._ready = self._ready, None
+        if ready is None:
+            return
+        version, path = ready
+        if self.engine is None or self.engine.temperature != temperature:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = build_engine(self.cfg.engine, path, temperature)
+            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            self.engine.load(path)
+        self.stats.held_version = version
+        log.info("now generating with policy version %d", version)
+
+    # -- work -----------------------------------------------------------------------------------------
+
+    def _generate(self, lease: Lease) -> RolloutSubmission:
+        assert self.engine is not None and self.tokenizer is not None
+        requests, owners = [], []
+        prompt_ids: dict[str, list[int]] = {}
+        for p in lease.prompts:
+            prompt_ids[p.prompt_id] = self.tokenizer(p.text).input_ids
+            for seed in p.seeds:
+                requests.append(GenerationRequest(prompt_ids=prompt_ids[p.prompt_id], seed=seed))
+                owners.append(p.prompt_id)
+        t0 = time.perf_counter()
+        completions = self.engine.generate(requests, max_tokens=lease.sampling.max_tokens)
+        gen_s = time.perf_counter() - t0
+        self.stats.gen_seconds += gen_s
+        by_prompt: dict[str, list[Rollout]] = {p.prompt_id: [] for p in lease.prompts}
+        for req, owner, c in zip(requests, owners, completions, strict=True):
+            self.stats.tokens += len(c.token_ids)
+            by_prompt[owner].append(Rollout(seed=req.seed, completion_ids=c.token_ids, logprobs=c.logprobs,
+                                            finish_reason=c.finish_reason))
+        groups = [RolloutGroup(prompt_id=pid, prompt_ids=prompt_ids[pid], rollouts=rs) for pid, rs in by_prompt.items()]
+        return RolloutSubmission(lease_id=lease.lease_id, policy_version=self.stats.held_version, groups=groups,
+                                 gen_seconds=gen_s)
+
+    def step(self) -> bool:
+        """Lease, generate and submit once. False when there was no work (the caller waits)."""
+        run = self._run_info
+        self._swap_in_weights(run.sampling.temperature)
+        if self.engine is None:
+            return False
+        lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
+        if lease is None:
+            return False
+        self.stats.leases += 1
+        submission = self._generate(lease)
+        try:
+            result = self.client.submit(submission)
+        except CoordinatorError as e:
+            self.stats.groups_refused += len(submission.groups)
+            self.stats.last_error = e.reason
+            log.warning("submission refused: %s", e.reason)
+            return True
+        self.stats.groups_submitted += len(result.accepted)
+        self.stats.groups_refused += len(result.rejected)
+        for pid, reason in result.rejected.items():
+            log.warning("group %s refused: %s", pid, reason)
+        return True
+
+    def run(self) -> NodeStats:
+        reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8], engine=self.cfg.engine.kind)
+        self._run_info = reg.run
+        key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
+        sources: list[ShardSource] = [*self._extra_sources, HttpOrigin(self.client)]
+        self.fetcher = CheckpointFetcher(self.cfg.work_dir / "checkpoints", key, sources,
+                                         keep_versions=self.cfg.keep_versions)
+        log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
+        fetch_thread = threading.Thread(target=self._fetch_loop, name="fetch", daemon=True)
+        fetch_thread.start()
+        last_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                if self.cfg.max_leases is not None and self.stats.leases >= self.cfg.max_leases:
+                    break
+                try:
+                    worked = self.step()
+                except CoordinatorError as e:
+                    self.stats.last_error = e.reason
+                    log.warning("coordinator refused: %s", e.reason)
+                    if e.status == 403:  # banned or unknown: nothing more to do here
+                        raise
+                    worked = False
+                if not worked:
+                    t0 = time.perf_counter()
+                    self._stop.wait(self.cfg.poll_interval_s)
+                    self.stats.idle_seconds += time.perf_counter() - t0
+                if time.time() - last_beat > 5:
+                    last_beat = time.time()
+                    self.client.heartbeat(self.stats.held_version, status="generating" if worked else "idle")
+        finally:
+            self._stop.set()
+            fetch_thread.join(timeout=5)
+            if self.engine is not None:
+                self.engine.close()
+        return self.stats
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,29 @@
+"""The node runner's config: which coordinator to join, where to keep keys and checkpoints, how to generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from node.engine import EngineConfig
+
+
+class NodeConfig(BaseModel):
+    """Everything `swarmrl node` needs. Load from TOML with `protocol.config.load_config`."""
+
+    coordinator_url: str = Field("http://127.0.0.1:8470", description="Base URL of the pool's coordinator.")
+    coordinator_key: str | None = Field(
+        None,
+        description="Pinned coordinator public key (hex). When unset, the key /v1/info reports is trusted on "
+        "first use and written next to the node key, so later runs refuse a different one.",
+    )
+    key_path: Path = Field(Path("node.key"), description="This node's Ed25519 identity (made if missing, 0600).")
+    name: str = Field("", description="Human-readable name shown on the coordinator's dashboard.")
+    work_dir: Path = Field(Path("node-data"), description="Checkpoints and shards are kept here.")
+    keep_versions: int = Field(2, ge=1, description="Checkpoint versions kept on disk.")
+    max_prompts: int = Field(8, ge=1, description="Prompts asked for per lease.")
+    poll_interval_s: float = Field(0.5, gt=0, description="Wait between polls when there is no work or no new weights.")
+    max_leases: int | None = Field(None, description="Stop after this many leases (for tests); None runs forever.")
+    progress: bool = Field(True, description="Show a live status line (rich).")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine settings.")

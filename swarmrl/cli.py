@@ -1,0 +1,146 @@
+"""`swarmrl`: one command, a subcommand per role.
+
+    swarmrl coordinator --config coordinator.toml --set port=8470
+    swarmrl node --set coordinator_url=http://pool.example:8470
+    swarmrl demo --report report.json
+
+Every role takes `--config FILE.toml` and any number of `--set dotted.key=value` overrides, and
+`--print-config` shows the resolved config without running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.logging import RichHandler
+
+
+def _role_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="TOML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (repeatable), e.g. --set engine.kind=torch")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+
+
+def _load(model: type, args: argparse.Namespace) -> Any:
+    from protocol.config import dump_toml, load_config
+
+    cfg = load_config(model, args.config, args.overrides)
+    if args.print_config:
+        print(dump_toml(cfg), end="")
+        sys.exit(0)
+    return cfg
+
+
+def _single_thread() -> None:
+    # A local swarm shares a few cores between several processes: one thread each avoids thrashing.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cmd_coordinator(args: argparse.Namespace) -> None:
+    from coordinator.server import serve
+
+    from coordinator.config import CoordinatorConfig
+
+    serve(_load(CoordinatorConfig, args))
+
+
+def cmd_trainer(args: argparse.Namespace) -> None:
+    _single_thread()
+    from trainer.loop import run_trainer
+
+    from trainer.config import TrainerConfig
+
+    run_trainer(_load(TrainerConfig, args))
+
+
+def cmd_verifier(args: argparse.Namespace) -> None:
+    _single_thread()
+    from verifier.config import VerifierConfig
+    from verifier.service import Verifier
+
+    Verifier(_load(VerifierConfig, args)).run()
+
+
+def cmd_node(args: argparse.Namespace) -> None:
+    _single_thread()
+    from node.config import NodeConfig
+    from node.runner import run_node
+
+    run_node(_load(NodeConfig, args))
+
+
+def cmd_keys(args: argparse.Namespace) -> None:
+    from protocol.identity import Identity
+
+    path = Path(args.path)
+    if args.action == "make":
+        if path.exists() and not args.force:
+            sys.exit(f"{path} exists; pass --force to replace it")
+        ident = Identity.generate()
+        ident.save(path)
+    else:
+        ident = Identity.load(path)
+    print(f"node id     {ident.node_id}\npublic key  {ident.public_key_hex}\nfile        {path}")
+
+
+def cmd_model(args: argparse.Namespace) -> None:
+    _single_thread()
+    from swarmrl.modelcmd import build_and_warm
+
+    build_and_warm(Path(args.out), target_accuracy=args.warmup_accuracy, seed=args.seed)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    _single_thread()
+    from swarmrl.demo import DemoConfig, run_demo
+
+    cfg = _load(DemoConfig, args)
+    if args.report:
+        cfg.report = args.report
+    run_demo(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="swarmrl", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in [
+        ("coordinator", cmd_coordinator, "run a pool's coordinator (HTTP API, SQLite, manifest signing)"),
+        ("trainer", cmd_trainer, "run the GRPO trainer that publishes checkpoints"),
+        ("verifier", cmd_verifier, "run the verifier that checks every submitted group"),
+        ("node", cmd_node, "join a pool as a worker node"),
+        ("demo", cmd_demo, "a local swarm learning 3-digit addition, end to end"),
+    ]:
+        p = sub.add_parser(name, help=help_)
+        _role_args(p)
+        p.set_defaults(fn=fn)
+        if name == "demo":
+            p.add_argument("--report", type=Path, help="write a JSON report here")
+    pk = sub.add_parser("keys", help="make or show an Ed25519 identity")
+    pk.add_argument("action", choices=["make", "show"])
+    pk.add_argument("path", help="key file (written 0600)")
+    pk.add_argument("--force", action="store_true", help="replace an existing key file")
+    pk.set_defaults(fn=cmd_keys)
+    pm = sub.add_parser("model", help="build the tiny model and warm it up to a target accuracy")
+    pm.add_argument("out", help="output checkpoint directory (Hugging Face layout)")
+    pm.add_argument("--warmup-accuracy", type=float, default=0.25, help="stop the warm start at this accuracy")
+    pm.add_argument("--seed", type=int, default=0)
+    pm.set_defaults(fn=cmd_model)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s",
+                        handlers=[RichHandler(show_time=True, show_path=False, rich_tracebacks=True)])
+    for noisy in ("httpx", "vllm", "hivemind", "urllib3", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

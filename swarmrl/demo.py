@@ -1,0 +1,290 @@
+"""`swarmrl demo`: a whole swarm on this machine, learning 3-digit addition by RL, watched live.
+
+It builds and warms up the tiny model, then starts the coordinator, verifier, trainer and worker nodes as
+separate processes talking over loopback exactly as they would across the internet (signed requests,
+signed manifests, hash-checked shards). It shows progress live, and at the end checks the newest
+published checkpoint itself on the held-out set, draws a plot and (with --report) writes a JSON report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from protocol.client import CoordinatorClient, CoordinatorError
+from protocol.config import dump_toml
+from protocol.identity import Identity
+from protocol.messages import RunStatus
+
+
+class DemoConfig(BaseModel):
+    """The local swarm's shape. Every field can be set with `--set name=value`."""
+
+    run_dir: Path | None = Field(None, description="Where keys, data, logs and results go (default runs/demo-<time>).")
+    nodes: int = Field(2, ge=1, description="Worker nodes to start.")
+    engine: str = Field("auto", description="Node inference engine: auto (vLLM if installed), vllm or torch.")
+    warmup_accuracy: float = Field(0.25, description="The supervised warm start stops at this greedy accuracy.")
+    max_steps: int = Field(150, description="Trainer steps at most.")
+    target_accuracy: float = Field(0.65, description="Stop early once the trainer's held-out accuracy reaches this.")
+    time_limit_s: float = Field(900, description="Stop the RL phase after this many seconds.")
+    batch_groups: int = Field(32, description="Groups (prompts) per trainer step.")
+    group_size: int = Field(8, description="Rollouts per prompt.")
+    prompts_per_lease: int = Field(8, description="Prompts a node leases at once.")
+    max_staleness: int = Field(2, description="Groups more than this many versions old are refused (0 = synchronous).")
+    lr: float = Field(3e-4, description="Trainer learning rate.")
+    eval_every: int = Field(10, description="Trainer evaluates held-out accuracy every this many steps.")
+    seed: int = Field(0, description="Seed of the model's initial weights and warm start.")
+    report: Path | None = Field(None, description="Write the JSON report here.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Swarm:
+    """The demo's child processes, each with its own config file and log."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        (run_dir / "config").mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, role: str, cfg: dict[str, Any], model: type[BaseModel]) -> None:
+        path = self.run_dir / "config" / f"{name}.toml"
+        path.write_text(dump_toml(model.model_validate(cfg)))
+        log = open(self.run_dir / "logs" / f"{name}.log", "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "COLUMNS": "160"}
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "swarmrl.cli", role, "--config", str(path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.time() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _metric_series(status: RunStatus, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.metrics[key]) for m in status.metrics if key in m.metrics]
+
+
+def render(status: RunStatus | None, elapsed: float, cfg: DemoConfig, phase: str) -> Group:
+    head = Table.grid(padding=(0, 3))
+    if status is None:
+        head.add_row(f"[bold]{phase}[/]", f"{elapsed:.0f} s")
+        return Group(head)
+    acc = _metric_series(status, "eval_accuracy")
+    rew = _metric_series(status, "reward_mean")
+    step = status.metrics[-1].step if status.metrics else 0
+    head.add_row(
+        f"[bold]{phase}[/]",
+        f"step [bold]{step}[/]/{cfg.max_steps}",
+        f"policy v{status.run.current_version}",
+        f"held-out accuracy [bold green]{acc[-1][1]:.3f}[/]" if acc else "held-out accuracy -",
+        f"reward {rew[-1][1]:.3f}" if rew else "reward -",
+        f"groups accepted [green]{status.groups_accepted}[/] rejected [red]{status.groups_rejected}[/] "
+        f"pending {status.groups_pending}",
+        f"{elapsed:.0f} s",
+    )
+    nodes = Table("node", "engine", "version", "accepted", "rejected", "banned", box=None)
+    for n in status.nodes:
+        nodes.add_row(n.name, n.engine, str(n.held_version), str(n.groups_accepted), str(n.groups_rejected),
+                      "yes" if n.banned else "")
+    return Group(head, nodes)
+
+
+def plot(status: RunStatus, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    acc = _metric_series(status, "eval_accuracy")
+    rew = _metric_series(status, "reward_mean")
+    train_acc = _metric_series(status, "accuracy")
+    if acc:
+        ax1.plot(*zip(*acc, strict=True), marker="o", label="held-out greedy accuracy")
+    if train_acc:
+        ax1.plot(*zip(*train_acc, strict=True), alpha=0.5, label="rollout exact-match rate")
+    ax1.set_xlabel("trainer step")
+    ax1.set_ylabel("accuracy")
+    ax1.set_ylim(0, 1)
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    if rew:
+        ax2.plot(*zip(*rew, strict=True), color="tab:orange")
+    ax2.set_xlabel("trainer step")
+    ax2.set_ylabel("mean reward of rollouts")
+    ax2.grid(alpha=0.3)
+    fig.suptitle("swarmrl demo: 3-digit addition, GRPO through a local swarm")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Path) -> tuple[int, float]:
+    """Fetch the newest published checkpoint like a node would and measure its held-out accuracy."""
+    from protocol.manifest import ShardStore, assemble_checkpoint
+    from protocol.tasks import get_task
+    from trainer.evaluate import accuracy
+    from trainer.model import load_checkpoint
+
+    signed = client.latest_manifest()
+    assert signed is not None, "nothing was published"
+    manifest = signed.verify(coordinator_key)
+    store = ShardStore(work / "shards")
+    for s in store.missing(manifest):
+        store.put(s.sha256, client.shard(s.sha256))
+    out = assemble_checkpoint(manifest, store.get, work / f"v{manifest.version:08d}")
+    model, tok = load_checkpoint(out)
+    task = get_task("addition3")
+    return manifest.version, accuracy(model, tok, task.eval_set, task)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    from coordinator.config import CoordinatorConfig
+    from node.config import NodeConfig
+    from swarmrl.modelcmd import build_and_warm
+    from trainer.config import TrainerConfig
+    from verifier.config import VerifierConfig
+
+    console = Console()
+    t_start = time.time()
+    run_dir = (cfg.run_dir or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]swarmrl demo[/] in {run_dir}")
+    keys = {name: Identity.load_or_create(run_dir / "keys" / f"{name}.key") for name in ["coordinator", "trainer",
+                                                                                        "verifier"]}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    run_id = f"demo-{int(t_start)}"
+    swarm = Swarm(run_dir)
+    try:
+        swarm.start("coordinator", "coordinator", {
+            "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"), "run_id": run_id,
+            "task": "addition3", "key_path": str(run_dir / "keys" / "coordinator.key"),
+            "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size},
+            "max_staleness": cfg.max_staleness,
+            "operator_keys": [keys["trainer"].public_key_hex, keys["verifier"].public_key_hex],
+        }, CoordinatorConfig)
+        # Nodes start now: importing vLLM and registering overlaps the warm start below.
+        for i in range(cfg.nodes):
+            swarm.start(f"node{i}", "node", {
+                "coordinator_url": url, "coordinator_key": keys["coordinator"].public_key_hex,
+                "key_path": str(run_dir / "keys" / f"node{i}.key"), "name": f"node{i}",
+                "work_dir": str(run_dir / f"node{i}"), "max_prompts": cfg.prompts_per_lease, "progress": False,
+                "engine": {"kind": cfg.engine},
+            }, NodeConfig)
+        swarm.start("verifier", "verifier", {
+            "coordinator_url": url, "key_path": str(run_dir / "keys" / "verifier.key"),
+            "work_dir": str(run_dir / "verifier"), "task": "addition3",
+        }, VerifierConfig)
+
+        init_dir = run_dir / "init"
+        if not (init_dir / "config.json").exists():
+            build_and_warm(init_dir, target_accuracy=cfg.warmup_accuracy, seed=cfg.seed, console=console)
+        initial = json.loads((init_dir / "swarmrl.json").read_text())["warmup_accuracy"]
+
+        swarm.start("trainer", "trainer", {
+            "coordinator_url": url, "key_path": str(run_dir / "keys" / "trainer.key"),
+            "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(init_dir), "run_id": run_id,
+            "task": "addition3", "lr": cfg.lr, "batch_groups": cfg.batch_groups, "max_staleness": cfg.max_staleness,
+            "max_steps": cfg.max_steps, "eval_every": cfg.eval_every, "progress": False,
+        }, TrainerConfig)
+
+        client = CoordinatorClient(url)
+        t_rl = time.time()
+        status: RunStatus | None = None
+        stop_reason = "max_steps"
+        with Live(render(None, 0, cfg, "starting"), console=console, refresh_per_second=2) as live:
+            while True:
+                time.sleep(1.0)
+                try:
+                    status = client.status()
+                except (CoordinatorError, OSError):
+                    status = None
+                phase = "learning" if status and status.metrics else "starting"
+                live.update(Panel(render(status, time.time() - t_start, cfg, phase), title="swarmrl demo"))
+                dead = swarm.dead()
+                if "trainer" in dead:
+                    stop_reason = "trainer finished" if swarm.procs["trainer"].returncode == 0 else "trainer died"
+                    break
+                crashed = [n for n in dead if n != "trainer"]
+                if crashed:
+                    stop_reason = f"{crashed[0]} died"
+                    break
+                acc = _metric_series(status, "eval_accuracy") if status else []
+                if acc and acc[-1][1] >= cfg.target_accuracy:
+                    stop_reason = "target accuracy reached"
+                    break
+                if time.time() - t_rl > cfg.time_limit_s:
+                    stop_reason = "time limit"
+                    break
+        rl_seconds = time.time() - t_rl
+        for name in swarm.dead():
+            if swarm.procs[name].returncode not in (0, None):
+                console.print(f"[red]{name} exited with {swarm.procs[name].returncode}[/]; last log lines:\n"
+                              f"{swarm.log_tail(name)}")
+        status = client.status()
+        version, final = evaluate_published(client, keys["coordinator"].public_key_hex, run_dir / "eval")
+    finally:
+        swarm.stop()
+    plot(status, run_dir / "progress.png")
+    engines = sorted({n.engine for n in status.nodes})
+    report = {
+        "initial_accuracy": initial,
+        "final_accuracy": final,
+        "final_version": version,
+        "steps": status.metrics[-1].step if status.metrics else 0,
+        "wall_seconds": round(time.time() - t_start, 1),
+        "rl_seconds": round(rl_seconds, 1),
+        "groups_accepted": status.groups_accepted,
+        "groups_rejected": status.groups_rejected,
+        "engine": engines[0] if len(engines) == 1 else ",".join(engines),
+        "nodes": cfg.nodes,
+        "stop_reason": stop_reason,
+        "plot": str(run_dir / "progress.png"),
+    }
+    console.print(Panel(
+        f"held-out accuracy [bold]{initial:.3f} -> {final:.3f}[/] in {report['steps']} steps, "
+        f"{report['wall_seconds']:.0f} s ({stop_reason}); groups accepted {report['groups_accepted']}, "
+        f"rejected {report['groups_rejected']}; engine {report['engine']}\nplot: {report['plot']}",
+        title="result"))
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1))
+    if cfg.report is not None:
+        Path(cfg.report).write_text(json.dumps(report, indent=1))
+    return report

@@ -1,0 +1,201 @@
+"""Identities, signed envelopes, manifests and shards: the parts every trust decision rests on."""
+
+import json
+import os
+import random
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from protocol.config import load_config
+from protocol.identity import Identity, IdentityError, node_id_from_public_key
+from protocol.manifest import (
+    CheckpointManifest,
+    ManifestError,
+    ShardStore,
+    SignedManifest,
+    assemble_checkpoint,
+    cut_checkpoint,
+)
+from protocol.messages import RolloutSubmission
+from protocol.signing import SignatureError, SignedEnvelope, sign, verify
+from protocol.tasks import Addition
+
+
+def test_identity_roundtrip_and_permissions(tmp_path):
+    ident = Identity.generate()
+    path = tmp_path / "k" / "node.key"
+    ident.save(path)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    again = Identity.load(path)
+    assert again.public_key_hex == ident.public_key_hex
+    assert again.node_id == node_id_from_public_key(ident.public_key_hex) != Identity.generate().node_id
+    os.chmod(path, 0o644)
+    with pytest.raises(IdentityError, match="readable by others"):
+        Identity.load(path)
+    path.write_text("garbage")
+    os.chmod(path, 0o600)
+    with pytest.raises(IdentityError):
+        Identity.load(path)
+
+
+def _submission() -> dict:
+    return {"lease_id": "L1", "policy_version": 3, "gen_seconds": 0.25,
+            "groups": [{"prompt_id": "p", "prompt_ids": [1, 2], "rollouts": [
+                {"seed": 7, "completion_ids": [4, 2], "logprobs": [-0.1, -1e-7], "finish_reason": "stop"}]}]}
+
+
+def test_envelope_signature_survives_the_wire():
+    ident = Identity.generate()
+    env = sign(ident, "submit", RolloutSubmission.model_validate(_submission()))
+    received = SignedEnvelope.model_validate_json(env.model_dump_json())
+    verify(received, kind="submit")  # does not raise
+    assert received.signer_id == ident.node_id
+
+
+@pytest.mark.parametrize("attack", ["payload", "kind", "key", "nonce", "timestamp", "signature"])
+def test_tampered_envelope_is_refused(attack):
+    ident = Identity.generate()
+    env = json.loads(sign(ident, "submit", _submission()).model_dump_json())
+    if attack == "payload":
+        env["payload"]["groups"][0]["rollouts"][0]["logprobs"][0] = -0.2
+    elif attack == "kind":
+        env["kind"] = "lease"
+    elif attack == "key":  # claim someone else's identity with our signature
+        env["public_key"] = Identity.generate().public_key_hex
+    elif attack == "nonce":
+        env["nonce"] = "0" * 32
+    elif attack == "timestamp":
+        env["timestamp"] += 1
+    else:
+        sig = bytearray(bytes.fromhex(env["signature"]))
+        sig[5] ^= 1
+        env["signature"] = sig.hex()
+    received = SignedEnvelope.model_validate(env)
+    with pytest.raises(SignatureError):
+        verify(received, kind="submit" if attack != "kind" else "lease")
+
+
+def test_stale_and_future_envelopes_are_refused():
+    env = sign(Identity.generate(), "lease", {"max_prompts": 1})
+    verify(env, kind="lease", now=env.timestamp + 10)
+    with pytest.raises(SignatureError, match="stale or future"):
+        verify(env, kind="lease", now=env.timestamp + 1000)
+    with pytest.raises(SignatureError, match="stale or future"):
+        verify(env, kind="lease", now=env.timestamp - 1000)
+
+
+def test_non_finite_numbers_cannot_be_signed():
+    with pytest.raises(ValueError):
+        sign(Identity.generate(), "x", {"v": float("nan")})
+
+
+def _checkpoint(tmp_path, size=10_000):
+    d = tmp_path / "ckpt"
+    (d / "sub").mkdir(parents=True)
+    rng = random.Random(0)
+    (d / "model.safetensors").write_bytes(bytes(rng.getrandbits(8) for _ in range(size)))
+    (d / "config.json").write_text('{"a": 1}')
+    (d / "sub" / "tokenizer.json").write_text('{"t": 2}')
+    return d
+
+
+def test_cut_and_assemble_roundtrip(tmp_path):
+    d = _checkpoint(tmp_path)
+    store = ShardStore(tmp_path / "store")
+    m = cut_checkpoint(d, run_id="r", version=1, store=store, shard_size=4096)
+    weights = next(f for f in m.files if f.path == "model.safetensors")
+    assert [s.size for s in weights.shards] == [4096, 4096, 1808]
+    out = assemble_checkpoint(m, store.get, tmp_path / "out")
+    for f in m.files:
+        assert (out / f.path).read_bytes() == (d / f.path).read_bytes()
+
+
+def test_corrupt_shard_is_refused_everywhere(tmp_path):
+    d = _checkpoint(tmp_path)
+    store = ShardStore(tmp_path / "store")
+    m = cut_checkpoint(d, run_id="r", version=1, store=store, shard_size=4096)
+    shard = m.files[0].shards[0] if m.files[0].shards else m.shards()[0]
+    good = store.get(shard.sha256)
+    bad = bytes([good[0] ^ 1]) + good[1:]
+    with pytest.raises(ManifestError, match="hash mismatch"):
+        ShardStore(tmp_path / "other").put(shard.sha256, bad)
+    # A source that lies at assembly time is caught too, and nothing is left behind.
+    def lying_get(h: str) -> bytes:
+        return bad if h == shard.sha256 else store.get(h)
+
+    with pytest.raises(ManifestError, match="corrupt"):
+        assemble_checkpoint(m, lying_get, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_manifest_signature(tmp_path):
+    coordinator, mallory = Identity.generate(), Identity.generate()
+    m = cut_checkpoint(_checkpoint(tmp_path), run_id="r", version=5)
+    signed = SignedManifest.sign(m, coordinator)
+    wire = SignedManifest.model_validate_json(signed.model_dump_json())
+    assert wire.verify(coordinator.public_key_hex).version == 5
+    with pytest.raises(ManifestError, match="untrusted key"):
+        SignedManifest.sign(m, mallory).verify(coordinator.public_key_hex)
+    with pytest.raises(ManifestError, match="not newer"):
+        wire.verify(coordinator.public_key_hex, newer_than=5)
+    tampered = json.loads(wire.model_dump_json())
+    tampered["manifest"]["files"][0]["sha256"] = "0" * 64
+    with pytest.raises(ManifestError, match="bad manifest signature"):
+        SignedManifest.model_validate(tampered).verify(coordinator.public_key_hex)
+    forged = json.loads(SignedManifest.sign(m, mallory).model_dump_json())
+    forged["public_key"] = coordinator.public_key_hex  # claims to be the coordinator
+    with pytest.raises(ManifestError, match="bad manifest signature"):
+        SignedManifest.model_validate(forged).verify(coordinator.public_key_hex)
+
+
+@pytest.mark.parametrize("path", ["../etc/passwd", "/abs", "a/../../b", "a\\b"])
+def test_manifest_refuses_unsafe_paths(path):
+    with pytest.raises(ValidationError):
+        CheckpointManifest.model_validate({"run_id": "r", "version": 1, "files": [
+            {"path": path, "size": 0, "sha256": "0" * 64, "shards": []}]})
+
+
+def test_messages_refuse_unknown_fields_and_oversize():
+    bad = _submission()
+    bad["groups"][0]["rollouts"][0]["reward"] = 1.0
+    with pytest.raises(ValidationError):
+        RolloutSubmission.model_validate(bad)
+    big = _submission()
+    big["groups"][0]["rollouts"] = big["groups"][0]["rollouts"] * 65
+    with pytest.raises(ValidationError):
+        RolloutSubmission.model_validate(big)
+
+
+def test_config_toml_and_overrides(tmp_path):
+    class Inner(BaseModel):
+        k: int = 1
+
+    class Cfg(BaseModel):
+        name: str = "a"
+        rate: float = 0.1
+        inner: Inner = Inner()
+
+    f = tmp_path / "c.toml"
+    f.write_text('name = "b"\n[inner]\nk = 2\n')
+    cfg = load_config(Cfg, f, ["inner.k=3", "rate=0.5"])
+    assert (cfg.name, cfg.rate, cfg.inner.k) == ("b", 0.5, 3)
+    with pytest.raises(ValueError):
+        load_config(Cfg, None, ["novalue"])
+
+
+def test_addition_task():
+    task = Addition()
+    assert len({p.prompt for p in task.eval_set}) == 500
+    rng = random.Random(1)
+    eval_prompts = {p.prompt for p in task.eval_set}
+    drawn = [task.sample(rng) for _ in range(2000)]
+    assert not eval_prompts & {p.prompt for p in drawn}
+    p = drawn[0]
+    a, b = p.prompt.rstrip("=").split("+")
+    assert int(p.answer) == int(a) + int(b)
+    assert task.reward(p.answer, p.answer) == 1.0
+    assert task.reward("", p.answer) == 0.0
+    wrong = str(int(p.answer) + 1)
+    assert 0.0 < task.reward(wrong, p.answer) < 1.0
+
