@@ -1,0 +1,105 @@
+"""The coordinator's configuration: one pydantic model, loadable from TOML with `protocol.config.load_config`.
+
+    cfg = load_config(CoordinatorConfig, "coordinator.toml", ["port=9000", "sampling.group_size=4"])
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from protocol.identity import Identity
+from protocol.messages import SamplingSpec
+from protocol.tasks import get_task
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MIB = 1024 * 1024
+
+
+class CoordinatorConfig(BaseModel):
+    """Everything a coordinator needs to run one training run (a pool)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Interface to listen on; 0.0.0.0 to accept nodes from elsewhere.")
+    port: int = Field(8470, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
+    data_dir: Path = Field(
+        Path("runs/coordinator"),
+        description="Where the SQLite database, shards and (by default) the coordinator key live.",
+    )
+    run_id: str = Field("swarmrl", min_length=1, max_length=128, description="Name of the run; manifests carry it.")
+    task: str = Field("addition3", description="Task prompts are drawn from (a name in protocol.tasks.TASKS).")
+    sampling: SamplingSpec = Field(
+        default_factory=SamplingSpec, description="How every rollout is sampled; sent with each lease."
+    )
+    max_staleness: int = Field(
+        2, ge=0, description="A submission made with a policy more than this many versions behind is refused."
+    )
+    lease_ttl_s: float = Field(60.0, gt=0, description="Seconds a node has to submit a lease's groups.")
+    max_outstanding_leases: int = Field(
+        4, ge=1, description="Unexpired, unfinished leases one node may hold at once; more are refused (429)."
+    )
+    max_body_bytes: int = Field(8 * MIB, ge=1024, description="Largest JSON request body accepted (413 above).")
+    max_shard_bytes: int = Field(64 * MIB, ge=1024, description="Largest checkpoint shard upload accepted (413).")
+    clock_skew_s: float = Field(
+        120.0, gt=0, description="Signed requests whose timestamp is further than this from our clock are refused."
+    )
+    key_path: Path | None = Field(
+        None,
+        description="Coordinator Ed25519 key file (created if missing); default: <data_dir>/coordinator.key.",
+    )
+    operator_keys: list[str] = Field(
+        default_factory=list,
+        description="Public keys (hex) allowed to call the /v1/verifier/* and /v1/trainer/* endpoints.",
+    )
+    keep_versions: int = Field(
+        3, ge=1, description="Shards of this many newest manifests are kept; older shards are deleted."
+    )
+    dht_peers: list[str] = Field(default_factory=list, description="DHT bootstrap multiaddrs, returned in RunInfo.")
+    prompt_seed: int = Field(
+        0, description="Prompts are drawn deterministically from this seed and a persistent lease counter."
+    )
+    challenge_ttl_s: float = Field(60.0, gt=0, description="Seconds a registration challenge stays valid.")
+    claim_ttl_s: float = Field(
+        120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
+    )
+    max_challenges: int = Field(
+        10000, ge=1, description="Outstanding registration challenges at most (429 above), against flooding."
+    )
+
+    @field_validator("operator_keys")
+    @classmethod
+    def _hex_keys(cls, keys: list[str]) -> list[str]:
+        out = [k.strip().lower() for k in keys]
+        for k in out:
+            if not _HEX64.match(k):
+                raise ValueError(f"operator key {k[:80]!r} is not a 64-character hex Ed25519 public key")
+        return out
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        get_task(name)  # raises ValueError naming the known tasks
+        return name
+
+    @model_validator(mode="after")
+    def _keep_enough(self) -> CoordinatorConfig:
+        # A verifier re-runs a group with the weights it was generated with, which may be up to
+        # max_staleness versions old: those shards must still be served.
+        if self.keep_versions < self.max_staleness + 1:
+            raise ValueError(
+                f"keep_versions ({self.keep_versions}) must be at least max_staleness + 1 ({self.max_staleness + 1}):"
+                " verifiers need the weights of every version a group may still be submitted with"
+            )
+        return self
+
+    @property
+    def resolved_key_path(self) -> Path:
+        """The key file actually used: `key_path`, or `<data_dir>/coordinator.key`."""
+        return self.key_path if self.key_path is not None else self.data_dir / "coordinator.key"
+
+    def load_identity(self) -> Identity:
+        """The coordinator's identity, created and saved (mode 0600) on first use."""
+        return Identity.load_or_create(self.resolved_key_path)

@@ -1,0 +1,385 @@
+"""The coordinator's rules, independent of HTTP: who may do what, and what every request changes.
+
+Every method either completes its whole effect or raises `Refused` having changed nothing (the store
+work of one request runs in one transaction). The one deliberate exception: the nonce of a correctly
+signed request is recorded before anything else, so that even a refused request cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from coordinator.auth import Refused, check_signature, parse_envelope, typed_payload
+from coordinator.config import CoordinatorConfig
+from coordinator.store import Row, Store
+from protocol import messages as m
+from protocol.identity import Identity, node_id_from_public_key
+from protocol.manifest import CheckpointManifest, ManifestError, ShardStore, SignedManifest
+from protocol.signing import SignedEnvelope
+from protocol.tasks import get_task
+
+T = TypeVar("T", bound=BaseModel)
+
+MAX_REASON_CHARS = 1000
+STATUS_METRICS_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class Signed:
+    """An authenticated request: its envelope, typed payload and (for node endpoints) the node's row."""
+
+    env: SignedEnvelope
+    payload: Any
+    node: Row | None = None
+
+    @property
+    def signer(self) -> str:
+        return self.env.signer_id
+
+
+class Coordinator:
+    """One run's coordinator state and rules, over a `Store` and a `ShardStore` in `config.data_dir`."""
+
+    def __init__(self, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time):
+        self.config = config
+        self.identity = identity
+        self.clock = clock
+        self.task = get_task(config.task)
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(config.data_dir / "coordinator.sqlite")
+        self.shards = ShardStore(config.data_dir / "shards")
+        self._operators = frozenset(k.lower() for k in config.operator_keys)
+        self._publish_lock = threading.Lock()
+        self._last_prune = 0.0
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- authentication -------------------------------------------------------------------------------
+
+    def open(self, raw: bytes | str, kind: str, model: type[T], role: str | None = None) -> Signed:
+        """Authenticate a signed request for an endpoint of `kind` whose payload is a `model`.
+
+        `role` is "node" (a registered, unbanned node), "operator" (a key in operator_keys) or None.
+        """
+        now = self.clock()
+        env = parse_envelope(raw)
+        check_signature(env, kind, now, self.config.clock_skew_s)
+        self._prune_nonces(now)
+        if not self.store.record_nonce(env.signer_id, env.nonce, env.timestamp):
+            raise Refused(409, "replayed request")
+        payload = typed_payload(env, model)
+        node = None
+        if role == "node":
+            node = self.require_node(env.signer_id)
+        elif role == "operator":
+            if env.public_key.lower() not in self._operators:
+                raise Refused(403, "this key is not an operator key")
+        return Signed(env, payload, node)
+
+    def _prune_nonces(self, now: float) -> None:
+        # A nonce only needs remembering while its timestamp is inside the window; 2x for margin.
+        if now - self._last_prune > 10.0:
+            self._last_prune = now
+            self.store.prune_nonces(now - 2 * self.config.clock_skew_s)
+
+    def require_node(self, node_id: str) -> Row:
+        node = self.store.get_node(node_id)
+        if node is None:
+            raise Refused(403, "unknown node: register first")
+        if node["banned"]:
+            raise Refused(403, f"node is banned: {node['ban_reason']}")
+        return node
+
+    # -- public facts ---------------------------------------------------------------------------------
+
+    def current_version(self) -> int:
+        return self.store.get_int("current_version", -1)
+
+    def run_info(self) -> m.RunInfo:
+        c = self.config
+        return m.RunInfo(run_id=c.run_id, task=c.task, coordinator_key=self.identity.public_key_hex,
+                         sampling=c.sampling, max_staleness=c.max_staleness, current_version=self.current_version(),
+                         dht_peers=list(c.dht_peers))
+
+    def manifest(self, version: int | None = None) -> SignedManifest | None:
+        """The manifest of `version` (default: the current one), or None."""
+        if version is None:
+            newest = self.store.latest_manifests(1)
+            return SignedManifest.model_validate(newest[0]) if newest else None
+        data = self.store.get_manifest(version)
+        return SignedManifest.model_validate(data) if data else None
+
+    def status(self) -> m.RunStatus:
+        counts = self.store.group_counts()
+        nodes = [m.NodeStatus(node_id=n["id"], name=n["name"], engine=n["engine"], held_version=n["held_version"],
+                              groups_accepted=n["groups_accepted"], groups_rejected=n["groups_rejected"],
+                              banned=bool(n["banned"]), last_seen=n["last_seen"]) for n in self.store.list_nodes()]
+        metrics = [m.TrainerMetrics(step=r["step"], version=r["version"], metrics=r["data"])
+                   for r in self.store.recent_metrics(STATUS_METRICS_ROWS)]
+        return m.RunStatus(run=self.run_info(), nodes=nodes, groups_pending=counts["pending"],
+                           groups_accepted=counts["accepted"], groups_rejected=counts["rejected"], metrics=metrics)
+
+    # -- registration ---------------------------------------------------------------------------------
+
+    def challenge(self, req: m.ChallengeRequest) -> m.Challenge:
+        """A fresh single-use challenge that only `req.public_key` can redeem, within challenge_ttl_s."""
+        key = req.public_key.lower()
+        try:
+            node_id = node_id_from_public_key(key)
+        except ValueError:
+            raise Refused(422, "public_key is not a hex Ed25519 public key") from None
+        node = self.store.get_node(node_id)
+        if node is not None and node["banned"]:
+            raise Refused(403, f"node is banned: {node['ban_reason']}")
+        now = self.clock()
+        ch = m.Challenge(challenge=secrets.token_hex(32), expires_at=now + self.config.challenge_ttl_s)
+        if not self.store.add_challenge(ch.challenge, key, ch.expires_at, now, self.config.max_challenges):
+            raise Refused(429, "too many outstanding challenges; retry shortly")
+        return ch
+
+    def register(self, req: Signed) -> m.Registered:
+        """Upsert the signer as a node, redeeming a challenge issued to its key."""
+        env, body = req.env, req.payload
+        node = self.store.get_node(env.signer_id)
+        if node is not None and node["banned"]:
+            raise Refused(403, f"node is banned: {node['ban_reason']}")
+        now = self.clock()
+        with self.store.transaction():
+            if not self.store.take_challenge(body.challenge, env.public_key.lower(), now):
+                raise Refused(401, "unknown, expired or already used challenge for this key")
+            self.store.upsert_node(env.signer_id, env.public_key.lower(), body.name, body.engine, now)
+        return m.Registered(node_id=env.signer_id, run=self.run_info())
+
+    def heartbeat(self, req: Signed) -> None:
+        self.store.touch_node(req.signer, self.clock(), req.payload.held_version)
+
+    # -- leases and submissions -----------------------------------------------------------------------
+
+    def lease(self, req: Signed) -> m.Lease | None:
+        """A new lease of prompts for the signer, or None before the first manifest (no work yet)."""
+        body: m.LeaseRequest = req.payload
+        now = self.clock()
+        version = self.current_version()
+        cfg = self.config
+        if version < 0:
+            self.store.touch_node(req.signer, now, body.held_version)
+            return None
+        with self.store.transaction():
+            if self.store.count_open_leases(req.signer, now) >= cfg.max_outstanding_leases:
+                raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
+                                   "them expire first")
+            counter = self.store.next_int("lease_counter")
+            # Deterministic prompts from (prompt_seed, counter): a run's prompt stream is reproducible.
+            rng = random.Random(f"{cfg.prompt_seed}/{counter}")
+            lease_id = secrets.token_hex(12)
+            prompts = []
+            for i in range(body.max_prompts):
+                problem = self.task.sample(rng)
+                seeds = [secrets.randbits(63) for _ in range(cfg.sampling.group_size)]
+                prompts.append((f"{lease_id}.{i}", problem.prompt, problem.answer, seeds))
+            expires_at = now + cfg.lease_ttl_s
+            self.store.insert_lease(lease_id, req.signer, version, now, expires_at,
+                                    cfg.sampling.model_dump(mode="json"), prompts)
+            self.store.touch_node(req.signer, now, body.held_version)
+        return m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=cfg.sampling,
+                       prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+
+    def submit(self, req: Signed) -> m.SubmitResult:
+        """Take the submission's valid groups for verification; say why each other group was refused."""
+        sub: m.RolloutSubmission = req.payload
+        now = self.clock()
+        ids = [g.prompt_id for g in sub.groups]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
+        with self.store.transaction():
+            lease = self.store.get_lease(sub.lease_id)
+            if lease is None:
+                raise Refused(404, "unknown lease")
+            if lease["node_id"] != req.signer:
+                raise Refused(403, "lease belongs to another node")
+            if lease["expires_at"] < now:
+                raise Refused(410, "lease expired")
+            current, k = self.current_version(), self.config.max_staleness
+            if not current - k <= sub.policy_version <= current:
+                raise Refused(409, f"stale policy version {sub.policy_version}: current is {current}, accepted "
+                                   f"versions are {max(current - k, 0)}..{current}")
+            prompts = self.store.lease_prompts(sub.lease_id)
+            sampling = m.SamplingSpec.model_validate(lease["sampling"])
+            accepted: list[str] = []
+            rejected: dict[str, str] = {}
+            for group in sub.groups:
+                reason = _group_problem(group, prompts.get(group.prompt_id), sampling)
+                if reason is None and not self.store.mark_prompt_submitted(sub.lease_id, group.prompt_id):
+                    reason = "already submitted"
+                if reason is not None:
+                    rejected[group.prompt_id] = reason
+                    continue
+                self.store.insert_group(req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
+                                        group.model_dump(mode="json"), now)
+                accepted.append(group.prompt_id)
+            self.store.close_lease_if_complete(sub.lease_id)
+            self.store.touch_node(req.signer, now)
+        return m.SubmitResult(accepted=accepted, rejected=rejected)
+
+    # -- verifier -------------------------------------------------------------------------------------
+
+    def pending(self, req: Signed) -> list[m.PendingGroup]:
+        """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s."""
+        now = self.clock()
+        rows = self.store.claim_pending(req.signer, req.payload.limit, now, now + self.config.claim_ttl_s)
+        return [m.PendingGroup(group_id=r["id"], node_id=r["node_id"], prompt_text=r["prompt_text"],
+                               answer=r["answer"], lease_version=r["lease_version"],
+                               sampling=m.SamplingSpec.model_validate(r["sampling"]), seeds=r["seeds"],
+                               policy_version=r["policy_version"], group=m.RolloutGroup.model_validate(r["payload"]))
+                for r in rows]
+
+    def verdicts(self, req: Signed) -> None:
+        """Apply verdicts to pending groups; verdicts on groups already decided (or unknown) are ignored."""
+        batch: m.VerdictBatch = req.payload
+        now = self.clock()
+        with self.store.transaction():
+            # Validate the whole batch first: a refused batch must change nothing.
+            for v in batch.verdicts:
+                g = self.store.get_group(v.group_id)
+                if v.accepted and g is not None and g["status"] == "pending":
+                    n = len(g["payload"]["rollouts"])
+                    if len(v.rewards) != n:
+                        raise Refused(422, f"group {v.group_id}: {len(v.rewards)} rewards for {n} rollouts")
+                    if not all(math.isfinite(r) for r in v.rewards):
+                        raise Refused(422, f"group {v.group_id}: rewards must be finite")
+            for v in batch.verdicts:
+                g = self.store.get_group(v.group_id)  # re-read: an earlier verdict (a ban) may have decided it
+                if g is None or g["status"] != "pending":
+                    continue
+                node_id = g["node_id"]
+                if v.accepted:
+                    self.store.accept_group(v.group_id, list(v.rewards), now)
+                    self.store.count_node_verdict(node_id, accepted=1)
+                    continue
+                reason = (v.reason or "rejected by the verifier")[:MAX_REASON_CHARS]
+                self.store.reject_group(v.group_id, reason, now)
+                self.store.count_node_verdict(node_id, rejected=1)
+                if v.ban:
+                    self.store.ban_node(node_id, reason)
+                    dropped = self.store.reject_pending_of_node(node_id, "node banned", now)
+                    self.store.count_node_verdict(node_id, rejected=dropped)
+
+    # -- trainer --------------------------------------------------------------------------------------
+
+    def training_batch(self, req: Signed) -> m.TrainingBatch:
+        """Accepted groups after the trainer's cursor, in cursor order; group_id is the cursor value."""
+        body: m.BatchRequest = req.payload
+        groups = []
+        for r in self.store.accepted_after(body.after_id, body.limit):
+            rollouts = r["payload"]["rollouts"]
+            groups.append(m.TrainingGroup(
+                group_id=r["accepted_seq"], policy_version=r["policy_version"], prompt_ids=r["payload"]["prompt_ids"],
+                completions=[x["completion_ids"] for x in rollouts], logprobs=[x["logprobs"] for x in rollouts],
+                finish_reasons=[x["finish_reason"] for x in rollouts], rewards=r["rewards"]))
+        return m.TrainingBatch(current_version=self.current_version(), groups=groups)
+
+    def check_shard_upload(self, sha256: str, header: str | None) -> m.ShardUpload:
+        """Authenticate a shard upload from its envelope header, before its body is read."""
+        if not _is_sha256(sha256):
+            raise Refused(400, "not a sha256")
+        if header is None:
+            raise Refused(401, "missing x-swarmrl-envelope header")
+        upload: m.ShardUpload = self.open(header, m.KIND_TRAINER_SHARD, m.ShardUpload, role="operator").payload
+        if upload.sha256 != sha256:
+            raise Refused(422, "the envelope is for another shard")
+        if upload.size > self.config.max_shard_bytes:
+            raise Refused(413, f"shard of {upload.size} bytes exceeds max_shard_bytes {self.config.max_shard_bytes}")
+        return upload
+
+    def put_shard(self, upload: m.ShardUpload, data: bytes) -> None:
+        if len(data) != upload.size:
+            raise Refused(422, f"body has {len(data)} bytes, the envelope says {upload.size}")
+        try:
+            self.shards.put(upload.sha256, data)
+        except ManifestError as e:
+            raise Refused(422, str(e)) from None
+
+    def shard_path(self, sha256: str) -> Path:
+        """Where the shard `sha256` is stored; Refused(400) for a malformed hash, Refused(404) if absent."""
+        if not _is_sha256(sha256):
+            raise Refused(400, "not a sha256")
+        path = self.shards.path(sha256)
+        if not path.is_file():
+            raise Refused(404, "no such shard")
+        return path
+
+    def publish(self, req: Signed) -> SignedManifest:
+        """Sign and publish a manifest whose shards are all here; it becomes the current version."""
+        manifest: CheckpointManifest = req.payload.manifest
+        with self._publish_lock:  # one publish (and its shard collection) at a time
+            if manifest.run_id != self.config.run_id:
+                raise Refused(409, f"manifest is for run {manifest.run_id!r}, this run is {self.config.run_id!r}")
+            current = self.current_version()
+            if manifest.version <= current:
+                raise Refused(409, f"version {manifest.version} is not newer than the current version {current}")
+            for f in manifest.files:
+                if sum(s.size for s in f.shards) != f.size:
+                    raise Refused(422, f"file {f.path}: shard sizes do not add up to its size")
+            for ref in manifest.shards():
+                path = self.shards.path(ref.sha256)
+                if not path.is_file():
+                    raise Refused(409, f"shard {ref.sha256} is missing: upload it first")
+                if path.stat().st_size != ref.size:
+                    raise Refused(409, f"shard {ref.sha256} has {path.stat().st_size} bytes, manifest says {ref.size}")
+            now = self.clock()
+            signed = SignedManifest.sign(manifest.model_copy(update={"created_at": now}), self.identity)
+            with self.store.transaction():
+                self.store.insert_manifest(manifest.version, signed.model_dump(mode="json"), now)
+                self.store.set_int("current_version", manifest.version)
+            # Shards are collected only here, right after a publish: a single trainer uploads the shards of
+            # version v+1 after publishing v, so nothing it still needs is removed.
+            keep = [SignedManifest.model_validate(d).manifest
+                    for d in self.store.latest_manifests(self.config.keep_versions)]
+            self.shards.remove_unreferenced(keep)
+        return signed
+
+    def record_metrics(self, req: Signed) -> None:
+        body: m.TrainerMetrics = req.payload
+        bad = [k for k, v in body.metrics.items() if not math.isfinite(v)]
+        if bad:
+            raise Refused(422, f"metric {bad[0]!r} is not finite")
+        self.store.insert_metrics(body.step, body.version, body.metrics, self.clock())
+
+
+def _is_sha256(s: str) -> bool:
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
+def _group_problem(group: m.RolloutGroup, leased: Row | None, sampling: m.SamplingSpec) -> str | None:
+    """Why `group` cannot be taken for the leased prompt `leased`, or None when it can."""
+    if leased is None:
+        return "unknown prompt id for this lease"
+    if leased["submitted"]:
+        return "already submitted"
+    if len(group.rollouts) != sampling.group_size:
+        return f"expected {sampling.group_size} rollouts, got {len(group.rollouts)}"
+    if Counter(r.seed for r in group.rollouts) != Counter(leased["seeds"]):
+        return "rollout seeds do not match the leased seeds"
+    for i, r in enumerate(group.rollouts):
+        if len(r.logprobs) != len(r.completion_ids):
+            return f"rollout {i}: {len(r.logprobs)} logprobs for {len(r.completion_ids)} tokens"
+        if len(r.completion_ids) > sampling.max_tokens:
+            return f"rollout {i}: {len(r.completion_ids)} tokens exceed max_tokens {sampling.max_tokens}"
+        if any(t < 0 for t in r.completion_ids) or any(t < 0 for t in group.prompt_ids):
+            return f"rollout {i}: negative token id"
+        if not all(math.isfinite(lp) and lp <= 0.0 for lp in r.logprobs):
+            return f"rollout {i}: logprobs must be finite and <= 0"
+    return None
