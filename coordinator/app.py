@@ -77,12 +77,14 @@ class BodyLimitMiddleware:
                 return
         received = 0
         started = False
+        body_done = False
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, body_done
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:
                     raise _BodyTooLarge
             return message
@@ -96,7 +98,8 @@ class BodyLimitMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await self._drain(receive)
+                if not body_done:  # draining a finished body would wait for a message that never comes
+                    await self._drain(receive)
                 await _send_error(send, 413, f"request body exceeds the limit of {limit} bytes")
 
     async def _drain(self, receive: Receive) -> None:

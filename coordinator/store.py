@@ -332,13 +332,16 @@ class Store:
             row["payload"] = json.loads(row["payload"])
         return row
 
-    def accept_group(self, group_id: int, rewards: list[float], now: float) -> int:
+    def accept_group(self, group_id: int, rewards: list[float], now: float) -> int | None:
         """Mark a pending group accepted and give it the next training cursor value, which is returned.
 
-        The cursor comes from a counter row updated in the same transaction, so cursors become visible
-        in increasing order and a trainer reading `accepted_seq > cursor` never skips one.
+        None (and no cursor value used) if the group is not pending. The cursor comes from a counter row
+        updated in the same transaction, so cursors become visible in increasing order and a trainer
+        reading `accepted_seq > cursor` never skips one.
         """
         with self.transaction():
+            if not self._one("SELECT 1 AS x FROM rollout_groups WHERE id = ? AND status = 'pending'", (group_id,)):
+                return None
             seq = self.next_int("accepted_seq")
             self._exec("UPDATE rollout_groups SET status = 'accepted', rewards = ?, accepted_seq = ?, decided_at = ?, "
                        "claimed_until = NULL WHERE id = ? AND status = 'pending'",

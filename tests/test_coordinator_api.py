@@ -1,0 +1,681 @@
+"""The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite.
+
+Requests go through `protocol.client.CoordinatorClient` (the client the other roles use) or, for
+requests the client would never make (forged, tampered, replayed, malformed), raw httpx. Time-dependent
+rules (lease expiry, claim expiry) use an injected clock, so no test waits or asserts on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.server import running_server
+from protocol import messages as m
+from protocol.client import ENVELOPE_HEADER, CoordinatorClient, CoordinatorError
+from protocol.identity import Identity
+from protocol.manifest import ShardStore, cut_checkpoint
+from protocol.signing import SignedEnvelope, canonical_json, sign
+
+GROUP = 3
+MAX_TOKENS = 4
+
+
+class Clock:
+    """The coordinator's clock: real time plus an offset a test can advance."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+@dataclass
+class Run:
+    url: str
+    cfg: CoordinatorConfig
+    key: Identity  # the coordinator's
+    op: CoordinatorClient  # operator (verifier + trainer) client
+    clock: Clock
+    tmp: Path
+
+    def node(self, name: str = "node") -> CoordinatorClient:
+        """A freshly registered node."""
+        client = CoordinatorClient(self.url, Identity.generate(), retries=0)
+        client.register(name=name, engine="torch")
+        return client
+
+    def publish(self, version: int, tag: str = "") -> m.SignedManifest:
+        """Cut a tiny checkpoint (a few files, several shards), upload its shards and publish it."""
+        ckpt = self.tmp / f"ckpt-{version}-{tag}"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps({"version": version, "tag": tag}))
+        (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(2500))
+        local = ShardStore(self.tmp / "trainer-shards")
+        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run_id, version=version, store=local, shard_size=1024)
+        for ref in manifest.shards():
+            self.op.upload_shard(ref.sha256, local.get(ref.sha256))
+        return self.op.publish(manifest)
+
+    def accepted_state(self) -> tuple:
+        """What a refused request must never change: group counters, node counters, the trainer's feed."""
+        st = self.op.status()
+        nodes = sorted((n.node_id, n.groups_accepted, n.groups_rejected, n.banned) for n in st.nodes)
+        feed = self.op.training_batch(after_id=0, limit=4096)
+        return (st.groups_pending, st.groups_accepted, st.groups_rejected, st.run.current_version, tuple(nodes),
+                feed.model_dump_json())
+
+
+@pytest.fixture
+def run_factory(tmp_path: Path) -> Iterator:
+    """Start a coordinator with config overrides; servers are stopped at the end of the test."""
+    stack = []
+
+    def start(data_dir: Path | None = None, clock: Clock | None = None, **overrides) -> Run:
+        op_key = overrides.pop("op_key", None) or Identity.generate()
+        settings = dict(data_dir=data_dir or tmp_path / "coord", run_id="test-run",
+                        operator_keys=[op_key.public_key_hex],
+                        sampling=m.SamplingSpec(group_size=GROUP, max_tokens=MAX_TOKENS),
+                        max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024, claim_ttl_s=30.0)
+        settings.update(overrides)
+        cfg = CoordinatorConfig(**settings)
+        clock = clock or Clock()
+        key = cfg.load_identity()
+        cm = running_server(cfg, key, clock=clock)
+        url = cm.__enter__()
+        stack.append(cm)
+        return Run(url, cfg, key, CoordinatorClient(url, op_key, retries=0), clock, tmp_path)
+
+    def stop_last() -> None:
+        stack.pop().__exit__(None, None, None)
+
+    start.stop_last = stop_last  # type: ignore[attr-defined]
+    yield start
+    while stack:
+        stack.pop().__exit__(None, None, None)
+
+
+@pytest.fixture
+def run(run_factory) -> Run:
+    r = run_factory()
+    r.publish(0)
+    return r
+
+
+def submission(lease: m.Lease, policy_version: int | None = None, prompts: list[m.LeasedPrompt] | None = None
+               ) -> m.RolloutSubmission:
+    """A well-formed submission for `prompts` (default: all) of `lease`, seeds in reverse leased order."""
+    groups = []
+    for p in prompts if prompts is not None else lease.prompts:
+        rollouts = [m.Rollout(seed=s, completion_ids=[1, 2], logprobs=[-0.5, -1.25], finish_reason="stop")
+                    for s in reversed(p.seeds)]
+        groups.append(m.RolloutGroup(prompt_id=p.prompt_id, prompt_ids=[7, 8, 9], rollouts=rollouts))
+    version = lease.policy_version if policy_version is None else policy_version
+    return m.RolloutSubmission(lease_id=lease.lease_id, policy_version=version, groups=groups)
+
+
+def signed_at(identity: Identity, kind: str, payload: dict, ts: float) -> SignedEnvelope:
+    """An envelope correctly signed but with the timestamp `ts`."""
+    body = json.loads(canonical_json(payload))
+    env = SignedEnvelope(kind=kind, public_key=identity.public_key_hex, nonce=secrets.token_hex(16), timestamp=ts,
+                         payload=body, signature="0" * 128)
+    return env.model_copy(update={"signature": identity.sign(env.signed_bytes())})
+
+
+def post(url: str, path: str, body: str | bytes) -> tuple[int, str]:
+    resp = httpx.post(url + path, content=body)
+    is_json = resp.headers.get("content-type", "").startswith("application/json")
+    detail = resp.json().get("detail", "") if is_json else ""
+    return resp.status_code, detail
+
+
+def refused(call, status: int, contains: str = "") -> CoordinatorError:
+    with pytest.raises(CoordinatorError) as info:
+        call()
+    assert info.value.status == status, info.value.reason
+    assert contains in info.value.reason
+    return info.value
+
+
+# -- registration -------------------------------------------------------------------------------------
+
+
+def test_register_by_challenge(run_factory) -> None:
+    run = run_factory()
+    alice, mallory = Identity.generate(), Identity.generate()
+    ch = m.Challenge.model_validate(httpx.post(run.url + "/v1/register/challenge",
+                                               json={"public_key": alice.public_key_hex}).json())
+    # Mallory signs Alice's challenge with her own key: refused, and Alice's challenge is not used up.
+    bad = sign(mallory, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge, name="mallory"))
+    assert post(run.url, "/v1/register", bad.model_dump_json())[0] == 401
+    good = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge, name="alice", engine="vllm"))
+    status, _ = post(run.url, "/v1/register", good.model_dump_json())
+    assert status == 200
+    # The same challenge again, in a fresh envelope: single use.
+    again = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge, name="alice"))
+    status, detail = post(run.url, "/v1/register", again.model_dump_json())
+    assert status == 401 and "challenge" in detail
+    unknown = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge="00" * 32))
+    assert post(run.url, "/v1/register", unknown.model_dump_json())[0] == 401
+
+    nodes = {n.node_id: n for n in run.op.status().nodes}
+    assert set(nodes) == {alice.node_id}
+    assert (nodes[alice.node_id].name, nodes[alice.node_id].engine) == ("alice", "vllm")
+
+    reg = CoordinatorClient(run.url, alice, retries=0).register(name="alice2")
+    assert reg.node_id == alice.node_id and reg.run.coordinator_key == run.key.public_key_hex
+    assert reg.run.current_version == -1
+    assert run.op.status().nodes[0].name == "alice2"
+
+
+def test_expired_challenge_refused(run_factory) -> None:
+    run = run_factory()
+    alice = Identity.generate()
+    ch = m.Challenge.model_validate(httpx.post(run.url + "/v1/register/challenge",
+                                               json={"public_key": alice.public_key_hex}).json())
+    run.clock.advance(run.cfg.challenge_ttl_s + 1)
+    env = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge))
+    assert post(run.url, "/v1/register", env.model_dump_json())[0] == 401
+    assert run.op.status().nodes == []
+
+
+def test_challenge_request_validated(run_factory) -> None:
+    run = run_factory()
+    resp = httpx.post(run.url + "/v1/register/challenge", json={"public_key": "zz" * 32})
+    assert resp.status_code == 422 and isinstance(resp.json()["detail"], str)
+    resp = httpx.post(run.url + "/v1/register/challenge", json={"public_key": "ab" * 32, "extra": 1})
+    assert resp.status_code == 422
+
+
+# -- leases and submissions ---------------------------------------------------------------------------
+
+
+def test_no_work_before_first_manifest(run_factory) -> None:
+    run = run_factory()
+    node = run.node()
+    assert node.lease(4, -1) is None
+    assert node.info().current_version == -1
+    assert node.latest_manifest() is None
+
+
+def test_lease_and_submit_happy_path(run: Run) -> None:
+    node = run.node()
+    lease = node.lease(3, held_version=0)
+    assert lease is not None and lease.policy_version == 0
+    assert lease.sampling == run.cfg.sampling and len(lease.prompts) == 3
+    assert all(len(p.seeds) == GROUP for p in lease.prompts)
+    assert len({p.prompt_id for p in lease.prompts}) == 3
+    assert all(p.text.endswith("=") for p in lease.prompts)
+
+    result = node.submit(submission(lease))
+    assert sorted(result.accepted) == sorted(p.prompt_id for p in lease.prompts) and result.rejected == {}
+    st = run.op.status()
+    assert (st.groups_pending, st.groups_accepted, st.groups_rejected) == (3, 0, 0)
+    assert st.nodes[0].held_version == 0
+
+
+def test_answers_never_sent_to_nodes(run: Run) -> None:
+    node = run.node()
+    env = sign(node.identity, m.KIND_LEASE, m.LeaseRequest(max_prompts=5))
+    resp = httpx.post(run.url + "/v1/lease", content=env.model_dump_json())
+    assert resp.status_code == 200
+    assert "answer" not in resp.text
+    m.Lease.model_validate_json(resp.content)  # exactly the protocol's shape
+
+
+def test_prompts_are_deterministic_in_the_seed(run_factory, tmp_path: Path) -> None:
+    texts = []
+    for name in ("a", "b"):
+        r = run_factory(data_dir=tmp_path / name, prompt_seed=1234)
+        r.publish(0, tag=name)
+        node = r.node()
+        texts.append([[p.text for p in node.lease(4, 0).prompts] for _ in range(2)])
+        run_factory.stop_last()
+    assert texts[0] == texts[1]
+    assert texts[0][0] != texts[0][1]  # the lease counter moves the stream on
+
+
+def test_outstanding_lease_limit(run_factory) -> None:
+    run = run_factory(max_outstanding_leases=2)
+    run.publish(0)
+    node = run.node()
+    first, _ = node.lease(1, 0), node.lease(1, 0)
+    refused(lambda: node.lease(1, 0), 429)
+    node.submit(submission(first))  # completes the lease: a slot frees up
+    assert node.lease(1, 0) is not None
+    run.clock.advance(run.cfg.lease_ttl_s + 1)  # expired leases do not count either
+    assert node.lease(1, 0) is not None and node.lease(1, 0) is not None
+
+
+def test_unregistered_node_refused(run: Run) -> None:
+    stranger = CoordinatorClient(run.url, Identity.generate(), retries=0)
+    before = run.accepted_state()
+    refused(lambda: stranger.lease(1, 0), 403, "register")
+    refused(lambda: stranger.heartbeat(0), 403)
+    assert run.accepted_state() == before
+
+
+def test_other_nodes_lease_refused(run: Run) -> None:
+    alice, bob = run.node("alice"), run.node("bob")
+    lease = alice.lease(2, 0)
+    before = run.accepted_state()
+    refused(lambda: bob.submit(submission(lease)), 403, "another node")
+    assert run.accepted_state() == before
+    assert alice.submit(submission(lease)).rejected == {}  # Bob's attempt consumed nothing
+
+
+def test_unknown_lease_refused(run: Run) -> None:
+    node = run.node()
+    lease = node.lease(1, 0)
+    fake = lease.model_copy(update={"lease_id": "f" * 24})
+    refused(lambda: node.submit(submission(fake)), 404)
+
+
+def test_duplicate_submission_never_double_counted(run: Run) -> None:
+    node = run.node()
+    lease = node.lease(2, 0)
+    first = node.submit(submission(lease, prompts=lease.prompts[:1]))
+    assert first.accepted == [lease.prompts[0].prompt_id]
+    before = run.accepted_state()
+    again = node.submit(submission(lease, prompts=lease.prompts[:1]))
+    assert again.accepted == [] and again.rejected == {lease.prompts[0].prompt_id: "already submitted"}
+    assert run.accepted_state() == before
+    # The same prompt twice in one submission is malformed: refused whole.
+    sub = submission(lease, prompts=[lease.prompts[1], lease.prompts[1]])
+    refused(lambda: node.submit(sub), 422, "twice")
+    assert run.accepted_state() == before
+    rest = node.submit(submission(lease, prompts=lease.prompts[1:]))
+    assert rest.accepted == [lease.prompts[1].prompt_id]
+    assert run.op.status().groups_pending == 2
+
+
+def test_bad_groups_rejected_individually(run: Run) -> None:
+    node = run.node()
+    lease = node.lease(8, 0)
+    sub = submission(lease)
+    g = sub.groups
+    g[1].rollouts[0].seed += 1  # wrong seeds
+    g[2].rollouts.pop()  # wrong group size
+    g[3].rollouts.append(g[3].rollouts[0].model_copy())  # too many rollouts (and a duplicated seed)
+    g[4].rollouts[1].logprobs.append(-0.1)  # logprobs do not match tokens
+    g[5].rollouts[2].logprobs[0] = 0.5  # a positive logprob
+    g[6].rollouts[0].completion_ids = [1] * (MAX_TOKENS + 1)
+    g[6].rollouts[0].logprobs = [-0.1] * (MAX_TOKENS + 1)  # longer than max_tokens
+    g[7].prompt_id = "not-a-leased-prompt"
+    result = node.submit(sub)
+    assert result.accepted == [g[0].prompt_id]
+    reasons = result.rejected
+    assert "seeds" in reasons[g[1].prompt_id]
+    assert f"expected {GROUP} rollouts" in reasons[g[2].prompt_id]
+    assert f"expected {GROUP} rollouts" in reasons[g[3].prompt_id]
+    assert "logprobs for" in reasons[g[4].prompt_id]
+    assert "<= 0" in reasons[g[5].prompt_id]
+    assert "max_tokens" in reasons[g[6].prompt_id]
+    assert "unknown prompt" in reasons["not-a-leased-prompt"]
+    assert run.op.status().groups_pending == 1
+    # A rejected group can be resubmitted correctly: it was not marked submitted.
+    fixed = node.submit(submission(lease, prompts=[lease.prompts[1]]))
+    assert fixed.accepted == [lease.prompts[1].prompt_id]
+
+
+def test_seeds_must_match_as_a_multiset(run: Run) -> None:
+    node = run.node()
+    lease = node.lease(1, 0)
+    sub = submission(lease)
+    seeds = lease.prompts[0].seeds
+    for r, s in zip(sub.groups[0].rollouts, [seeds[0]] * GROUP, strict=True):
+        r.seed = s  # right count, right values, wrong multiplicities
+    assert "seeds" in node.submit(sub).rejected[lease.prompts[0].prompt_id]
+
+
+def test_stale_policy_version_refused(run: Run) -> None:
+    node = run.node()
+    lease = node.lease(2, 0)
+    for v in (1, 2, 3):
+        run.publish(v)
+    before = run.accepted_state()
+    err = refused(lambda: node.submit(submission(lease, policy_version=0)), 409, "stale policy version")
+    assert "1..3" in err.reason
+    refused(lambda: node.submit(submission(lease, policy_version=4)), 409, "stale policy version")
+    assert run.accepted_state() == before
+    result = node.submit(submission(lease, policy_version=1))  # exactly max_staleness behind: taken
+    assert len(result.accepted) == 2
+
+
+def test_expired_lease_refused(run_factory) -> None:
+    run = run_factory(lease_ttl_s=5.0)
+    run.publish(0)
+    node = run.node()
+    lease = node.lease(2, 0)
+    run.clock.advance(6.0)
+    before = run.accepted_state()
+    refused(lambda: node.submit(submission(lease)), 410, "lease expired")
+    assert run.accepted_state() == before
+
+
+def test_heartbeat_updates_node(run: Run) -> None:
+    node = run.node()
+    node.heartbeat(held_version=7, status="generating")
+    assert run.op.status().nodes[0].held_version == 7
+
+
+# -- signed-request checks ----------------------------------------------------------------------------
+
+
+def test_forged_tampered_replayed_and_stale_envelopes(run: Run) -> None:
+    node = run.node()
+    ident = node.identity
+    lease_req = m.LeaseRequest(max_prompts=1, held_version=0)
+    before = run.accepted_state()
+
+    # Forged: claims the node's key, signed by someone else.
+    forged = sign(Identity.generate(), m.KIND_LEASE, lease_req).model_copy(update={"public_key": ident.public_key_hex})
+    assert post(run.url, "/v1/lease", forged.model_dump_json()) == (401, "bad signature")
+    # Tampered after signing.
+    env = sign(ident, m.KIND_LEASE, lease_req)
+    tampered = env.model_copy(update={"payload": {**env.payload, "max_prompts": 200}})
+    assert post(run.url, "/v1/lease", tampered.model_dump_json()) == (401, "bad signature")
+    # The right signature for another endpoint.
+    hb = sign(ident, m.KIND_HEARTBEAT, m.Heartbeat())
+    status, detail = post(run.url, "/v1/lease", hb.model_dump_json())
+    assert status == 401 and "expected a 'lease' message" in detail
+    # Stale and future timestamps.
+    for ts in (time.time() - 600, time.time() + 600):
+        old = signed_at(ident, m.KIND_LEASE, lease_req.model_dump(), ts)
+        status, detail = post(run.url, "/v1/lease", old.model_dump_json())
+        assert status == 401 and "timestamp" in detail
+    # Replayed: the first use works, the second is refused.
+    env = sign(ident, m.KIND_LEASE, lease_req)
+    assert post(run.url, "/v1/lease", env.model_dump_json())[0] == 200
+    assert post(run.url, "/v1/lease", env.model_dump_json()) == (409, "replayed request")
+
+    lease = node.lease(1, 0)
+    sub_env = sign(ident, m.KIND_SUBMIT, submission(lease))
+    assert post(run.url, "/v1/submit", sub_env.model_dump_json())[0] == 200
+    after_first = run.accepted_state()
+    assert after_first != before
+    assert post(run.url, "/v1/submit", sub_env.model_dump_json()) == (409, "replayed request")
+    assert run.accepted_state() == after_first
+
+
+def test_malformed_requests(run: Run) -> None:
+    node = run.node()
+    ident = node.identity
+    before = run.accepted_state()
+    status, detail = post(run.url, "/v1/lease", b"{not json")
+    assert status == 422 and "malformed envelope" in detail
+    status, detail = post(run.url, "/v1/lease", json.dumps({"kind": "lease"}))
+    assert status == 422 and "public_key" in detail
+    # Unknown fields in the payload: correctly signed, still refused with pydantic's reason.
+    env = sign(ident, m.KIND_LEASE, {"max_prompts": 1, "held_version": 0, "greedy": True})
+    status, detail = post(run.url, "/v1/lease", env.model_dump_json())
+    assert status == 422 and "greedy" in detail and "Extra inputs" in detail
+    env = sign(ident, m.KIND_LEASE, {"max_prompts": 100000})
+    status, detail = post(run.url, "/v1/lease", env.model_dump_json())
+    assert status == 422 and "max_prompts" in detail
+    # Out-of-bounds lists inside a submission.
+    lease = node.lease(1, 0)
+    sub = submission(lease).model_dump(mode="json")
+    sub["groups"][0]["rollouts"][0]["completion_ids"] = [1] * (m.MAX_COMPLETION_TOKENS + 1)
+    status, detail = post(run.url, "/v1/submit", sign(ident, m.KIND_SUBMIT, sub).model_dump_json())
+    assert status == 422 and "completion_ids" in detail
+    assert run.accepted_state() == before
+
+
+def test_oversized_bodies_refused(run: Run) -> None:
+    node = run.node()
+    before = run.accepted_state()
+    big = b"x" * (run.cfg.max_body_bytes + 1)
+    status, detail = post(run.url, "/v1/submit", big)
+    assert status == 413 and "exceeds" in detail
+    # Streamed without a Content-Length: counted as it arrives.
+    chunks = (b"y" * 65536 for _ in range(run.cfg.max_body_bytes // 65536 + 2))
+    resp = httpx.post(run.url + "/v1/submit", content=chunks)
+    assert resp.status_code == 413
+    # A correctly signed envelope that is simply too big.
+    lease = node.lease(2, 0)
+    sub = submission(lease)
+    for g in sub.groups:
+        for r in g.rollouts:
+            r.proof = "A" * 60000
+    assert len(sub.model_dump_json()) > run.cfg.max_body_bytes
+    refused(lambda: node.submit(sub), 413)
+    assert run.accepted_state() == before
+
+
+def test_operator_endpoints_refuse_node_keys(run: Run) -> None:
+    node = run.node()
+    node.submit(submission(node.lease(1, 0)))
+    before = run.accepted_state()
+    refused(lambda: node.pending(10), 403, "operator")
+    refused(lambda: node.verdicts([m.Verdict(group_id=1, accepted=True, rewards=[1.0] * GROUP)]), 403)
+    refused(lambda: node.training_batch(0, 10), 403)
+    refused(lambda: node.metrics(1, 0, {"reward": 1.0}), 403)
+    refused(lambda: node.upload_shard("ab" * 32, b"data"), 403)
+    manifest = run.op.latest_manifest().manifest.model_copy(update={"version": 5})
+    refused(lambda: node.publish(manifest), 403)
+    assert run.accepted_state() == before
+    assert run.op.info().current_version == 0
+    assert len(run.op.pending(10)) == 1  # the node's call did not claim it
+
+
+# -- verifier and trainer -----------------------------------------------------------------------------
+
+
+def test_verifier_flow_and_trainer_cursor(run: Run) -> None:
+    node = run.node()
+    lease = node.lease(3, 0)
+    node.submit(submission(lease))
+
+    pending = run.op.pending(limit=10)
+    assert len(pending) == 3
+    by_prompt = {p.prompt_id: p for p in lease.prompts}
+    for pg in pending:
+        leased = by_prompt[pg.group.prompt_id]
+        assert pg.seeds == leased.seeds and pg.prompt_text == leased.text  # leased order, not submitted order
+        a, b = leased.text[:-1].split("+")
+        assert pg.answer == str(int(a) + int(b))
+        assert (pg.lease_version, pg.policy_version, pg.node_id) == (0, 0, node.identity.node_id)
+        assert pg.sampling == run.cfg.sampling and len(pg.group.rollouts) == GROUP
+    assert run.op.pending(limit=10) == []  # claimed: a second verifier gets nothing
+    run.clock.advance(run.cfg.claim_ttl_s + 1)
+    assert len(run.op.pending(limit=10)) == 3  # claims expire
+
+    g0, g1, g2 = (p.group_id for p in pending)
+    before = run.accepted_state()
+    refused(lambda: run.op.verdicts([m.Verdict(group_id=g0, accepted=True, rewards=[1.0]),
+                                     m.Verdict(group_id=g1, accepted=True, rewards=[0.0] * GROUP)]), 422, "rewards")
+    assert run.accepted_state() == before  # the valid verdict in a refused batch was not applied
+
+    run.op.verdicts([m.Verdict(group_id=g1, accepted=True, rewards=[1.0, 0.0, 0.5]),
+                     m.Verdict(group_id=g2, accepted=False, reason="token 3 does not replay"),
+                     m.Verdict(group_id=g0, accepted=True, rewards=[0.0, 0.0, 1.0])])
+    st = run.op.status()
+    assert (st.groups_pending, st.groups_accepted, st.groups_rejected) == (0, 2, 1)
+    assert (st.nodes[0].groups_accepted, st.nodes[0].groups_rejected) == (2, 1)
+
+    batch = run.op.training_batch(after_id=0, limit=10)
+    assert batch.current_version == 0
+    assert [g.group_id for g in batch.groups] == [1, 2]  # the cursor, in verdict order
+    first = batch.groups[0]
+    assert first.rewards == [1.0, 0.0, 0.5] and first.prompt_ids == [7, 8, 9]
+    assert first.completions == [[1, 2]] * GROUP and first.logprobs == [[-0.5, -1.25]] * GROUP
+    assert first.finish_reasons == ["stop"] * GROUP and first.policy_version == 0
+    assert [g.group_id for g in run.op.training_batch(after_id=1, limit=10).groups] == [2]
+    assert [g.group_id for g in run.op.training_batch(after_id=0, limit=1).groups] == [1]
+    assert run.op.training_batch(after_id=2, limit=10).groups == []
+
+    # Verdicts again (a retried batch): ignored.
+    state = run.accepted_state()
+    run.op.verdicts([m.Verdict(group_id=g2, accepted=True, rewards=[1.0] * GROUP),
+                     m.Verdict(group_id=g1, accepted=False, ban=True), m.Verdict(group_id=999, accepted=False)])
+    assert run.accepted_state() == state
+    assert node.heartbeat(0) is None  # not banned
+
+
+def test_ban_drops_pending_groups(run: Run) -> None:
+    cheat, honest = run.node("cheat"), run.node("honest")
+    cheat.submit(submission(cheat.lease(3, 0)))
+    honest.submit(submission(honest.lease(1, 0)))
+    cheat_lease = cheat.lease(1, 0)
+    pending = run.op.pending(limit=10)
+    mine = [p.group_id for p in pending if p.node_id == cheat.identity.node_id]
+    theirs = [p.group_id for p in pending if p.node_id == honest.identity.node_id]
+    run.op.verdicts([m.Verdict(group_id=mine[0], accepted=True, rewards=[1.0] * GROUP)])
+    run.op.verdicts([m.Verdict(group_id=mine[1], accepted=False, reason="logprobs forged", ban=True)])
+
+    st = run.op.status()
+    nodes = {n.name: n for n in st.nodes}
+    assert nodes["cheat"].banned and not nodes["honest"].banned
+    assert (nodes["cheat"].groups_accepted, nodes["cheat"].groups_rejected) == (1, 2)
+    assert (st.groups_pending, st.groups_accepted, st.groups_rejected) == (1, 1, 2)
+    assert [g.group_id for g in run.op.training_batch(0, 10).groups] == [1]  # released groups stay
+
+    run.clock.advance(run.cfg.claim_ttl_s + 1)
+    assert [p.group_id for p in run.op.pending(10)] == theirs
+    for call in (lambda: cheat.lease(1, 0), lambda: cheat.heartbeat(0), lambda: cheat.register(),
+                 lambda: cheat.submit(submission(cheat_lease))):
+        refused(call, 403, "logprobs forged")
+
+
+# -- manifests and shards -----------------------------------------------------------------------------
+
+
+def test_publish_rules_and_shard_serving(run_factory) -> None:
+    run = run_factory(keep_versions=3)
+    ckpt = run.tmp / "ckpt"
+    ckpt.mkdir()
+    payload = secrets.token_bytes(3000)
+    (ckpt / "model.safetensors").write_bytes(payload)
+    (ckpt / "config.json").write_text("{}")
+    local = ShardStore(run.tmp / "local")
+    manifest = cut_checkpoint(ckpt, run_id=run.cfg.run_id, version=0, store=local, shard_size=1024)
+    refs = manifest.shards()
+
+    err = refused(lambda: run.op.publish(manifest), 409, "missing")
+    assert refs[0].sha256 in err.reason
+    for ref in refs[:-1]:
+        run.op.upload_shard(ref.sha256, local.get(ref.sha256))
+    refused(lambda: run.op.publish(manifest), 409, refs[-1].sha256)
+    refused(lambda: run.op.upload_shard(refs[-1].sha256, b"not the shard"), 422, "mismatch")
+    run.op.upload_shard(refs[-1].sha256, local.get(refs[-1].sha256))
+    refused(lambda: run.op.publish(manifest.model_copy(update={"run_id": "other"})), 409, "run")
+    assert run.op.info().current_version == -1
+
+    signed = run.op.publish(manifest)
+    info = run.op.info()
+    assert info.current_version == 0
+    got = signed.verify(info.coordinator_key)
+    assert got.version == 0 and got.created_at > 0 and got.files == manifest.files
+    latest = CoordinatorClient(run.url).latest_manifest()
+    assert latest is not None and latest.verify(info.coordinator_key) == got
+    refused(lambda: run.op.publish(manifest), 409, "not newer")
+
+    # Shards come back byte for byte; the checkpoint reassembles from them.
+    anon = CoordinatorClient(run.url, retries=0)
+    for ref in refs:
+        assert anon.shard(ref.sha256) == local.get(ref.sha256)
+    from protocol.manifest import assemble_checkpoint
+
+    out = assemble_checkpoint(got, anon.shard, run.tmp / "assembled")
+    assert (out / "model.safetensors").read_bytes() == payload
+    assert httpx.get(f"{run.url}/v1/shards/{'0' * 64}").status_code == 404
+    assert httpx.get(f"{run.url}/v1/shards/not-a-hash").status_code == 400
+    assert httpx.get(f"{run.url}/v1/shards/{'A' * 64}").status_code == 400
+    assert httpx.get(f"{run.url}/v1/manifest/0").json()["manifest"]["version"] == 0
+    resp = httpx.get(f"{run.url}/v1/manifest/7")
+    assert resp.status_code == 404 and "7" in resp.json()["detail"]
+
+    # Only the newest keep_versions manifests keep their shards.
+    for v in (1, 2, 3):
+        run.publish(v, tag=str(v))
+    assert httpx.get(f"{run.url}/v1/shards/{refs[0].sha256}").status_code == 404
+    newest = run.op.latest_manifest()
+    assert newest is not None and newest.manifest.version == 3
+    for v in (1, 2, 3):
+        m_v = m.SignedManifest.model_validate_json(httpx.get(f"{run.url}/v1/manifest/{v}").content)
+        for ref in m_v.verify(info.coordinator_key).shards():
+            assert anon.shard(ref.sha256)
+
+
+def test_shard_upload_checks(run_factory) -> None:
+    run = run_factory()
+    data = secrets.token_bytes(2048)
+    from protocol.manifest import sha256_bytes
+
+    sha = sha256_bytes(data)
+    put = lambda env, body=data, path=sha: httpx.put(  # noqa: E731
+        f"{run.url}/v1/trainer/shards/{path}", content=body,
+        headers={} if env is None else {ENVELOPE_HEADER: env.model_dump_json()})
+    op = run.op.identity
+    assert put(None).status_code == 401
+    assert put(sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256="ab" * 32, size=len(data)))).status_code == 422
+    assert put(sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256=sha, size=len(data) - 1))).status_code == 422
+    assert put(sign(op, m.KIND_TRAINER_PUBLISH, m.ShardUpload(sha256=sha, size=len(data)))).status_code == 401
+    too_big = b"z" * (run.cfg.max_shard_bytes + 1)
+    assert put(sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256=sha, size=len(too_big))), too_big).status_code == 413
+    assert httpx.get(f"{run.url}/v1/shards/{sha}").status_code == 404
+    env = sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256=sha, size=len(data)))
+    assert put(env).status_code == 204
+    assert put(env).status_code == 409  # replayed
+    assert httpx.get(f"{run.url}/v1/shards/{sha}").content == data
+
+
+# -- metrics, dashboard, restart ----------------------------------------------------------------------
+
+
+def test_metrics_status_and_dashboard(run: Run) -> None:
+    run.op.metrics(step=1, version=0, metrics={"reward_mean": 0.25, "eval/accuracy": 0.1})
+    run.op.metrics(step=2, version=1, metrics={"reward_mean": 0.5, "eval/accuracy": 0.2})
+    st = run.op.status()
+    assert [(x.step, x.metrics["reward_mean"]) for x in st.metrics] == [(1, 0.25), (2, 0.5)]
+    page = httpx.get(run.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/status" in page.text and "<svg" in page.text
+    assert "cdn" not in page.text.lower() and "src=" not in page.text
+    prom = httpx.get(run.url + "/metrics").text
+    assert 'swarmrl_groups{run="test-run",status="accepted"} 0' in prom
+    assert 'swarmrl_current_version{run="test-run"} 0' in prom
+    assert "swarmrl_trainer_reward_mean" in prom and "swarmrl_trainer_eval_accuracy" in prom
+
+
+def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:
+    data_dir = tmp_path / "persist"
+    op_key = Identity.generate()
+    run = run_factory(data_dir=data_dir, op_key=op_key)
+    published = run.publish(0)
+    node = run.node("survivor")
+    lease = node.lease(2, 0)
+    node.submit(submission(lease))
+    pending = run.op.pending(10)
+    run.op.verdicts([m.Verdict(group_id=pending[0].group_id, accepted=True, rewards=[1.0, 0.5, 0.0]),
+                     m.Verdict(group_id=pending[1].group_id, accepted=False, reason="wrong")])
+    run.op.metrics(step=3, version=0, metrics={"reward": 0.5})
+    state = run.accepted_state()
+    info = run.op.info()
+    run_factory.stop_last()
+
+    again = run_factory(data_dir=data_dir, op_key=op_key)
+    assert again.key.public_key_hex == run.key.public_key_hex  # same key file
+    assert again.accepted_state() == state
+    assert again.op.info() == info
+    assert again.op.latest_manifest() == published
+    assert again.op.status().metrics[0].metrics == {"reward": 0.5}
+    node2 = CoordinatorClient(again.url, node.identity, retries=0)  # still registered: no new registration
+    lease2 = node2.lease(2, 0)
+    assert not {p.prompt_id for p in lease2.prompts} & {p.prompt_id for p in lease.prompts}
+    assert node2.submit(submission(lease2)).rejected == {}
+    again.publish(1)
+    refused(lambda: again.op.publish(published.manifest), 409, "not newer")
