@@ -159,6 +159,11 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in e.errors()]
         return _error(422, "; ".join(parts[:5]) or "invalid request")
 
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, e: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the caller gets the same JSON shape as any other error.
+        return _error(500, f"internal error ({type(e).__name__})")
+
     async def raw_body(request: Request) -> bytes:
         return await request.body()
 

@@ -301,6 +301,20 @@ def test_duplicate_submission_never_double_counted(run: Run) -> None:
     assert run.op.status().groups_pending == 2
 
 
+def test_concurrent_duplicate_submissions_counted_once(run: Run) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    node = run.node()
+    lease = node.lease(4, 0)
+    sub = submission(lease)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: CoordinatorClient(run.url, node.identity, retries=0).submit(sub), range(4)))
+    taken = [pid for r in results for pid in r.accepted]
+    assert sorted(taken) == sorted(p.prompt_id for p in lease.prompts)
+    assert sum(len(r.rejected) for r in results) == 3 * len(lease.prompts)
+    assert run.op.status().groups_pending == len(lease.prompts)
+
+
 def test_bad_groups_rejected_individually(run: Run) -> None:
     node = run.node()
     lease = node.lease(8, 0)
