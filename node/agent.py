@@ -161,9 +161,12 @@ class Node:
             self.stats.last_error = e.reason
             log.warning("submission refused: %s", e.reason)
             return True
-        self.stats.groups_submitted += len(result.accepted)
-        self.stats.groups_refused += len(result.rejected)
-        for pid, reason in result.rejected.items():
+        # The client retries a submit whose response was lost; the coordinator then answers "already
+        # submitted" for groups the first attempt delivered. Those were taken, not refused.
+        refused = {pid: r for pid, r in result.rejected.items() if r != "already submitted"}
+        self.stats.groups_submitted += len(result.accepted) + len(result.rejected) - len(refused)
+        self.stats.groups_refused += len(refused)
+        for pid, reason in refused.items():
             log.warning("group %s refused: %s", pid, reason)
         return True
 
