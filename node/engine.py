@@ -1,0 +1,193 @@
+"""The node's inference-engine interface: replayable sampling of rollouts from a checkpoint.
+
+Every engine samples with the protocol's rule (`protocol.sampling`): at completion position i the token is
+argmax_v(logits_v / T + gumbel_noise(seed, i, vocab)_v), so a verifier that recomputes the logits can replay
+every token. Engines differ only in how they compute logits (vLLM or a plain transformers decode loop).
+
+Heavy imports (torch models, vLLM) stay inside the concrete engines so that importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One rollout to sample."""
+
+    prompt_ids: list[int]
+    """Prompt token ids, already tokenized by the caller (BOS included)."""
+    seed: int
+    """The coordinator's seed for this one rollout; it fixes the Gumbel noise at every position."""
+
+
+@dataclass
+class Completion:
+    """What an engine sampled for one request."""
+
+    token_ids: list[int]
+    """Sampled tokens; ends with the EOS token when `finish_reason == "stop"`."""
+    logprobs: list[float]
+    """Per token: log_softmax(logits / T)[token], the policy's logprob, not perturbed by the noise."""
+    finish_reason: Literal["stop", "length"]
+    """"stop": EOS was sampled; "length": max_tokens (or the model length) was reached first."""
+
+
+class EngineConfig(BaseModel):
+    """How a node builds its inference engine. Sampling itself is fixed by the protocol, not by this."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["auto", "vllm", "torch"] = Field(
+        "auto", description="Engine implementation; 'auto' picks vLLM when it is installed, else torch.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and activations dtype. float32 on CPU (no fast bf16 there, and replay "
+                               "margins are sized for fp32); bf16 is allowed on GPUs but needs a wider "
+                               "verifier tie margin.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; 'auto' is cuda when torch sees a GPU, else cpu.")
+    max_model_len: int = Field(
+        128, gt=1, description="Longest prompt + completion in tokens; clamped to the checkpoint's "
+                               "max_position_embeddings. Completions that reach it end with 'length'.")
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="KV-cache size in GiB (vLLM on CPU: VLLM_CPU_KVCACHE_SPACE; on GPU: "
+                               "kv_cache_memory_bytes unless gpu_memory_utilization is set).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vLLM on GPU: fraction of GPU memory to use; None sizes the KV cache "
+                                      "from kv_cache_gib instead.")
+    enforce_eager: bool = Field(
+        True, description="vLLM: no CUDA graphs / torch.compile (fast start; required for the tiny CPU model).")
+    max_num_seqs: int = Field(256, gt=0, description="vLLM: most sequences decoded in one step.")
+    max_num_batched_tokens: int = Field(
+        16384, gt=0, description="vLLM: tokens per scheduler step. Kept large so that prefills are never "
+                                 "chunked (vLLM's CPU path crashes on seeded chunked prefill).")
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM: share the KV cache of a prompt among the rollouts of one group.")
+    block_size: int | None = Field(
+        None, gt=0, description="vLLM: KV-cache block size in tokens; None keeps vLLM's default (128 on CPU, "
+                                "16 on GPU). Prefix caching shares only full blocks.")
+    torch_batch_size: int = Field(64, gt=0, description="torch engine: requests decoded together.")
+    num_threads: int | None = Field(
+        None, gt=0, description="torch intra-op threads for this process; None leaves the current setting.")
+
+
+class InferenceEngine(ABC):
+    """Samples rollouts from one checkpoint with the protocol's replayable rule.
+
+    Promises, for every engine: for request r and completion position i, `token_ids[i]` is
+    `protocol.sampling.sample(logits_i, seed=r.seed, position=i, temperature)` where `logits_i` are the model's
+    logits after prompt + token_ids[:i] (up to floating-point error; a verifier allows near-ties), and
+    `logprobs[i]` is log_softmax(logits_i / T)[token_ids[i]]. The result does not depend on which other
+    requests share the batch.
+    """
+
+    name: str
+    temperature: float
+
+    def __init__(self, cfg: EngineConfig, temperature: float) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.cfg = cfg
+        self.temperature = float(temperature)
+        self.eos_id: int | None = None
+        self.max_model_len: int = cfg.max_model_len
+
+    @abstractmethod
+    def load(self, ckpt_dir: Path) -> None:
+        """Load a checkpoint: the first one, or new weights of the same architecture and tokenizer in place.
+        After it returns, every `generate` samples from the new weights."""
+
+    @abstractmethod
+    def generate(self, requests: list[GenerationRequest], max_tokens: int) -> list[Completion]:
+        """One completion per request, in request order. Stops at EOS (included, "stop") or after
+        `max_tokens` tokens / at `max_model_len` in total ("length")."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the model and its caches; the engine cannot be used afterwards."""
+
+    def __enter__(self) -> InferenceEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _token_budget(self, request: GenerationRequest, max_tokens: int) -> int:
+        """Completion tokens this request may take: max_tokens, capped so the total fits max_model_len.
+        Both engines use it, so they stop at the same place."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        room = self.max_model_len - len(request.prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens leaves no room in max_model_len "
+                             f"{self.max_model_len}")
+        return min(max_tokens, room)
+
+
+# config.json keys that may change between checkpoints of one model without changing its architecture.
+_NON_ARCH_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype"}
+
+
+def architecture_config(ckpt_dir: Path) -> dict:
+    """A checkpoint's config.json without the keys that may differ between checkpoints of one architecture:
+    equal dicts mean new weights can be loaded in place."""
+    config = json.loads((Path(ckpt_dir) / "config.json").read_text())
+    return {k: v for k, v in config.items() if k not in _NON_ARCH_KEYS}
+
+
+def read_checkpoint_meta(ckpt_dir: Path) -> tuple[int, int]:
+    """(eos token id, max_position_embeddings) of an HF checkpoint, from its config.json."""
+    config = json.loads((Path(ckpt_dir) / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        # The protocol has one EOS; several would make "stop" ambiguous between engines and verifier.
+        if len(eos) != 1:
+            raise ValueError(f"checkpoint has several eos_token_id {eos}; expected one")
+        eos = eos[0]
+    if eos is None:
+        raise ValueError(f"{ckpt_dir}/config.json has no eos_token_id")
+    return int(eos), int(config.get("max_position_embeddings", 1 << 30))
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def vllm_available() -> bool:
+    """Whether vllm is installed (cheap: does not import it, which takes 12-23 s)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def build_engine(cfg: EngineConfig, ckpt_dir: Path, temperature: float) -> InferenceEngine:
+    """An engine of `cfg.kind` with `ckpt_dir` loaded, sampling at `temperature`."""
+    kind = cfg.kind
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "torch"
+    engine: InferenceEngine
+    if kind == "vllm":
+        from node.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(cfg, temperature)
+    elif kind == "torch":
+        from node.torch_engine import TorchEngine
+
+        engine = TorchEngine(cfg, temperature)
+    else:  # pragma: no cover - pydantic already restricts kind
+        raise ValueError(f"unknown engine kind {kind!r}")
+    engine.load(Path(ckpt_dir))
+    return engine

@@ -1,0 +1,172 @@
+"""A plain transformers engine: batched decoding with left padding and a KV cache, sampled by the protocol rule.
+
+The fallback when vLLM is not installed, and a second, independent implementation to check vLLM against.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file
+
+from node.engine import (
+    Completion,
+    EngineConfig,
+    GenerationRequest,
+    InferenceEngine,
+    architecture_config,
+    read_checkpoint_meta,
+    resolve_device,
+)
+from protocol import sampling
+
+
+def _load_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file or shards)."""
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {ckpt_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+class TorchEngine(InferenceEngine):
+    """transformers `AutoModelForCausalLM` with the engine's own decode loop.
+
+    Requests are decoded together in batches of `cfg.torch_batch_size`, left-padded, with explicit position
+    ids (so padding does not shift RoPE positions) and a KV cache; finished rows leave the batch.
+    """
+
+    name = "torch"
+
+    def __init__(self, cfg: EngineConfig, temperature: float) -> None:
+        super().__init__(cfg, temperature)
+        self.device = torch.device(resolve_device(cfg.device))
+        self.dtype = getattr(torch, cfg.dtype)
+        self.model: torch.nn.Module | None = None
+        self._arch: dict | None = None
+        self._pad_id = 0
+        self._cache_kw = "past_key_values"
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+
+    def load(self, ckpt_dir: Path) -> None:
+        """First call builds the model; later calls copy new weights into it in place (same architecture)."""
+        ckpt_dir = Path(ckpt_dir)
+        arch = architecture_config(ckpt_dir)
+        if self.model is None:
+            self._build(ckpt_dir)
+            self._arch = arch
+            return
+        if arch != self._arch:
+            raise ValueError(f"{ckpt_dir} has a different architecture than the loaded model; build a new engine")
+        state = _load_state_dict(ckpt_dir)
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # A tied lm_head is not stored in the checkpoint: it is the embedding Parameter, already updated.
+        # (transformers 5 keeps `_tied_weights_keys` as a dict target -> source, 4.x as a list.)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
+        real_missing = [k for k in missing if k not in tied]
+        if real_missing or unexpected:
+            raise ValueError(f"checkpoint {ckpt_dir} does not fit the model: missing {real_missing}, "
+                             f"unexpected {unexpected}")
+
+    def _build(self, ckpt_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        eos, max_pos = read_checkpoint_meta(ckpt_dir)
+        self.eos_id = eos
+        self.max_model_len = min(self.cfg.max_model_len, max_pos)
+        model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        pad = model.config.pad_token_id
+        self._pad_id = int(pad) if pad is not None else eos
+        # transformers renamed `past_key_values` to `cache` in 5.2x: use whichever this version takes.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+    def close(self) -> None:
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def generate(self, requests: list[GenerationRequest], max_tokens: int) -> list[Completion]:
+        if self.model is None:
+            raise RuntimeError("no checkpoint loaded")
+        budgets = [self._token_budget(r, max_tokens) for r in requests]
+        out: list[Completion] = []
+        bs = self.cfg.torch_batch_size
+        for start in range(0, len(requests), bs):
+            out.extend(self._generate_batch(requests[start:start + bs], budgets[start:start + bs]))
+        return out
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache: object | None) -> tuple[torch.Tensor, object]:
+        """Last-position logits (float32, [B, vocab]) and the updated cache."""
+        kwargs = {self._cache_kw: cache} if cache is not None else {}
+        res = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **kwargs)
+        new_cache = getattr(res, "past_key_values", None)
+        if new_cache is None:
+            new_cache = res.cache
+        return res.logits[:, -1, :].float(), new_cache
+
+    @torch.inference_mode()
+    def _generate_batch(self, requests: list[GenerationRequest], budgets: list[int]) -> list[Completion]:
+        dev = self.device
+        n = len(requests)
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((n, width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for b, r in enumerate(requests):
+            ids[b, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[b, width - len(r.prompt_ids):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        # Positions count real tokens only, so a left-padded row sees the same RoPE positions as alone.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Seeds stay on the CPU: the protocol computes the noise there, identical for every engine.
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
+
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finish: list[Literal["stop", "length"]] = ["length"] * n
+        active = list(range(n))  # request index of each batch row
+        logits, cache = self._forward(ids, mask, positions, None)
+        next_pos = positions[:, -1:] + 1
+        step = 0
+        while active:
+            rows_seeds = seeds[active]
+            picked = sampling.sample(logits, rows_seeds, torch.full_like(rows_seeds, step), self.temperature)
+            logp = torch.log_softmax(logits.double() / self.temperature, dim=-1)
+            picked_lp = logp.gather(-1, picked.to(logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+            picked_list = picked.tolist()
+            keep: list[int] = []
+            for row, req in enumerate(active):
+                tok = int(picked_list[row])
+                tokens[req].append(tok)
+                logprobs[req].append(float(picked_lp[row]))
+                if tok == self.eos_id:
+                    finish[req] = "stop"
+                elif len(tokens[req]) < budgets[req]:
+                    keep.append(row)
+            step += 1
+            if not keep:
+                break
+            if len(keep) < len(active):
+                # Finished rows leave the batch (and the cache), so later steps cost only live rows.
+                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(idx)
+                mask, next_pos, picked = mask[idx], next_pos[idx], picked[idx]
+                active = [active[row] for row in keep]
+            step_ids = picked.view(-1, 1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            logits, cache = self._forward(step_ids, mask, next_pos, cache)
+            next_pos = next_pos + 1
+        return [Completion(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i]) for i in range(n)]
