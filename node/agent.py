@@ -80,12 +80,13 @@ class Node:
     def _fetch_newer(self) -> None:
         """Fetch the coordinator's newest manifest if it is newer than anything held or ready."""
         assert self.fetcher is not None
-        signed = self.client.latest_manifest()
-        if signed is None:
-            return
         with self._ready_lock:
             newest = max(self.stats.held_version, self._ready[0] if self._ready else -1)
-        if signed.manifest.version <= newest:
+        # /v1/info is a few hundred bytes; the manifest of a large model lists thousands of shards.
+        if self.client.info().current_version <= newest:
+            return
+        signed = self.client.latest_manifest()
+        if signed is None or signed.manifest.version <= newest:
             return
         manifest, path = self.fetcher.fetch(signed, held_version=newest)
         with self._ready_lock:
