@@ -139,7 +139,7 @@ class Node:
         for req, owner, c in zip(requests, owners, completions, strict=True):
             self.stats.tokens += len(c.token_ids)
             by_prompt[owner].append(Rollout(seed=req.seed, completion_ids=c.token_ids, logprobs=c.logprobs,
-                                            finish_reason=c.finish_reason))
+                                            finish_reason=c.finish_reason, proof=c.proof))
         groups = [RolloutGroup(prompt_id=pid, prompt_ids=prompt_ids[pid], rollouts=rs) for pid, rs in by_prompt.items()]
         return RolloutSubmission(lease_id=lease.lease_id, policy_version=self.stats.held_version, groups=groups,
                                  gen_seconds=gen_s)

@@ -39,6 +39,9 @@ class Completion:
     """Per token: log_softmax(logits / T)[token], the policy's logprob, not perturbed by the noise."""
     finish_reason: Literal["stop", "length"]
     """"stop": EOS was sampled; "length": max_tokens (or the model length) was reached first."""
+    proof: str | None = None
+    """Activation proof (`protocol.proofs`, base64) over the hidden states that chose each token; None when the
+    engine was configured without proofs."""
 
 
 class EngineConfig(BaseModel):
@@ -75,6 +78,9 @@ class EngineConfig(BaseModel):
         None, gt=0, description="vLLM: KV-cache block size in tokens; None keeps vLLM's default (128 on CPU, "
                                 "16 on GPU). Prefix caching shares only full blocks.")
     torch_batch_size: int = Field(64, gt=0, description="torch engine: requests decoded together.")
+    proofs: bool = Field(
+        True, description="Build an activation proof per completion (protocol.proofs) from the final hidden states "
+                          "of generation itself; verifiers may reject groups without one.")
     num_threads: int | None = Field(
         None, gt=0, description="torch intra-op threads for this process; None leaves the current setting.")
 
@@ -119,6 +125,17 @@ class InferenceEngine(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @staticmethod
+    def _proof(states, n_tokens: int) -> str:
+        """The proof for one completion from its captured states [n_tokens, hidden]; raises when capture failed,
+        since a completion without a valid proof would be rejected anyway."""
+        from node.proof import build_proof
+
+        if states is None or states.shape[0] != n_tokens:
+            got = None if states is None else tuple(states.shape)
+            raise RuntimeError(f"hidden-state capture incomplete: got {got} for {n_tokens} tokens")
+        return build_proof(states)
 
     def _token_budget(self, request: GenerationRequest, max_tokens: int) -> int:
         """Completion tokens this request may take: max_tokens, capped so the total fits max_model_len.

@@ -41,6 +41,9 @@ class TorchEngine(InferenceEngine):
 
     Requests are decoded together in batches of `cfg.torch_batch_size`, left-padded, with explicit position
     ids (so padding does not shift RoPE positions) and a KV cache; finished rows leave the batch.
+
+    With `cfg.proofs`, a forward hook on the model's final norm keeps the last position's output (the hidden
+    state the LM head turns into the step's logits) for the activation proof.
     """
 
     name = "torch"
@@ -53,6 +56,7 @@ class TorchEngine(InferenceEngine):
         self._arch: dict | None = None
         self._pad_id = 0
         self._cache_kw = "past_key_values"
+        self._last_state: torch.Tensor | None = None
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
 
@@ -90,6 +94,14 @@ class TorchEngine(InferenceEngine):
         # transformers renamed `past_key_values` to `cache` in 5.2x: use whichever this version takes.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+        if self.cfg.proofs:
+            norm = getattr(getattr(model, "model", None), "norm", None)
+            if norm is None:
+                raise ValueError(f"{type(model).__name__} has no model.norm: cannot capture states for proofs")
+            norm.register_forward_hook(self._keep_last_state)
+
+    def _keep_last_state(self, _module: torch.nn.Module, _args: tuple, output: torch.Tensor) -> None:
+        self._last_state = output[:, -1, :].detach().float()
 
     def close(self) -> None:
         self.model = None
@@ -109,7 +121,8 @@ class TorchEngine(InferenceEngine):
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  cache: object | None) -> tuple[torch.Tensor, object]:
-        """Last-position logits (float32, [B, vocab]) and the updated cache."""
+        """Last-position logits (float32, [B, vocab]) and the updated cache (and, with proofs, the last position's
+        final hidden state in `self._last_state`)."""
         kwargs = {self._cache_kw: cache} if cache is not None else {}
         res = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **kwargs)
@@ -137,6 +150,7 @@ class TorchEngine(InferenceEngine):
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         finish: list[Literal["stop", "length"]] = ["length"] * n
+        states: list[list[torch.Tensor]] = [[] for _ in range(n)]
         active = list(range(n))  # request index of each batch row
         logits, cache = self._forward(ids, mask, positions, None)
         next_pos = positions[:, -1:] + 1
@@ -147,8 +161,11 @@ class TorchEngine(InferenceEngine):
             logp = torch.log_softmax(logits.double() / self.temperature, dim=-1)
             picked_lp = logp.gather(-1, picked.to(logp.device).unsqueeze(-1)).squeeze(-1).tolist()
             picked_list = picked.tolist()
+            step_states = self._last_state.cpu() if self.cfg.proofs else None
             keep: list[int] = []
             for row, req in enumerate(active):
+                if step_states is not None:
+                    states[req].append(step_states[row])
                 tok = int(picked_list[row])
                 tokens[req].append(tok)
                 logprobs[req].append(float(picked_lp[row]))
@@ -169,4 +186,8 @@ class TorchEngine(InferenceEngine):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             logits, cache = self._forward(step_ids, mask, next_pos, cache)
             next_pos = next_pos + 1
-        return [Completion(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i]) for i in range(n)]
+        out = [Completion(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i]) for i in range(n)]
+        if self.cfg.proofs:
+            for c, rows in zip(out, states, strict=True):
+                c.proof = self._proof(torch.stack(rows), len(c.token_ids))
+        return out

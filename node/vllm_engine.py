@@ -6,11 +6,17 @@ How the protocol's rule maps onto vLLM (measured on vLLM 0.32, see the field not
 - every request runs at temperature 0 with its rollout seed in `extra_args`; `GumbelSamplingProcessor` adds
   the seeded noise so the greedy pick is the protocol's sample. One request per rollout (greedy refuses
   n > 1); prefix caching shares the prompt among a group's rollouts.
+- activation proofs (`cfg.proofs`): each request also carries a capture key; the processor records the final
+  hidden state of every sampling step (from a pre-hook on the model's `logits_processor`, installed with
+  `apply_model`), and `generate` collects them with `apply_model(take_captured)` and builds the proof here.
+  This is option (a) of the design notes: the states of the generation itself, no second pass.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import itertools
 import os
 from pathlib import Path
 
@@ -72,6 +78,7 @@ class VLLMEngine(InferenceEngine):
         self._ckpt: Path | None = None
         self._tied = False
         self._arch: dict | None = None
+        self._proof_keys = itertools.count(1)
 
     # -- loading ---------------------------------------------------------------------------------------------
 
@@ -124,6 +131,10 @@ class VLLMEngine(InferenceEngine):
             disable_log_stats=True,
             **memory,
         )
+        if self.cfg.proofs:
+            from node.gumbel_processor import install_hidden_capture
+
+            self.llm.apply_model(install_hidden_capture)
 
     def _reload(self, ckpt_dir: Path) -> None:
         """New weights into the running engine. Two things vLLM 0.32 leaves stale, both fixed here (and tested):
@@ -163,8 +174,9 @@ class VLLMEngine(InferenceEngine):
             return []
         from vllm import SamplingParams, TokensPrompt
 
-        from node.gumbel_processor import SEED_KEY
+        from node.gumbel_processor import PROOF_KEY, SEED_KEY, take_captured
 
+        keys = [next(self._proof_keys) for _ in requests] if self.cfg.proofs else [None] * len(requests)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [
             SamplingParams(
@@ -173,12 +185,17 @@ class VLLMEngine(InferenceEngine):
                 logprobs=0,  # the sampled token's raw logprob = log_softmax(z / T)
                 stop_token_ids=[self.eos_id],
                 detokenize=False,
-                extra_args={SEED_KEY: int(r.seed)},
+                extra_args={SEED_KEY: int(r.seed)} | ({PROOF_KEY: key} if key is not None else {}),
             )
-            for r in requests
+            for r, key in zip(requests, keys, strict=True)
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [self._completion(o.outputs[0]) for o in outputs]
+        completions = [self._completion(o.outputs[0]) for o in outputs]
+        if self.cfg.proofs:
+            states = self.llm.apply_model(functools.partial(take_captured, keys))[0]
+            for key, c in zip(keys, completions, strict=True):
+                c.proof = self._proof(states.get(key), len(c.token_ids))
+        return completions
 
     def _completion(self, out) -> Completion:
         token_ids = list(out.token_ids)

@@ -1,0 +1,121 @@
+"""Activation proofs: the wire format round-trips and stays bounded, decoding never crashes on malformed input,
+and the verifier's comparison passes honest states (fp16 rounding only) while catching drifted or foreign ones."""
+
+from __future__ import annotations
+
+import base64
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from node.proof import build_proof
+from protocol import proofs
+from verifier.proofs import header_problem, mean_limit, proof_errors
+
+H = 128
+
+
+def states(n: int, seed: int = 0, hidden: int = H) -> torch.Tensor:
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_interpolation_roundtrip_and_distinct_points():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 128, 300):
+        xs = rng.choice(200_000, n, replace=False)
+        p = proofs.choose_prime(xs)
+        ys = rng.integers(0, 0xFBFF, n)
+        assert (proofs.evaluate(proofs.interpolate(xs, ys, p), xs, p) == ys).all()
+    with pytest.raises(proofs.ProofError):
+        proofs.interpolate(np.array([3, 3 + proofs.PRIMES[0]]), np.array([1, 2]), proofs.PRIMES[0])
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
+def test_proof_commits_every_state_including_the_last(n):
+    s = states(n)
+    proof = proofs.decode(build_proof(s))
+    assert (proof.n_tokens, proof.hidden_size, len(proof.chunks)) == (n, H, -(-n // 32))
+    honest = proof_errors(proof, s + 1e-6 * torch.randn(s.shape), boundary_rel=1e-3)
+    assert honest.max_err <= 0.51 and honest.checked >= 0.9 * n * proofs.TOPK
+    # The state that chose the last token is committed: changing only it is caught.
+    last = s.clone()
+    last[-1] = torch.randn(H)
+    assert proof_errors(proof, last, 1e-3).max_err > 1.0
+
+
+def test_honest_errors_are_rounding_and_drift_is_caught():
+    s = states(256, seed=1)
+    proof = proofs.decode(build_proof(s))
+    honest = proof_errors(proof, s, 1e-3)
+    mean = honest.err_sum / honest.checked
+    assert honest.max_err <= 0.5 + 1e-3 and 0.2 < mean < 0.3 < mean_limit(0.30, honest.checked)
+    drift = proof_errors(proof, s * (1 + 1e-3 * torch.randn(s.shape)), 1e-3)
+    assert drift.max_err > 1.0 and drift.err_sum / drift.checked > mean_limit(0.30, drift.checked)
+    foreign = proof_errors(proof, states(256, seed=2), 1e-3)
+    assert foreign.max_err > 100
+
+
+def test_header_must_fit_the_rollout():
+    proof = proofs.decode(build_proof(states(10)))
+    assert header_problem(proof, 10, H, 32, 4) is None
+    assert "covers" in header_problem(proof, 11, H, 32, 4)
+    assert "hidden" in header_problem(proof, 10, 64, 32, 4)
+    assert "chunks" in header_problem(proofs.decode(build_proof(states(10), chunk_tokens=64, topk=2)), 10, H, 32, 4)
+
+
+def test_longest_completion_fits_the_cap():
+    text = build_proof(states(proofs.MAX_TOKENS, hidden=512))
+    assert len(text) <= proofs.MAX_PROOF_CHARS
+    assert proofs.decode(text).n_tokens == proofs.MAX_TOKENS
+
+
+def _malformed(valid: bytes, rng: random.Random) -> str:
+    kind = rng.randrange(9)
+    raw = bytearray(valid)
+    if kind == 0:  # random bytes
+        raw = bytearray(rng.randbytes(rng.randrange(0, 400)))
+    elif kind == 1:  # truncated or extended
+        raw = raw[:rng.randrange(len(raw))] if rng.random() < 0.5 else raw + rng.randbytes(rng.randrange(1, 9))
+    elif kind == 2:  # flipped bytes anywhere
+        for _ in range(rng.randrange(1, 5)):
+            raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+    elif kind == 3:  # a modulus of 0 (crashed the published toploc verifier) or another non-prime
+        struct.pack_into("<H", raw, 16, rng.choice([0, 1, 2, 65535, 64000]))
+    elif kind == 4:  # header fields out of range
+        offset, fmt = rng.choice([(4, "B"), (5, "B"), (6, "B"), (7, "B"), (8, "I"), (12, "I")])
+        values = [0, 2, 255] if fmt == "B" else [0, 2**31, 2**32 - 1, 4097, 39, 41]
+        struct.pack_into("<" + fmt, raw, offset, rng.choice(values))
+    elif kind == 5:  # coefficient not reduced
+        struct.pack_into("<H", raw, 18, 65535)
+    elif kind == 6:
+        return "not base64 !!" + rng.choice(["", "=", "\u00e9"])
+    elif kind == 7:
+        return "A" * (proofs.MAX_PROOF_CHARS + 4)
+    else:
+        raw[:4] = b"TOPL"
+    return base64.b64encode(bytes(raw)).decode()
+
+
+def test_malformed_proofs_raise_proof_error_only():
+    valid = base64.b64decode(build_proof(states(40)))
+    rng = random.Random(0)
+    outcomes = {"error": 0, "decoded": 0}
+    for _ in range(3000):
+        text = _malformed(valid, rng)
+        try:
+            proof = proofs.decode(text)
+        except proofs.ProofError:
+            outcomes["error"] += 1
+            continue
+        # A flipped coefficient still decodes; the comparison must then run (and catch it) without crashing.
+        outcomes["decoded"] += 1
+        if proof.hidden_size == H and proof.n_tokens == 40:
+            proof_errors(proof, states(40), 1e-3)
+    assert outcomes["error"] > 2500
+    with pytest.raises(proofs.ProofError):
+        proofs.decode(None)  # type: ignore[arg-type]
+    with pytest.raises(proofs.ProofError):
+        proofs.decode("")
