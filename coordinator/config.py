@@ -57,6 +57,10 @@ class CoordinatorConfig(BaseModel):
     keep_versions: int = Field(
         3, ge=1, description="Shards of this many newest manifests are kept; older shards are deleted."
     )
+    max_buffered_groups: int | None = Field(
+        None, ge=1, description="Lease no more prompts while this many usable groups are already in flight "
+        "(leased, pending verification, or accepted but not yet taken by the trainer); None: no limit. About "
+        "batch_groups * (max_staleness + 1) keeps nodes busy without producing groups that go stale.")
     dht_peers: list[str] = Field(default_factory=list, description="DHT bootstrap multiaddrs, returned in RunInfo.")
     prompt_seed: int = Field(
         0, description="Prompts are drawn deterministically from this seed and a persistent lease counter."

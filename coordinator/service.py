@@ -176,6 +176,12 @@ class Coordinator:
         if version < 0:
             self.store.touch_node(req.signer, now, body.held_version)
             return None
+        if cfg.max_buffered_groups is not None:
+            # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
+            cursor = self.store.get_int("trainer_cursor", 0)
+            if self.store.buffered_work(version - cfg.max_staleness, cursor, now) >= cfg.max_buffered_groups:
+                self.store.touch_node(req.signer, now, body.held_version)
+                return None
         with self.store.transaction():
             if self.store.count_open_leases(req.signer, now) >= cfg.max_outstanding_leases:
                 raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
@@ -282,6 +288,8 @@ class Coordinator:
     def training_batch(self, req: Signed) -> m.TrainingBatch:
         """Accepted groups after the trainer's cursor, in cursor order; group_id is the cursor value."""
         body: m.BatchRequest = req.payload
+        if body.after_id > self.store.get_int("trainer_cursor", 0):
+            self.store.set_int("trainer_cursor", body.after_id)
         groups = []
         for r in self.store.accepted_after(body.after_id, body.limit):
             rollouts = r["payload"]["rollouts"]

@@ -358,6 +358,18 @@ class Store:
                           "claimed_until = NULL WHERE node_id = ? AND status = 'pending'",
                           (reason, now, node_id)).rowcount
 
+    def buffered_work(self, min_version: int, trainer_cursor: int, now: float) -> int:
+        """Groups in flight that the trainer may still use: leased and not yet submitted, submitted and not yet
+        decided, or accepted and not yet taken by the trainer; all of policy version >= `min_version`."""
+        leased = self._one(
+            "SELECT COUNT(*) AS n FROM lease_prompts p JOIN leases l ON l.id = p.lease_id "
+            "WHERE p.submitted = 0 AND l.state = 'open' AND l.expires_at > ? AND l.policy_version >= ?",
+            (now, min_version))
+        groups = self._one(
+            "SELECT COUNT(*) AS n FROM rollout_groups WHERE policy_version >= ? AND "
+            "(status = 'pending' OR (status = 'accepted' AND accepted_seq > ?))", (min_version, trainer_cursor))
+        return int(leased["n"] if leased else 0) + int(groups["n"] if groups else 0)
+
     def accepted_after(self, after_seq: int, limit: int) -> list[Row]:
         rows = self._all("SELECT * FROM rollout_groups WHERE status = 'accepted' AND accepted_seq > ? "
                          "ORDER BY accepted_seq LIMIT ?", (after_seq, limit))

@@ -1,0 +1,44 @@
+"""Leasing stops while enough usable work is in flight, and resumes as the trainer takes groups."""
+
+from __future__ import annotations
+
+from tests.test_coordinator_api import Run, run_factory, submission  # noqa: F401  (fixture)
+
+
+def _verify_all(run: Run) -> None:
+    from protocol import messages as m
+
+    pending = run.op.pending(100)
+    run.op.verdicts([m.Verdict(group_id=g.group_id, accepted=True, rewards=[0.0] * len(g.group.rollouts))
+                     for g in pending])
+
+
+def test_leasing_pauses_at_the_buffer_limit_and_resumes(run_factory):
+    run: Run = run_factory(max_buffered_groups=4, max_staleness=1)
+    run.publish(0)
+    node = run.node()
+    first = node.lease(max_prompts=3, held_version=0)
+    assert first is not None
+    second = node.lease(max_prompts=3, held_version=0)  # 3 in flight < 4: still leased
+    assert second is not None
+    assert node.lease(max_prompts=1, held_version=0) is None  # 6 in flight: no more work for now
+    # Submitting and verifying moves work along but it is still in flight until the trainer takes it.
+    node.submit(submission(first))
+    node.submit(submission(second))
+    _verify_all(run)
+    assert node.lease(max_prompts=1, held_version=0) is None
+    batch = run.op.training_batch(after_id=0, limit=100)
+    assert len(batch.groups) == 6
+    run.op.training_batch(after_id=batch.groups[-1].group_id, limit=100)  # the trainer's cursor moves on
+    assert node.lease(max_prompts=1, held_version=0) is not None
+
+
+def test_stale_work_does_not_hold_the_buffer(run_factory):
+    run: Run = run_factory(max_buffered_groups=2, max_staleness=0)
+    run.publish(0)
+    node = run.node()
+    lease = node.lease(max_prompts=2, held_version=0)
+    assert node.lease(max_prompts=1, held_version=0) is None
+    node.submit(submission(lease))
+    run.publish(1)  # with k = 0, version-0 groups can no longer be used: they free the buffer
+    assert node.lease(max_prompts=1, held_version=1) is not None
