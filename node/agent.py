@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from node.config import NodeConfig
-from node.engine import GenerationRequest, InferenceEngine, build_engine
+from node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
 from node.fetcher import CheckpointFetcher, HttpOrigin, ShardSource
 from protocol.client import CoordinatorClient, CoordinatorError
 from protocol.identity import Identity
@@ -120,6 +120,20 @@ class Node:
         self.stats.held_version = version
         log.info("now generating with policy version %d", version)
 
+    def _catch_up(self, lease: Lease, max_staleness: int, temperature: float) -> None:
+        """Wait (up to the lease's expiry) for weights recent enough that the lease's groups will be accepted.
+
+        Groups from a policy more than `max_staleness` versions behind the lease's are refused, so
+        generating them would only waste the node's time.
+        """
+        while self.stats.held_version < lease.policy_version - max_staleness and not self._stop.is_set():
+            if time.time() > lease.expires_at:
+                return
+            t0 = time.perf_counter()
+            self._stop.wait(0.05)
+            self.stats.idle_seconds += time.perf_counter() - t0
+            self._swap_in_weights(temperature)
+
     # -- work -----------------------------------------------------------------------------------------
 
     def _generate(self, lease: Lease) -> RolloutSubmission:
@@ -154,6 +168,7 @@ class Node:
         if lease is None:
             return False
         self.stats.leases += 1
+        self._catch_up(lease, run.max_staleness, run.sampling.temperature)
         submission = self._generate(lease)
         try:
             result = self.client.submit(submission)
@@ -172,7 +187,8 @@ class Node:
         return True
 
     def run(self) -> NodeStats:
-        reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8], engine=self.cfg.engine.kind)
+        reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8],
+                                   engine=resolve_engine_kind(self.cfg.engine))
         self._run_info = reg.run
         key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
         sources: list[ShardSource] = [*self._extra_sources, HttpOrigin(self.client)]

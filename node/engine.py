@@ -190,11 +190,16 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def resolve_engine_kind(cfg: EngineConfig) -> str:
+    """The engine `build_engine` will make: 'vllm' or 'torch'."""
+    if cfg.kind == "auto":
+        return "vllm" if vllm_available() else "torch"
+    return cfg.kind
+
+
 def build_engine(cfg: EngineConfig, ckpt_dir: Path, temperature: float) -> InferenceEngine:
     """An engine of `cfg.kind` with `ckpt_dir` loaded, sampling at `temperature`."""
-    kind = cfg.kind
-    if kind == "auto":
-        kind = "vllm" if vllm_available() else "torch"
+    kind = resolve_engine_kind(cfg)
     engine: InferenceEngine
     if kind == "vllm":
         from node.vllm_engine import VLLMEngine
