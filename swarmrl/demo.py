@@ -102,23 +102,20 @@ def _metric_series(status: RunStatus, key: str) -> list[tuple[int, float]]:
 
 
 def render(status: RunStatus | None, elapsed: float, cfg: DemoConfig, phase: str) -> Group:
-    head = Table.grid(padding=(0, 3))
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row(phase, f"{elapsed:.0f} s")
     if status is None:
-        head.add_row(f"[bold]{phase}[/]", f"{elapsed:.0f} s")
         return Group(head)
     acc = _metric_series(status, "eval_accuracy")
     rew = _metric_series(status, "reward_mean")
     step = status.metrics[-1].step if status.metrics else 0
-    head.add_row(
-        f"[bold]{phase}[/]",
-        f"step [bold]{step}[/]/{cfg.max_steps}",
-        f"policy v{status.run.current_version}",
-        f"held-out accuracy [bold green]{acc[-1][1]:.3f}[/]" if acc else "held-out accuracy -",
-        f"reward {rew[-1][1]:.3f}" if rew else "reward -",
-        f"groups accepted [green]{status.groups_accepted}[/] rejected [red]{status.groups_rejected}[/] "
-        f"pending {status.groups_pending}",
-        f"{elapsed:.0f} s",
-    )
+    head.add_row("step", f"{step}/{cfg.max_steps}  (policy v{status.run.current_version})")
+    head.add_row("held-out accuracy", " ".join(f"{a:.2f}" for _, a in acc[-8:]) or "-")
+    head.add_row("rollout reward", f"{rew[-1][1]:.3f}" if rew else "-")
+    head.add_row("groups", f"accepted [green]{status.groups_accepted}[/]  rejected [red]{status.groups_rejected}[/]  "
+                           f"pending {status.groups_pending}")
     nodes = Table("node", "engine", "version", "accepted", "rejected", "banned", box=None)
     for n in status.nodes:
         nodes.add_row(n.name, n.engine, str(n.held_version), str(n.groups_accepted), str(n.groups_rejected),
@@ -199,6 +196,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "task": "addition3", "key_path": str(run_dir / "keys" / "coordinator.key"),
             "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size},
             "max_staleness": cfg.max_staleness,
+            "max_buffered_groups": cfg.batch_groups * (cfg.max_staleness + 1),
             "operator_keys": [keys["trainer"].public_key_hex, keys["verifier"].public_key_hex],
         }, CoordinatorConfig)
         # Nodes start now: importing vLLM and registering overlaps the warm start below.
