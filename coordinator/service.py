@@ -123,13 +123,16 @@ class Coordinator:
 
     def status(self) -> m.RunStatus:
         counts = self.store.group_counts()
+        held = self.store.held_count()
         nodes = [m.NodeStatus(node_id=n["id"], name=n["name"], engine=n["engine"], held_version=n["held_version"],
                               groups_accepted=n["groups_accepted"], groups_rejected=n["groups_rejected"],
-                              banned=bool(n["banned"]), last_seen=n["last_seen"]) for n in self.store.list_nodes()]
+                              banned=bool(n["banned"]), last_seen=n["last_seen"], checks_passed=n["checks_passed"],
+                              reputation=n["reputation"]) for n in self.store.list_nodes()]
         metrics = [m.TrainerMetrics(step=r["step"], version=r["version"], metrics=r["data"])
                    for r in self.store.recent_metrics(STATUS_METRICS_ROWS)]
-        return m.RunStatus(run=self.run_info(), nodes=nodes, groups_pending=counts["pending"],
-                           groups_accepted=counts["accepted"], groups_rejected=counts["rejected"], metrics=metrics)
+        return m.RunStatus(run=self.run_info(), nodes=nodes, groups_pending=counts["pending"] - held,
+                           groups_accepted=counts["accepted"], groups_rejected=counts["rejected"], metrics=metrics,
+                           groups_held=held)
 
     # -- registration ---------------------------------------------------------------------------------
 
@@ -249,18 +252,22 @@ class Coordinator:
         return [m.PendingGroup(group_id=r["id"], node_id=r["node_id"], prompt_text=r["prompt_text"],
                                answer=r["answer"], lease_version=r["lease_version"],
                                sampling=m.SamplingSpec.model_validate(r["sampling"]), seeds=r["seeds"],
-                               policy_version=r["policy_version"], group=m.RolloutGroup.model_validate(r["payload"]))
+                               policy_version=r["policy_version"], group=m.RolloutGroup.model_validate(r["payload"]),
+                               node_checks_passed=r["node_checks_passed"])
                 for r in rows]
 
     def verdicts(self, req: Signed) -> None:
-        """Apply verdicts to pending groups; verdicts on groups already decided (or unknown) are ignored."""
+        """Apply verdicts to pending groups; verdicts on groups already decided (held included) or unknown are
+        ignored. Quarantine: an accepted verdict with `checked=False` holds the group; a checked acceptance
+        releases the node's held groups submitted before it (a later check vouches for them); a ban rejects
+        the node's held and pending groups alike."""
         batch: m.VerdictBatch = req.payload
         now = self.clock()
         with self.store.transaction():
             # Validate the whole batch first: a refused batch must change nothing.
             for v in batch.verdicts:
                 g = self.store.get_group(v.group_id)
-                if v.accepted and g is not None and g["status"] == "pending":
+                if v.accepted and g is not None and g["status"] == "pending" and not g["held"]:
                     n = len(g["payload"]["rollouts"])
                     if len(v.rewards) != n:
                         raise Refused(422, f"group {v.group_id}: {len(v.rewards)} rewards for {n} rollouts")
@@ -268,12 +275,18 @@ class Coordinator:
                         raise Refused(422, f"group {v.group_id}: rewards must be finite")
             for v in batch.verdicts:
                 g = self.store.get_group(v.group_id)  # re-read: an earlier verdict (a ban) may have decided it
-                if g is None or g["status"] != "pending":
+                if g is None or g["status"] != "pending" or g["held"]:
                     continue
                 node_id = g["node_id"]
+                if v.accepted and not v.checked:
+                    self.store.hold_group(v.group_id, list(v.rewards), now)
+                    continue
                 if v.accepted:
+                    # Held groups first: the trainer's cursor then follows submission order.
+                    released = self.store.release_held(node_id, v.group_id, now)
                     self.store.accept_group(v.group_id, list(v.rewards), now)
-                    self.store.count_node_verdict(node_id, accepted=1)
+                    self.store.count_node_check(node_id)
+                    self.store.count_node_verdict(node_id, accepted=1 + len(released))
                     continue
                 reason = (v.reason or "rejected by the verifier")[:MAX_REASON_CHARS]
                 self.store.reject_group(v.group_id, reason, now)

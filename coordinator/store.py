@@ -1,5 +1,9 @@
 """Durable coordinator state in SQLite: nodes, leases, submitted groups, manifests, metrics.
 
+A submitted group is 'pending' until decided. A pending group may be *held* (held = 1): it passed the
+verifier's cheap checks but not a full check, and waits, unclaimable, until a later full check of its node
+releases it (it becomes 'accepted') or the node is banned (it becomes 'rejected' with everything pending).
+
 One connection, guarded by a re-entrant lock: FastAPI runs sync endpoints in a thread pool, and SQLite
 connections must not be used by two threads at once. `transaction()` makes a sequence of calls atomic
 (BEGIN IMMEDIATE ... COMMIT, rolled back on any exception), so a refused request changes nothing.
@@ -34,7 +38,8 @@ CREATE TABLE IF NOT EXISTS nodes (
     ban_reason TEXT NOT NULL DEFAULT '',
     groups_accepted BIGINT NOT NULL DEFAULT 0,
     groups_rejected BIGINT NOT NULL DEFAULT 0,
-    reputation DOUBLE PRECISION NOT NULL DEFAULT 0.5
+    reputation DOUBLE PRECISION NOT NULL DEFAULT 0.5,
+    checks_passed BIGINT NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS challenges (
     challenge TEXT PRIMARY KEY,
@@ -84,6 +89,7 @@ CREATE TABLE IF NOT EXISTS rollout_groups (
     accepted_seq BIGINT UNIQUE,
     submitted_at DOUBLE PRECISION NOT NULL,
     decided_at DOUBLE PRECISION,
+    held INTEGER NOT NULL DEFAULT 0,
     UNIQUE (lease_id, prompt_id)
 );
 CREATE INDEX IF NOT EXISTS rollout_groups_status ON rollout_groups (status, id);
@@ -125,6 +131,17 @@ class Store:
             for stmt in (s.strip() for s in SCHEMA.split(";")):
                 if stmt:
                     self._db.execute(stmt)
+            self._migrate()
+            # After the migration: an older database gets the column first.
+            self._db.execute("CREATE INDEX IF NOT EXISTS rollout_groups_held ON rollout_groups (node_id, held, id)")
+
+    def _migrate(self) -> None:
+        """Add columns that databases made by earlier versions lack (SQLite keeps old tables as they were)."""
+        for table, column, ddl in (("nodes", "checks_passed", "BIGINT NOT NULL DEFAULT 0"),
+                                   ("rollout_groups", "held", "INTEGER NOT NULL DEFAULT 0")):
+            have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})").fetchall()}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
 
     def close(self) -> None:
         with self._lock:
@@ -246,6 +263,10 @@ class Store:
             (accepted, rejected, accepted, accepted + rejected, node_id),
         )
 
+    def count_node_check(self, node_id: str) -> None:
+        """One more full check passed by the node."""
+        self._exec("UPDATE nodes SET checks_passed = checks_passed + 1 WHERE id = ?", (node_id,))
+
     def ban_node(self, node_id: str, reason: str) -> None:
         self._exec("UPDATE nodes SET banned = 1, ban_reason = ? WHERE id = ?", (reason, node_id))
 
@@ -310,15 +331,16 @@ class Store:
         """Claim up to `limit` pending groups nobody holds a live claim on, oldest first, with their lease facts."""
         with self.transaction():
             ids = [r["id"] for r in self._all(
-                "SELECT id FROM rollout_groups WHERE status = 'pending' AND (claimed_until IS NULL OR "
+                "SELECT id FROM rollout_groups WHERE status = 'pending' AND held = 0 AND (claimed_until IS NULL OR "
                 "claimed_until < ?) ORDER BY id LIMIT ?", (now, limit))]
             for gid in ids:
                 self._exec("UPDATE rollout_groups SET claimed_by = ?, claimed_until = ? WHERE id = ?",
                            (claimer, until, gid))
             rows = [self._one(
                 "SELECT g.*, p.text AS prompt_text, p.answer, p.seeds, l.policy_version AS lease_version, "
-                "l.sampling FROM rollout_groups g JOIN lease_prompts p ON p.lease_id = g.lease_id AND "
-                "p.prompt_id = g.prompt_id JOIN leases l ON l.id = g.lease_id WHERE g.id = ?", (gid,)) for gid in ids]
+                "l.sampling, n.checks_passed AS node_checks_passed FROM rollout_groups g JOIN lease_prompts p ON "
+                "p.lease_id = g.lease_id AND p.prompt_id = g.prompt_id JOIN leases l ON l.id = g.lease_id "
+                "JOIN nodes n ON n.id = g.node_id WHERE g.id = ?", (gid,)) for gid in ids]
         out = [r for r in rows if r is not None]
         for r in out:
             r["payload"] = json.loads(r["payload"])
@@ -344,16 +366,38 @@ class Store:
                 return None
             seq = self.next_int("accepted_seq")
             self._exec("UPDATE rollout_groups SET status = 'accepted', rewards = ?, accepted_seq = ?, decided_at = ?, "
-                       "claimed_until = NULL WHERE id = ? AND status = 'pending'",
+                       "claimed_until = NULL, held = 0 WHERE id = ? AND status = 'pending'",
                        (json.dumps(rewards), seq, now, group_id))
         return seq
+
+    def hold_group(self, group_id: int, rewards: list[float], now: float) -> bool:
+        """Hold a pending, unheld group with its trusted rewards; False if it is not such a group."""
+        cur = self._exec("UPDATE rollout_groups SET held = 1, rewards = ?, decided_at = ?, claimed_until = NULL "
+                         "WHERE id = ? AND status = 'pending' AND held = 0", (json.dumps(rewards), now, group_id))
+        return cur.rowcount == 1
+
+    def release_held(self, node_id: str, before_id: int, now: float) -> list[int]:
+        """Accept, in submission order, the node's held groups submitted before group `before_id` (whose full
+        check just passed); returns their ids."""
+        with self.transaction():
+            rows = self._all("SELECT id, rewards FROM rollout_groups WHERE node_id = ? AND status = 'pending' AND "
+                             "held = 1 AND id < ? ORDER BY id", (node_id, before_id))
+            released = []
+            for r in rows:
+                if self.accept_group(r["id"], json.loads(r["rewards"]), now) is not None:
+                    released.append(int(r["id"]))
+        return released
+
+    def held_count(self) -> int:
+        row = self._one("SELECT COUNT(*) AS n FROM rollout_groups WHERE status = 'pending' AND held = 1")
+        return int(row["n"]) if row else 0
 
     def reject_group(self, group_id: int, reason: str, now: float) -> None:
         self._exec("UPDATE rollout_groups SET status = 'rejected', reason = ?, decided_at = ?, claimed_until = NULL "
                    "WHERE id = ? AND status = 'pending'", (reason, now, group_id))
 
     def reject_pending_of_node(self, node_id: str, reason: str, now: float) -> int:
-        """Reject every still-pending group of a node; returns how many."""
+        """Reject every still-pending group of a node, held ones included; returns how many."""
         return self._exec("UPDATE rollout_groups SET status = 'rejected', reason = ?, decided_at = ?, "
                           "claimed_until = NULL WHERE node_id = ? AND status = 'pending'",
                           (reason, now, node_id)).rowcount

@@ -95,6 +95,16 @@ class CoordinatorClient:
         resp = self._request("GET", "/v1/manifest/latest")
         return None if resp.status_code == 204 else SignedManifest.model_validate_json(resp.content)
 
+    def manifest(self, version: int) -> SignedManifest | None:
+        """The signed manifest of one policy version, or None when the coordinator has none for it."""
+        try:
+            resp = self._request("GET", f"/v1/manifest/{int(version)}")
+        except CoordinatorError as e:
+            if e.status == 404:
+                return None
+            raise
+        return SignedManifest.model_validate_json(resp.content)
+
     def shard(self, sha256: str) -> bytes:
         return self._request("GET", f"/v1/shards/{sha256}").content
 

@@ -146,6 +146,8 @@ class PendingGroup(Strict):
     seeds: list[int]
     policy_version: int
     group: RolloutGroup
+    node_checks_passed: int = Field(0, description="Full checks the submitting node has passed so far (the "
+                                                   "verifier's sampling policy checks every group until K).")
 
 
 class Verdict(Strict):
@@ -154,6 +156,10 @@ class Verdict(Strict):
     reason: str = ""
     rewards: list[float] = Field(default_factory=list, description="Trusted rewards, one per rollout.")
     ban: bool = Field(False, description="The failure proves cheating: ban the node, drop its unreleased groups.")
+    checked: bool = Field(True, description="Accepted after the full check. False: only the cheap checks ran; the "
+                                            "coordinator holds the group until a full check of a group the same "
+                                            "node submitted later passes (then it reaches the trainer), and drops "
+                                            "it if the node is banned first.")
 
 
 class VerdictBatch(Strict):
@@ -204,6 +210,8 @@ class NodeStatus(BaseModel):
     groups_rejected: int
     banned: bool
     last_seen: float
+    checks_passed: int = 0
+    reputation: float = 0.5
 
 
 class RunStatus(BaseModel):
@@ -213,6 +221,7 @@ class RunStatus(BaseModel):
     groups_accepted: int
     groups_rejected: int
     metrics: list[TrainerMetrics]
+    groups_held: int = Field(0, description="Accepted by cheap checks, waiting for a later full check of the node.")
 
 
 __all__ = [name for name in dir() if not name.startswith("_")] + ["CheckpointManifest", "SignedManifest"]
