@@ -1,32 +1,54 @@
-"""Checks a submitted group against the facts only the trusted side knows.
+"""The cheap checks every group gets: facts only the trusted side knows, and the trusted reward.
 
-First cut: the prompt tokens must be the leased prompt's; every token id must exist; finish reasons must
-follow from the tokens (EOS only at the end and exactly when "stop"; "length" only at max_tokens); and
-the reward is recomputed here from the decoded completion, never taken from the node.
+- prompt tokens must be the leased prompt's, seeds the leased seeds, every token id in the vocabulary;
+- termination: EOS only at the end and exactly when "stop"; "length" only at max_tokens or at the model's
+  length limit; no completion longer than max_tokens;
+- versions: generated with a version no newer than the lease's and within the pool's staleness bound;
+- logprobs finite and <= 0; a claimed reward, if any, must be the trusted one; a proof, when required,
+  must decode with the pool's parameters (a malformed proof is rejected, never a crash).
+
+The reward is recomputed here from the decoded completion, never taken from the node. All of this costs
+microseconds per group; the prefill-based checks are in `verifier.full_check`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
 
-from protocol.messages import PendingGroup, Verdict
+from protocol import proofs
+from protocol.messages import PendingGroup
 from protocol.tasks import Task
+
+REWARD_CLAIM_TOL = 1e-6
 
 
 @dataclass
 class CheckContext:
     tokenizer: PreTrainedTokenizerFast
     task: Task
+    max_staleness: int = 0
+    max_positions: int | None = None
+    """The model's length limit (prompt + completion); None: not known, only max_tokens ends a completion."""
+    require_proof: bool = False
+    proof_chunk_tokens: int = proofs.CHUNK_TOKENS
+    proof_topk: int = proofs.TOPK
+    hidden_size: int | None = None
 
 
-def _reject(g: PendingGroup, reason: str, ban: bool = True) -> Verdict:
-    return Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=ban)
+def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
+    if g.policy_version > g.lease_version:
+        return f"policy version {g.policy_version} is newer than the lease's {g.lease_version}"
+    if g.policy_version < g.lease_version - ctx.max_staleness:
+        return (f"policy version {g.policy_version} is more than {ctx.max_staleness} versions behind the lease's "
+                f"{g.lease_version}")
+    return None
 
 
 def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
-    """The reason the group's shape is inconsistent with its lease, or None."""
+    """The reason the group's shape or termination is inconsistent with its lease, or None."""
     tok = ctx.tokenizer
     expected_prompt = tok(g.prompt_text).input_ids
     if g.group.prompt_ids != expected_prompt:
@@ -45,15 +67,39 @@ def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
             return f"rollout {i}: token id outside the vocabulary"
         if len(ids) > g.sampling.max_tokens:
             return f"rollout {i}: longer than max_tokens"
+        if ctx.max_positions is not None and len(expected_prompt) + len(ids) > ctx.max_positions:
+            return f"rollout {i}: longer than the model's length limit"
         if eos in ids[:-1]:
             return f"rollout {i}: tokens after EOS"
         ends_eos = ids[-1] == eos
         if r.finish_reason == "stop" and not ends_eos:
             return f"rollout {i}: finish 'stop' without EOS"
-        if r.finish_reason == "length" and (ends_eos or len(ids) != g.sampling.max_tokens):
+        at_limit = len(ids) == g.sampling.max_tokens or (
+            ctx.max_positions is not None and len(expected_prompt) + len(ids) == ctx.max_positions)
+        if r.finish_reason == "length" and (ends_eos or not at_limit):
             return f"rollout {i}: finish 'length' before max_tokens"
-        if any(not (lp <= 0.0) for lp in r.logprobs):
-            return f"rollout {i}: a logprob above 0"
+        if any(not (math.isfinite(lp) and lp <= 0.0) for lp in r.logprobs):
+            return f"rollout {i}: a logprob that is not finite and <= 0"
+    return None
+
+
+def check_proofs_decode(g: PendingGroup, ctx: CheckContext) -> str | None:
+    """Every rollout's proof must be present (when required), well formed and fit its completion."""
+    for i, r in enumerate(g.group.rollouts):
+        if r.proof is None:
+            if ctx.require_proof:
+                return f"rollout {i}: no activation proof"
+            continue
+        try:
+            p = proofs.decode(r.proof)
+        except proofs.ProofError as e:
+            return f"rollout {i}: malformed activation proof ({e})"
+        if p.n_tokens != len(r.completion_ids):
+            return f"rollout {i}: proof covers {p.n_tokens} tokens, completion has {len(r.completion_ids)}"
+        if (p.chunk_tokens, p.topk) != (ctx.proof_chunk_tokens, ctx.proof_topk):
+            return f"rollout {i}: proof parameters {p.chunk_tokens}x{p.topk} are not the pool's"
+        if ctx.hidden_size is not None and p.hidden_size != ctx.hidden_size:
+            return f"rollout {i}: proof hidden size {p.hidden_size}, the model's is {ctx.hidden_size}"
     return None
 
 
@@ -66,10 +112,19 @@ def rewards(g: PendingGroup, ctx: CheckContext) -> list[float]:
     return out
 
 
-def verify_group(g: PendingGroup, ctx: CheckContext) -> Verdict:
-    """A verdict for one group: rejected with a reason (and a ban when it proves cheating), or accepted
-    with rewards recomputed here."""
-    reason = check_shape(g, ctx)
-    if reason is not None:
-        return _reject(g, reason)
-    return Verdict(group_id=g.group_id, accepted=True, rewards=rewards(g, ctx))
+def check_claimed_rewards(g: PendingGroup, trusted: list[float]) -> str | None:
+    """A node need not claim rewards; one that claims a wrong one is lying about a checkable fact."""
+    for i, (r, t) in enumerate(zip(g.group.rollouts, trusted, strict=True)):
+        if r.claimed_reward is not None and not abs(r.claimed_reward - t) <= REWARD_CLAIM_TOL:
+            return f"rollout {i}: claimed reward {r.claimed_reward} but the completion earns {t}"
+    return None
+
+
+def cheap_checks(g: PendingGroup, ctx: CheckContext) -> tuple[str | None, list[float]]:
+    """(reason to reject or None, trusted rewards). Every failure here proves the group was not made honestly."""
+    for check in (check_versions, check_shape, check_proofs_decode):
+        reason = check(g, ctx)
+        if reason is not None:
+            return reason, []
+    trusted = rewards(g, ctx)
+    return check_claimed_rewards(g, trusted), trusted

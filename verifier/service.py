@@ -1,63 +1,158 @@
-"""The verifier process: claim pending groups from the coordinator, check them, post verdicts."""
+"""The verifier process: claim pending groups from the coordinator, check them, post verdicts.
+
+Per group: the cheap checks (`verifier.checks`) always; then either the full check (`verifier.full_check`:
+prefill with the weights of the group's policy version, replay, logprobs, activation proof) or, when the
+policy (`verifier.policy`) samples it out, an accepted verdict with `checked=False` that the coordinator holds
+until a later full check of the same node passes. Any failed check rejects the group and bans its node.
+A group whose weights the coordinator can no longer supply is rejected without a ban.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
+from collections import defaultdict
+from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerFast
+import torch
 
 from protocol.client import CoordinatorClient
 from protocol.identity import Identity
-from protocol.manifest import ShardStore, assemble_checkpoint
+from protocol.messages import PendingGroup, Verdict
 from protocol.tasks import get_task
-from verifier.checks import CheckContext, verify_group
+from verifier.checks import CheckContext, cheap_checks
 from verifier.config import VerifierConfig
+from verifier.full_check import GroupReport, full_check
+from verifier.models import ModelCache, PolicyModel, VersionUnavailable
+from verifier.policy import CheckPolicy
 
 log = logging.getLogger("swarmrl.verifier")
+MAX_REPORTS = 100_000
+
+
+@dataclass
+class VerifierStats:
+    groups: int = 0
+    full_checks: int = 0
+    held: int = 0
+    rejected: int = 0
+    tokens_checked: int = 0
+    check_seconds: float = 0.0
+    """Wall time of full checks (prefill + comparisons), for the cost ratio."""
 
 
 class Verifier:
-    def __init__(self, cfg: VerifierConfig):
+    def __init__(self, cfg: VerifierConfig, identity: Identity | None = None):
         self.cfg = cfg
-        self.identity = Identity.load_or_create(cfg.key_path)
+        self.identity = identity or Identity.load_or_create(cfg.key_path)
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity)
         self.task = get_task(cfg.task)
-        self.ctx: CheckContext | None = None
-        self.checked = 0
-        self.rejected = 0
+        self.policy = CheckPolicy(cfg.warmup_checks, cfg.sample_rate, cfg.policy_seed)
+        self.stats = VerifierStats()
+        self.reports: dict[int, GroupReport] = {}
+        """Full-check reports by group id, the most recent `MAX_REPORTS` (for logs, tests and the bench)."""
+        self.models: ModelCache | None = None
+        self.max_staleness = 0
 
-    def _load_tokenizer(self) -> bool:
-        """Fetch the current checkpoint (signature and hashes checked) for its tokenizer."""
-        signed = self.client.latest_manifest()
-        if signed is None:
-            return False
+    # kept for callers of the first cut
+    @property
+    def checked(self) -> int:
+        return self.stats.groups
+
+    @property
+    def rejected(self) -> int:
+        return self.stats.rejected
+
+    def _connect(self) -> None:
         info = self.client.info()
-        manifest = signed.verify(info.coordinator_key)
-        out = Path(self.cfg.work_dir) / f"v{manifest.version:08d}"
-        store = ShardStore(Path(self.cfg.work_dir) / "shards")
-        for s in store.missing(manifest):
-            store.put(s.sha256, self.client.shard(s.sha256))
-        assemble_checkpoint(manifest, store.get, out)
-        self.ctx = CheckContext(tokenizer=PreTrainedTokenizerFast.from_pretrained(out), task=self.task)
-        return True
+        key = self.cfg.coordinator_key or info.coordinator_key
+        if self.cfg.coordinator_key and info.coordinator_key != self.cfg.coordinator_key:
+            raise RuntimeError("the coordinator presents a different key than the one configured: refusing")
+        self.max_staleness = info.max_staleness
+        self.models = ModelCache(self.client, key, self.cfg.work_dir, keep=self.cfg.keep_versions,
+                                 dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
+
+    def _context(self, policy: PolicyModel) -> CheckContext:
+        return CheckContext(tokenizer=policy.tokenizer, task=self.task, max_staleness=self.max_staleness,
+                            max_positions=policy.max_positions, require_proof=self.cfg.require_proof,
+                            proof_chunk_tokens=self.cfg.proof_chunk_tokens, proof_topk=self.cfg.proof_topk,
+                            hidden_size=policy.hidden_size)
+
+    def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
+        """Verdicts for `groups` (in group-id order, so holds are applied before later passes release them)."""
+        if self.models is None:
+            self._connect()
+        assert self.models is not None
+        verdicts: list[Verdict] = []
+        full: dict[int, list[tuple[PendingGroup, list[float]]]] = defaultdict(list)
+        for g in sorted(groups, key=lambda g: g.group_id):
+            try:
+                policy = self.models.get(g.policy_version)
+            except VersionUnavailable as e:
+                verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {e}"))
+                continue
+            try:
+                reason, rewards = cheap_checks(g, self._context(policy))
+            except Exception as e:  # a bug here must not stop the verifier, nor pass the group
+                log.exception("cheap checks of group %d crashed", g.group_id)
+                verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500]))
+                continue
+            if reason is not None:
+                verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=True))
+            elif self.policy.wants_full_check(g.node_id, g.node_checks_passed):
+                full[g.policy_version].append((g, rewards))
+            else:
+                verdicts.append(Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=False))
+        for version, items in full.items():
+            verdicts.extend(self._full(self.models.get(version), items))
+        return sorted(verdicts, key=lambda v: v.group_id)
+
+    def _full(self, policy: PolicyModel, items: list[tuple[PendingGroup, list[float]]]) -> list[Verdict]:
+        t0 = time.perf_counter()
+        try:
+            reports = full_check([g for g, _ in items], policy, self.cfg.tolerances, self.cfg.max_batch_tokens)
+        except Exception:
+            log.exception("batched full check crashed; checking its %d groups one by one", len(items))
+            reports = [self._full_one(g, policy) for g, _ in items]
+        self.stats.check_seconds += time.perf_counter() - t0
+        out = []
+        for (g, rewards), rep in zip(items, reports, strict=True):
+            if rep is None:
+                out.append(Verdict(group_id=g.group_id, accepted=False, reason="verifier error during the full check"))
+                continue
+            self.reports[g.group_id] = rep
+            if len(self.reports) > MAX_REPORTS:
+                del self.reports[next(iter(self.reports))]
+            self.stats.full_checks += 1
+            self.stats.tokens_checked += rep.tokens
+            if rep.reason is None:
+                self.policy.record_pass(g.node_id, g.node_checks_passed)
+                out.append(Verdict(group_id=g.group_id, accepted=True, rewards=rewards))
+            else:
+                out.append(Verdict(group_id=g.group_id, accepted=False, reason=rep.reason, ban=True))
+        return out
+
+    def _full_one(self, g: PendingGroup, policy: PolicyModel) -> GroupReport | None:
+        try:
+            return full_check([g], policy, self.cfg.tolerances, self.cfg.max_batch_tokens)[0]
+        except Exception:
+            log.exception("full check of group %d crashed", g.group_id)
+            return None
 
     def poll_once(self) -> int:
-        """Verify one batch of pending groups; returns how many were verified."""
-        if self.ctx is None and not self._load_tokenizer():
-            return 0
-        assert self.ctx is not None
+        """Claim, verify and post one batch of pending groups; returns how many were decided."""
         groups = self.client.pending(self.cfg.batch)
         if not groups:
             return 0
-        verdicts = [verify_group(g, self.ctx) for g in groups]
+        verdicts = self.verify(groups)
         self.client.verdicts(verdicts)
-        self.checked += len(verdicts)
+        self.stats.groups += len(verdicts)
         for v in verdicts:
             if not v.accepted:
-                self.rejected += 1
-                log.warning("group %d rejected: %s", v.group_id, v.reason)
+                self.stats.rejected += 1
+                log.warning("group %d rejected%s: %s", v.group_id, " (node banned)" if v.ban else "", v.reason)
+            elif not v.checked:
+                self.stats.held += 1
         return len(verdicts)
 
     def run(self, stop_after_s: float | None = None) -> None:

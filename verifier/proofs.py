@@ -1,0 +1,93 @@
+"""Checking an activation proof (`protocol.proofs`) against the verifier's own final hidden states.
+
+For each token state the verifier takes its own top-k entries by magnitude and evaluates the node's chunk
+polynomial at their indices. An entry is *checked* only when it is clearly inside the top-k: its magnitude
+exceeds the (k+1)-th largest by more than `boundary_rel` of itself, so that floating-point noise cannot have
+made the node select a different set; entries at the boundary are skipped. A checked entry's error is
+|committed value - own value| in fp16 ulps of the own value. Honest errors are fp16 rounding (<= 0.5 ulp,
+mean 0.25) plus engine noise; an index the node did not commit to evaluates to an unrelated value.
+
+Two tests (thresholds in `verifier.config.Tolerances`): no checked entry may be off by more than
+`proof_max_ulp`, and the mean error over a group's checked entries must stay below
+`proof_mean_ulp + 6 * 0.1443 / sqrt(count)` (0.1443 = std of a U[0, 0.5] rounding error), which catches
+systematic drift such as perturbed weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol import proofs
+
+ROUNDING_STD_ULP = 0.5 / math.sqrt(12)
+
+
+@dataclass(frozen=True)
+class ProofStats:
+    """Errors of one rollout's checked entries."""
+
+    checked: int
+    """Entries compared (clearly inside the verifier's top-k)."""
+    skipped: int
+    """Entries at the top-k boundary, not compared."""
+    err_sum: float
+    max_err: float
+    worst_token: int
+
+
+def fp16_ulp(values: np.ndarray) -> np.ndarray:
+    """The fp16 ulp at each value (subnormal spacing below 2**-14; values are saturated at 65504)."""
+    a = np.abs(values).astype(np.float64)
+    exp = np.floor(np.log2(np.maximum(a, 2.0**-14)))
+    return np.exp2(np.clip(exp, -14, 15) - 10)
+
+
+def proof_errors(proof: proofs.Proof, states: torch.Tensor, boundary_rel: float) -> ProofStats:
+    """Compare a decoded proof with the verifier's states [n_tokens, hidden]; the caller has checked the
+    proof's header against the states' shape."""
+    k = proof.topk
+    s = states.detach().float().cpu()
+    hidden = s.shape[1]
+    top = s.abs().topk(min(k + 1, hidden), dim=-1)
+    idx = top.indices[:, :k].numpy().astype(np.int64)
+    mags = top.values[:, :k].numpy().astype(np.float64)
+    if hidden > k:
+        nxt = top.values[:, k].numpy().astype(np.float64)[:, None]
+        inside = (mags - nxt) > boundary_rel * mags
+    else:
+        inside = np.ones_like(mags, dtype=bool)
+    own = np.clip(s.gather(-1, top.indices[:, :k]).numpy().astype(np.float64), -proofs.FP16_MAX, proofs.FP16_MAX)
+    errs = np.zeros_like(own)
+    for j, (p, coeffs) in enumerate(proof.chunks):
+        start, end = proof.chunk_bounds(j)
+        t = np.repeat(np.arange(end - start), k)
+        xs = proofs.point_index(t, idx[start:end].reshape(-1), hidden)
+        committed = proofs.fp16_values(proofs.evaluate(coeffs, xs, p)).astype(np.float64)
+        mine = own[start:end].reshape(-1)
+        err = np.abs(committed - mine) / fp16_ulp(mine)
+        errs[start:end] = np.nan_to_num(err, nan=np.inf).reshape(end - start, k)
+    checked = np.where(inside, errs, 0.0)
+    per_token = checked.max(axis=1)
+    worst = int(per_token.argmax())
+    return ProofStats(checked=int(inside.sum()), skipped=int((~inside).sum()), err_sum=float(checked.sum()),
+                      max_err=float(per_token[worst]), worst_token=worst)
+
+
+def header_problem(proof: proofs.Proof, n_tokens: int, hidden_size: int, chunk_tokens: int, topk: int) -> str | None:
+    """Why the proof's parameters do not fit this rollout and the pool's proof settings, or None."""
+    if proof.n_tokens != n_tokens:
+        return f"proof covers {proof.n_tokens} tokens, completion has {n_tokens}"
+    if proof.hidden_size != hidden_size:
+        return f"proof hidden size {proof.hidden_size}, model has {hidden_size}"
+    if (proof.chunk_tokens, proof.topk) != (chunk_tokens, topk):
+        return f"proof uses chunks of {proof.chunk_tokens} x top-{proof.topk}, required {chunk_tokens} x top-{topk}"
+    return None
+
+
+def mean_limit(base_ulp: float, count: int) -> float:
+    """Largest mean error (ulps) an honest group of `count` checked entries may show."""
+    return base_ulp + 6.0 * ROUNDING_STD_ULP / math.sqrt(max(count, 1))
