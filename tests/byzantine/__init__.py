@@ -1,0 +1,1 @@
+"""Malicious nodes that speak the real protocol to a real coordinator, and the harness that runs them."""

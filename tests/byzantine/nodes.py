@@ -1,0 +1,203 @@
+"""Malicious nodes: `node.agent.Node` subclasses (through `ScriptedNode`) that cheat in one way each.
+
+The strong variants are used where there is one: a node that edits tokens, makes up completions or samples at
+the wrong temperature also recomputes logprobs and activation proofs for what it submits with the *true*
+model, so that only the check meant for that attack (replay) stands between it and the trainer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from node.config import NodeConfig
+from node.proof import build_proof
+from protocol import messages as m
+from tests.byzantine.harness import ScriptedNode, perturb_checkpoint
+from trainer.model import save_checkpoint
+from verifier.logprobs import policy_logprobs
+from verifier.prefill import recompute
+
+
+class Truth:
+    """The true policy, as a cheating node holding it could run it: logprobs and proofs for any tokens."""
+
+    def __init__(self, ckpt: Path):
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(ckpt)
+        self.eos = int(self.tokenizer.eos_token_id)
+        self.special = set(self.tokenizer.all_special_ids)
+        self.ordinary = [i for i in range(len(self.tokenizer)) if i not in self.special]
+
+    def annotate(self, prompt_ids: list[int], completion: list[int], temperature: float) -> tuple[list[float], str]:
+        rc = recompute(self.model, [(prompt_ids, completion)], pad_id=0)[0]
+        return policy_logprobs(rc.logits, completion, temperature).tolist(), build_proof(rc.states)
+
+
+def _reannotate(r: m.Rollout, truth: Truth, prompt_ids: list[int], tokens: list[int], temperature: float,
+                finish: str | None = None) -> m.Rollout:
+    logprobs, proof = truth.annotate(prompt_ids, tokens, temperature)
+    return r.model_copy(update={"completion_ids": tokens, "logprobs": logprobs, "proof": proof,
+                                "finish_reason": finish or r.finish_reason})
+
+
+class WrongModelNode(ScriptedNode):
+    """Generates with other weights: the published ones perturbed by `frac`, or a model initialised from another
+    seed. Everything else (logprobs, proofs, sampling rule) is honest for the weights it runs."""
+
+    def __init__(self, cfg: NodeConfig, frac: float | None = None, other_seed: int | None = None, noise_seed: int = 1):
+        super().__init__(cfg)
+        self.frac, self.other_seed, self.noise_seed = frac, other_seed, noise_seed
+
+    def adjust_checkpoint(self, path: Path) -> Path:
+        out = self.cfg.work_dir / f"wrong-{path.name}"
+        if self.frac is not None:
+            return perturb_checkpoint(path, out, self.frac, self.noise_seed)
+        torch.manual_seed(self.other_seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        return save_checkpoint(model, PreTrainedTokenizerFast.from_pretrained(path), out)
+
+
+class TemperatureNode(ScriptedNode):
+    """Samples (with the leased seeds and rule) at `factor` x the leased temperature. `clever`: reports the
+    policy's logprobs at the leased temperature, recomputed with the true model, instead of its engine's."""
+
+    def __init__(self, cfg: NodeConfig, factor: float = 1.5, clever: bool = True):
+        super().__init__(cfg)
+        self.factor, self.clever = factor, clever
+
+    def engine_temperature(self, leased: float) -> float:
+        return leased * self.factor
+
+    def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
+        if not self.clever:
+            return submission
+        truth = Truth(self.true_checkpoint)
+        T = lease.sampling.temperature
+        groups = [g.model_copy(update={"rollouts": [
+            _reannotate(r, truth, g.prompt_ids, r.completion_ids, T) for r in g.rollouts]}) for g in submission.groups]
+        return submission.model_copy(update={"groups": groups})
+
+
+Edit = Callable[[m.Rollout, list[int], Truth, random.Random, m.SamplingSpec], m.Rollout | None]
+"""Changes one rollout (prompt ids given), or None when this rollout does not lend itself to the edit."""
+
+
+class EditNode(ScriptedNode):
+    """Honest generation, then `edit` applied to one rollout of every group (re-annotated with the true model)."""
+
+    def __init__(self, cfg: NodeConfig, edit: Edit, seed: int = 0):
+        super().__init__(cfg)
+        self.edit, self.rng = edit, random.Random(seed)
+
+    def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
+        truth = Truth(self.true_checkpoint)
+        groups = []
+        for g in submission.groups:
+            rollouts = list(g.rollouts)
+            for i in self.rng.sample(range(len(rollouts)), len(rollouts)):
+                edited = self.edit(rollouts[i], g.prompt_ids, truth, self.rng, lease.sampling)
+                if edited is not None:
+                    rollouts[i] = edited
+                    break
+            else:
+                raise RuntimeError("no rollout of the group could be edited")
+            groups.append(g.model_copy(update={"rollouts": rollouts}))
+        return submission.model_copy(update={"groups": groups})
+
+
+def _other(tok: int, truth: Truth, rng: random.Random) -> int:
+    return rng.choice([t for t in truth.ordinary if t != tok])
+
+
+def edit_token(r, prompt_ids, truth, rng, sampling):
+    """One token before the last replaced by another ordinary token."""
+    ids = list(r.completion_ids)
+    if len(ids) < 2:
+        return None
+    i = rng.randrange(len(ids) - 1)
+    ids[i] = _other(ids[i], truth, rng)
+    return _reannotate(r, truth, prompt_ids, ids, sampling.temperature)
+
+
+def edit_span(r, prompt_ids, truth, rng, sampling):
+    """Up to 4 consecutive tokens before the last replaced."""
+    ids = list(r.completion_ids)
+    if len(ids) < 3:
+        return None
+    span = min(4, len(ids) - 1)
+    start = rng.randrange(len(ids) - span)
+    for i in range(start, start + span):
+        ids[i] = _other(ids[i], truth, rng)
+    return _reannotate(r, truth, prompt_ids, ids, sampling.temperature)
+
+
+def edit_last_token(r, prompt_ids, truth, rng, sampling):
+    """The last token of a completion that ran to max_tokens replaced (by EOS half of the time: then it 'stops')."""
+    if r.finish_reason != "length":
+        return None
+    ids = list(r.completion_ids)
+    new = truth.eos if rng.random() < 0.5 else _other(ids[-1], truth, rng)
+    ids[-1] = new
+    return _reannotate(r, truth, prompt_ids, ids, sampling.temperature, "stop" if new == truth.eos else "length")
+
+
+def made_up_completion(r, prompt_ids, truth, rng, sampling):
+    """A completion of random ordinary tokens to max_tokens, with the true model's logprobs and proof."""
+    ids = [rng.choice(truth.ordinary) for _ in range(sampling.max_tokens)]
+    return _reannotate(r, truth, prompt_ids, ids, sampling.temperature, "length")
+
+
+def faked_logprobs(r, prompt_ids, truth, rng, sampling):
+    """Honest tokens, logprobs scaled by 0.9-0.99 or 1.01-1.1 (as a node would to steer importance ratios)."""
+    scale = rng.uniform(0.9, 0.99) if rng.random() < 0.5 else rng.uniform(1.01, 1.1)
+    return r.model_copy(update={"logprobs": [lp * scale for lp in r.logprobs]})
+
+
+class ClaimNode(ScriptedNode):
+    """Honest rollouts that claim a reward of 1.0 each."""
+
+    def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
+        groups = [g.model_copy(update={"rollouts": [r.model_copy(update={"claimed_reward": 1.0}) for r in g.rollouts]})
+                  for g in submission.groups]
+        return submission.model_copy(update={"groups": groups})
+
+
+class ProofForgerNode(ScriptedNode):
+    """Honest tokens and logprobs; one rollout's activation proof replaced by a malformed or forged one."""
+
+    def __init__(self, cfg: NodeConfig, seed: int = 0):
+        super().__init__(cfg)
+        self.rng = random.Random(seed)
+
+    def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
+        from tests.byzantine.proofs_fuzz import forged_proof
+
+        groups = []
+        for g in submission.groups:
+            rollouts = list(g.rollouts)
+            i = self.rng.randrange(len(rollouts))
+            rollouts[i] = rollouts[i].model_copy(update={"proof": forged_proof(rollouts[i], self.rng)})
+            groups.append(g.model_copy(update={"rollouts": rollouts}))
+        return submission.model_copy(update={"groups": groups})
+
+
+class OldWeightsNode(ScriptedNode):
+    """Generates with the weights of an old `version` and declares version `declare` in its submission."""
+
+    def __init__(self, cfg: NodeConfig, version: int = 0, declare: int = 0):
+        super().__init__(cfg)
+        self.version, self.declare = version, declare
+
+    def sync(self) -> None:
+        signed = self.client.manifest(self.version)
+        manifest, path = self.fetcher.fetch(signed)
+        self.true_checkpoint = path
+        self._ready = (manifest.version, path)
+
+    def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
+        return submission.model_copy(update={"policy_version": self.declare})

@@ -1,0 +1,68 @@
+"""The byzantine suite, small but complete: every attack of tests/byzantine against a real coordinator and the
+real verifier logic (p = 1), twice each (variants alternate), with two honest torch-engine nodes working in
+between. Every attempt must be detected, no honest group rejected, no attacker group trained on.
+
+bench/byzantine.py runs the same suite with many more attempts, >= 1,000 honest groups and the vLLM engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.byzantine.attacks import ATTACKS, run_suite
+from tests.byzantine.harness import make_checkpoint, open_pool
+
+ATTEMPTS = 2
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    root = tmp_path_factory.mktemp("byzantine")
+    with open_pool(root, make_checkpoint(root / "ckpt")) as pool:
+        honest = [pool.node(name="honest-a"), pool.node(name="honest-b")]
+
+        def honest_round() -> int:
+            for h in honest:
+                h.sync()
+                h.step()
+            return pool.verify_all()
+
+        honest_round()
+        results = run_suite(pool, ATTEMPTS, honest=honest_round)
+        honest_groups = [g for h in honest for g in pool.groups(h.node_id)]
+        attackers = {g["node_id"] for g in pool.groups()} - {h.node_id for h in honest}
+        yield results, honest_groups, pool, attackers
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attack_detected_every_attempt(suite, attack):
+    results = suite[0][attack]
+    assert len(results) == ATTEMPTS
+    assert all(a.detected for a in results), [(a.stage, a.reason) for a in results]
+
+
+def test_no_honest_group_rejected(suite):
+    _, honest_groups, _, _ = suite
+    assert len(honest_groups) >= 2 * 2 * (len(ATTACKS) * ATTEMPTS + 1)
+    assert [g["reason"] for g in honest_groups if g["status"] != "accepted"] == []
+
+
+def test_no_attacker_group_reaches_the_trainer(suite):
+    _, _, pool, attackers = suite
+    # Attack helpers submit some honest groups from attacker identities first (replay needs an accepted group);
+    # what must never reach the trainer is a group that was submitted in an attempt, i.e. any group of a node
+    # that got banned, and nothing else of theirs is held or pending.
+    for g in pool.groups():
+        if g["node_id"] in attackers and pool.node_row(g["node_id"]).banned:
+            assert g["status"] == "rejected", g
+    assert pool.op.status().groups_held == 0
+
+
+def test_checks_fire_where_designed(suite):
+    """Which full-check test catches what (first attempt): the layers each carry their own attack."""
+    results = suite[0]
+    assert "logprobs" in results["wrong_model_0.1pct"][0].caught_by
+    assert "replay" in results["edited_token"][0].caught_by
+    assert "replay" in results["edited_last_token"][0].caught_by
+    assert "logprobs" in results["faked_logprobs"][0].caught_by
+    assert set(results["wrong_model_1pct"][0].caught_by) >= {"logprobs", "activation proof"}
