@@ -1,0 +1,89 @@
+"""Cheap checks (termination, shape, versions, claims, proof presence) and the check policy, without a server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.proof import build_proof
+from protocol import messages as m
+from protocol.tasks import get_task
+from trainer.model import build_tokenizer
+from verifier.checks import CheckContext, cheap_checks
+from verifier.policy import CheckPolicy
+
+TOK = build_tokenizer()
+EOS = TOK.eos_token_id
+DIGITS = [TOK.convert_tokens_to_ids(c) for c in "579"]
+
+
+def rollout(ids: list[int], finish: str, seed: int, **kw) -> m.Rollout:
+    proof = build_proof(torch.randn(len(ids), 16)) if ids else None
+    return m.Rollout(seed=seed, completion_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish,
+                     proof=kw.pop("proof", proof), **kw)
+
+
+def group(rollouts: list[m.Rollout], *, prompt: str = "123+456=", max_tokens: int = 4, policy_version: int = 3,
+          lease_version: int = 3) -> m.PendingGroup:
+    return m.PendingGroup(group_id=1, node_id="n", prompt_text="123+456=", answer="579", lease_version=lease_version,
+                          sampling=m.SamplingSpec(max_tokens=max_tokens, group_size=2), seeds=[1, 2],
+                          policy_version=policy_version,
+                          group=m.RolloutGroup(prompt_id="p", prompt_ids=TOK(prompt).input_ids, rollouts=rollouts))
+
+
+CTX = CheckContext(tokenizer=TOK, task=get_task("addition3"), max_staleness=1, max_positions=13, require_proof=True,
+                   proof_chunk_tokens=32, proof_topk=4, hidden_size=16)
+GOOD = [rollout(DIGITS + [EOS], "stop", 1), rollout([DIGITS[0]] * 4, "length", 2)]
+
+
+def test_honest_group_passes_with_trusted_rewards():
+    reason, rewards = cheap_checks(group(GOOD), CTX)
+    assert reason is None and rewards == [1.0, pytest.approx(0.5 / 4)]
+
+
+@pytest.mark.parametrize("rollouts,kw,expected", [
+    ([rollout(DIGITS, "stop", 1), GOOD[1]], {}, "'stop' without EOS"),
+    ([rollout(DIGITS, "length", 1), GOOD[1]], {}, "'length' before max_tokens"),
+    ([rollout(DIGITS[:1] + [EOS] + DIGITS[:2], "length", 1), GOOD[1]], {}, "tokens after EOS"),
+    ([rollout(DIGITS + [EOS], "stop", 1), rollout(DIGITS[:3] + [EOS], "length", 2)], {}, "'length' before"),
+    ([rollout(DIGITS * 2, "length", 1), GOOD[1]], {}, "longer than max_tokens"),
+    ([rollout([], "length", 1), GOOD[1]], {}, "empty completion"),
+    ([rollout([99], "length", 1), GOOD[1]], {}, "outside the vocabulary"),
+    ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 7)], {}, "seeds do not match"),
+    (GOOD, {"prompt": "999+456="}, "prompt tokens"),
+    (GOOD, {"policy_version": 4}, "newer than the lease"),
+    (GOOD, {"policy_version": 1}, "versions behind"),
+    ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, proof=None)], {}, "no activation proof"),
+    ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, proof="AAAA")], {}, "malformed activation proof"),
+    ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, proof=build_proof(torch.randn(3, 16)))], {}, "covers 3"),
+    ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, proof=build_proof(torch.randn(4, 32)))], {}, "hidden size"),
+    ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, claimed_reward=1.0)], {}, "claimed reward"),
+])
+def test_inconsistent_groups_are_rejected(rollouts, kw, expected):
+    reason, _ = cheap_checks(group(rollouts, **kw), CTX)
+    assert reason is not None and expected in reason
+
+
+def test_length_at_the_model_limit_is_a_valid_ending():
+    # prompt of 9 tokens (BOS + 8 chars) + 4 tokens = max_positions 13: 'length' although max_tokens is 5.
+    ok = group([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2)], max_tokens=5)
+    assert cheap_checks(ok, CTX)[0] is None
+    assert "before max_tokens" in cheap_checks(ok, CheckContext(**{**CTX.__dict__, "max_positions": 64}))[0]
+    too_long = group([GOOD[0], rollout([DIGITS[0]] * 5, "length", 2)], max_tokens=5)
+    assert "length limit" in cheap_checks(too_long, CTX)[0]
+    # An honest claim is fine.
+    claimed = [GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, claimed_reward=0.125)]
+    assert cheap_checks(group(claimed), CTX)[0] is None
+
+
+def test_policy_checks_new_nodes_then_samples():
+    policy = CheckPolicy(warmup_checks=3, sample_rate=0.25, seed=0)
+    assert all(policy.wants_full_check("a", 0) for _ in range(50))
+    for _ in range(3):
+        policy.record_pass("a", 0)
+    draws = [policy.wants_full_check("a", 0) for _ in range(2000)]
+    assert 0.2 < sum(draws) / len(draws) < 0.3
+    assert policy.wants_full_check("b", 0)  # another node is new
+    assert not CheckPolicy(3, 0.0).wants_full_check("c", on_record=3)  # the coordinator's count is honoured
+    with pytest.raises(ValueError):
+        CheckPolicy(1, 1.5)
