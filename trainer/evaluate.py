@@ -10,9 +10,14 @@ from protocol.tasks import Problem, Task
 
 @torch.no_grad()
 def greedy_complete(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], max_new_tokens: int
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], max_new_tokens: int,
+    synced_gpus: bool = False,
 ) -> list[str]:
-    """Greedy completions (stopped at EOS) for a batch of prompts, decoded to text."""
+    """Greedy completions (stopped at EOS) for a batch of prompts, decoded to text.
+
+    `synced_gpus=True` under FSDP: every rank keeps stepping until all ranks are done, since each forward
+    is a collective.
+    """
     was_training = model.training
     model.eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -22,6 +27,7 @@ def greedy_complete(
         do_sample=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        synced_gpus=synced_gpus,
     )
     model.train(was_training)
     texts = []
@@ -30,6 +36,24 @@ def greedy_complete(
             row = row[: row.index(tokenizer.eos_token_id)]
         texts.append(tokenizer.decode(row, skip_special_tokens=True))
     return texts
+
+
+def correct_count(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: tuple[Problem, ...] | list[Problem],
+    task: Task,
+    max_new_tokens: int = 8,
+    batch_size: int = 500,
+    synced_gpus: bool = False,
+) -> int:
+    """How many of `problems` the greedy completion gets exactly right."""
+    correct = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        texts = greedy_complete(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, synced_gpus)
+        correct += sum(task.is_correct(t, p.answer) for t, p in zip(texts, chunk, strict=True))
+    return correct
 
 
 def accuracy(
@@ -41,9 +65,4 @@ def accuracy(
     batch_size: int = 500,
 ) -> float:
     """Fraction of `problems` whose greedy completion is exactly right."""
-    correct = 0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        texts = greedy_complete(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
-        correct += sum(task.is_correct(t, p.answer) for t, p in zip(texts, chunk, strict=True))
-    return correct / max(len(problems), 1)
+    return correct_count(model, tokenizer, problems, task, max_new_tokens, batch_size) / max(len(problems), 1)

@@ -1,0 +1,402 @@
+"""The trainer role: pull verified groups, take GRPO steps, publish every new policy version.
+
+    cfg = load_config(TrainerConfig, "trainer.toml")
+    run_trainer(cfg)                      # one process
+    torchrun --nproc-per-node 2 -m ...    # the same call under FSDP: rank 0 talks to the coordinator
+
+One step:
+  1. collect `batch_groups` trainable groups with group_id > cursor. A group sampled by a policy more than
+     `max_staleness` versions behind the trainer's is dropped (counted as stale); a zero-advantage group is
+     skipped (counted as filtered); the cursor moves past both. The time spent here is `trainer_idle_s`.
+  2. one optimizer step (FSDP: every rank its slice);
+  3. version += 1; save the state (weights in HF layout, optimizer, version, cursor) atomically;
+  4. hand the new weights to the background publisher, which uploads and publishes them while training
+     goes on: the trainer never waits for a broadcast;
+  5. post metrics (and every `eval_every` steps the held-out greedy accuracy).
+
+Versions are monotonic across restarts: a restarted trainer takes the newest of its saved version and the
+coordinator's, and only publishes above the coordinator's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+import torch
+import torch.distributed as dist
+import transformers
+
+from protocol.client import CoordinatorClient, CoordinatorError
+from protocol.identity import Identity
+from protocol.manifest import CheckpointManifest, SignedManifest
+from protocol.messages import RunInfo, TrainingBatch, TrainingGroup
+from protocol.tasks import get_task
+from trainer.config import TrainerConfig
+from trainer.distributed import (
+    DistEnv,
+    all_reduce_int,
+    broadcast_object,
+    fsdp_grpo_step,
+    full_state,
+    init_distributed,
+    load_optimizer_state,
+    optimizer_state,
+    shard_model,
+    unsharded_copy,
+)
+from trainer.evaluate import correct_count
+from trainer.grpo import build_batch, filter_groups, make_optimizer
+from trainer.metrics import StepDisplay, elapsed_s, rollout_metrics, staleness_histogram
+from trainer.model import load_checkpoint
+from trainer.publisher import Publisher
+from trainer.state import TrainerState, clean_temp, latest, load_state, prune_states, restore_rng, save_state
+
+log = logging.getLogger(__name__)
+
+
+class TrainerClient(Protocol):
+    """The coordinator calls the trainer makes (`protocol.client.CoordinatorClient` has them all)."""
+
+    def info(self) -> RunInfo: ...
+
+    def training_batch(self, after_id: int, limit: int) -> TrainingBatch: ...
+
+    def upload_shard(self, sha256: str, data: bytes) -> None: ...
+
+    def publish(self, manifest: CheckpointManifest) -> SignedManifest: ...
+
+    def metrics(self, step: int, version: int, metrics: dict[str, float]) -> None: ...
+
+
+# -- 1. collecting groups ---------------------------------------------------------------------------
+
+
+@dataclass
+class Collected:
+    """The groups for one step and what was passed over to get them."""
+
+    groups: list[TrainingGroup]
+    """Trainable: fresh enough, well formed, and (if filtering) with non-zero advantages."""
+    fresh: list[TrainingGroup]
+    """Every fresh group seen, trainable or not (for reward metrics)."""
+    cursor: int
+    """The largest group id seen; the next pull starts after it."""
+    stale: int = 0
+    filtered: int = 0
+    idle_s: float = 0.0
+
+
+def _transient(e: Exception) -> bool:
+    """Worth retrying: the coordinator is unreachable or restarting, not refusing us."""
+    return isinstance(e, httpx.TransportError) or (isinstance(e, CoordinatorError) and e.status >= 500)
+
+
+def collect_groups(
+    client: TrainerClient,
+    cursor: int,
+    version: int,
+    cfg: TrainerConfig,
+    stop: threading.Event | None = None,
+    on_wait: Callable[[int], None] | None = None,
+) -> Collected | None:
+    """Pull groups after `cursor` until `cfg.batch_groups` fresh ones are in; None if `stop` was set.
+
+    A group is fresh when its policy_version >= version - max_staleness (with max_staleness 0: only
+    groups sampled by the current weights). Of the fresh groups, the zero-advantage (and malformed) ones
+    are filtered out of `groups`; with `fill_with_informative` they do not count towards the batch
+    either, so the step always gets `batch_groups` trainable groups. Waits `poll_interval_s` between
+    polls that found nothing new; rides out coordinator restarts.
+    """
+    t0 = time.monotonic()
+    out = Collected(groups=[], fresh=[], cursor=cursor)
+    oldest = version - cfg.max_staleness
+
+    def have() -> int:
+        return len(out.groups) if cfg.fill_with_informative else len(out.fresh)
+
+    while have() < cfg.batch_groups:
+        if stop is not None and stop.is_set():
+            return None
+        want = cfg.batch_groups - have()
+        try:
+            batch = client.training_batch(after_id=out.cursor, limit=want)
+        except (httpx.TransportError, CoordinatorError) as e:
+            if not _transient(e):
+                raise
+            log.warning("coordinator unavailable (%s); retrying", e)
+            batch = TrainingBatch(current_version=-1, groups=[])
+        for g in sorted(batch.groups, key=lambda g: g.group_id):
+            if g.group_id <= out.cursor:  # a coordinator bug must not make us train twice on a group
+                continue
+            out.cursor = g.group_id
+            if g.policy_version < oldest:
+                out.stale += 1
+                continue
+            out.fresh.append(g)
+            keep, drop = filter_groups([g], cfg.filter_zero_advantage)
+            out.groups += keep
+            out.filtered += len(drop)
+        # We never ask for more than we still need, so every group returned was consumed above.
+        if len(batch.groups) < want and have() < cfg.batch_groups:
+            if on_wait is not None:
+                on_wait(have())
+            if stop is not None:
+                stop.wait(cfg.poll_interval_s)
+            else:
+                time.sleep(cfg.poll_interval_s)
+    out.idle_s = time.monotonic() - t0
+    return out
+
+
+# -- 2. the run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerSummary:
+    """What `run_trainer` did (rank 0's view)."""
+
+    step: int
+    version: int
+    cursor: int
+    state_path: Path | None
+    history: list[dict[str, float]] = field(default_factory=list)
+    """The metrics posted, one dict per report (step 0's evaluation included), with `step`/`version`."""
+
+
+def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop: threading.Event | None = None,
+                display: bool | None = None) -> TrainerSummary:
+    """Train until `cfg.max_steps` (counted across restarts) or until `stop` is set; returns a summary.
+
+    Resumes from the newest state in `cfg.state_dir` if there is one, else starts from
+    `cfg.init_checkpoint`. `client` defaults to a signed `CoordinatorClient` for `cfg.coordinator_url`
+    with the identity at `cfg.key_path`. Under torchrun every rank calls this; only rank 0 talks to the
+    coordinator, writes states and publishes. Returns after the last checkpoint is published.
+    """
+    joined = dist.is_available() and dist.is_initialized()
+    env = init_distributed()
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    # transformers draws a progress bar for every load and save: one per step here, which buries the status.
+    transformers.utils.logging.disable_progress_bar()
+    pub_client: TrainerClient | None = client
+    owned: list[CoordinatorClient] = []
+    if env.is_main and client is None:
+        identity = Identity.load_or_create(cfg.key_path)
+        # Two connections: the publisher thread uploads while the main thread polls for groups.
+        client = CoordinatorClient(cfg.coordinator_url, identity)
+        pub_client = CoordinatorClient(cfg.coordinator_url, identity)
+        owned = [client, pub_client]
+    try:
+        return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display).run()
+    finally:
+        for c in owned:
+            c.close()
+        if env.distributed and not joined:  # we made the process group, so we take it down
+            dist.destroy_process_group()
+
+
+class _Run:
+    """The state of one `run_trainer` call; its methods are the steps above, in order."""
+
+    def __init__(self, cfg: TrainerConfig, env: DistEnv, client: TrainerClient | None,
+                 pub_client: TrainerClient | None, stop: threading.Event | None, display: bool):
+        self.cfg, self.env, self.client, self.stop = cfg, env, client, stop
+        self.state_dir = Path(cfg.state_dir)
+        self.history: list[dict[str, float]] = []
+
+        # The run: rank 0 asks, everyone hears.
+        info: RunInfo = broadcast_object(client.info() if env.is_main else None, env)  # type: ignore[union-attr]
+        if cfg.run_id and cfg.run_id != info.run_id:
+            raise ValueError(f"configured run_id {cfg.run_id!r} but the coordinator runs {info.run_id!r}")
+        self.info = info
+        self.run_id = info.run_id
+        self.task = get_task(cfg.task or info.task)
+        self.gcfg = cfg.grpo(info.sampling.temperature)
+
+        # Weights, optimizer and counters: from the newest state, else from the warm-started checkpoint.
+        if env.is_main:
+            clean_temp(self.state_dir)
+        path: Path | None = broadcast_object(latest(self.state_dir) if env.is_main else None, env)
+        loaded = load_state(path) if path is not None else None
+        if loaded is not None:
+            if loaded.state.run_id and loaded.state.run_id != self.run_id:
+                raise ValueError(f"the state in {path} belongs to run {loaded.state.run_id!r}, the coordinator runs "
+                                 f"{self.run_id!r}: give this run its own state_dir")
+            self.model, self.tokenizer, self.ts = loaded.model, loaded.tokenizer, loaded.state
+            restore_rng(loaded.rng)
+        else:
+            if not cfg.init_checkpoint:
+                raise ValueError(f"no trainer state in {self.state_dir} and no init_checkpoint to start from")
+            self.model, self.tokenizer = load_checkpoint(cfg.init_checkpoint)
+            self.ts = TrainerState(run_id=self.run_id)
+            torch.manual_seed(cfg.seed)
+            random.seed(cfg.seed)
+        self.ref_model = None
+        if self.gcfg.kl_coef > 0:
+            if not cfg.init_checkpoint:
+                raise ValueError("kl_coef > 0 needs init_checkpoint (the reference policy)")
+            self.ref_model, _ = load_checkpoint(cfg.init_checkpoint)
+            self.ref_model.requires_grad_(False)
+            self.ref_model.eval()
+        if env.distributed:
+            shard_model(self.model)
+            if self.ref_model is not None:
+                shard_model(self.ref_model)
+        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
+        if loaded is not None:
+            load_optimizer_state(self.model, self.optimizer, loaded.optimizer)
+            for g in self.optimizer.param_groups:  # the config, not the saved state, says how to go on
+                g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.state_path = path
+
+        # Versions never go backwards, even if our state is older than what the coordinator has.
+        if info.current_version > self.ts.version:
+            log.warning("coordinator is at version %d, our state at %d: continuing above the coordinator's",
+                        info.current_version, self.ts.version)
+            self.ts.version = info.current_version
+        self.publisher = Publisher(pub_client, self.run_id, background=cfg.publish_in_background) \
+            if env.is_main else None
+        self.display = StepDisplay(cfg.max_steps, self.ts.step, enabled=display and env.is_main)
+
+    # -- collectives (every rank calls these) --------------------------------------------------------
+
+    def save(self) -> Path | None:
+        """Write the current state (rank 0); returns its directory on rank 0."""
+        if self.env.distributed:
+            msd, osd = full_state(self.model, self.optimizer, self.env)
+            if not self.env.is_main:
+                return None
+            model = unsharded_copy(self.model, msd)
+        else:
+            model = self.model
+            osd = optimizer_state(self.model, self.optimizer)
+        self.ts.run_id = self.run_id
+        return save_state(self.state_dir, model, self.tokenizer, osd, self.ts)  # type: ignore[arg-type]
+
+    def evaluate(self) -> float:
+        """Greedy exact match on the task's held-out problems, as `trainer.evaluate.accuracy` measures it
+        (FSDP: each rank a share, summed)."""
+        problems = list(self.task.eval_set[: self.cfg.eval_size])
+        mine = problems[self.env.rank :: self.env.world_size]
+        correct = correct_count(self.model, self.tokenizer, mine, self.task, synced_gpus=self.env.distributed)
+        return all_reduce_int(correct, self.env) / max(len(problems), 1)
+
+    # -- rank 0 only ---------------------------------------------------------------------------------
+
+    def report(self, metrics: dict[str, float]) -> None:
+        metrics = {**metrics, "elapsed_s": elapsed_s()}
+        record = {"step": float(self.ts.step), "version": float(self.ts.version), **metrics}
+        self.history.append(record)
+        try:
+            self.client.metrics(self.ts.step, self.ts.version, metrics)  # type: ignore[union-attr]
+        except Exception as e:  # metrics are not worth stopping training for
+            log.warning("posting metrics failed: %s", e)
+
+    def ensure_published(self) -> None:
+        """Publish our current weights now, synchronously: the coordinator lacks them (or has nothing yet)."""
+        if self.state_path is None:  # fresh start: the initial weights get a state of their own
+            self.state_path = self.save()
+        if self.env.is_main:
+            assert self.publisher is not None and self.state_path is not None
+            self.publisher.submit(self.state_path / "model", self.ts.version)
+            self.publisher.flush()
+            if self.publisher.published_version < self.ts.version:
+                err = self.publisher.last.error if self.publisher.last else "unknown"
+                raise RuntimeError(f"could not publish the initial version {self.ts.version}: {err}")
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> TrainerSummary:
+        cfg, env = self.cfg, self.env
+        try:
+            # Identical on every rank (all saw the same info), so the collectives inside match up.
+            needs_publish = self.info.current_version < self.ts.version or self.info.current_version < 0
+            if needs_publish:
+                self.ensure_published()
+            if self.ts.step == 0 and cfg.eval_every > 0:
+                acc = self.evaluate()
+                if env.is_main:
+                    self.display.print(f"step 0 (v{self.ts.version}): eval accuracy {acc:.3f}")
+                    self.report({"eval_accuracy": acc})
+            with self.display:
+                while self.ts.step < cfg.max_steps:
+                    if not self.train_one_step():
+                        break
+            if env.distributed:  # rank 0 may still be reporting: leave together, so teardown is orderly
+                dist.barrier()
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+        return TrainerSummary(self.ts.step, self.ts.version, self.ts.cursor, self.state_path, self.history)
+
+    def train_one_step(self) -> bool:
+        """Collect, step, save, publish, report. False when stopped while waiting for groups."""
+        cfg, env, ts = self.cfg, self.env, self.ts
+        collected = None
+        if env.is_main:
+            collected = collect_groups(self.client, ts.cursor, ts.version, cfg, self.stop,  # type: ignore[arg-type]
+                                       on_wait=lambda n: self.display.status(
+                                           f"v{ts.version}: waiting for groups ({n}/{cfg.batch_groups})"))
+        groups = broadcast_object(None if collected is None else collected.groups, env)
+        if groups is None:
+            return False
+        if not groups:  # every fresh group had zero advantage: nothing to learn, no new version
+            ts.cursor = broadcast_object(collected.cursor if collected else None, env)
+            if env.is_main:
+                assert collected is not None
+                self.display.print(f"v{ts.version}: all {len(collected.fresh)} fresh groups had zero advantage")
+            return True
+        used_version = ts.version
+
+        t0 = time.monotonic()
+        batch = build_batch(groups, self.tokenizer.pad_token_id, cfg.adv_eps)
+        stats = fsdp_grpo_step(self.model, self.optimizer, batch, self.gcfg, env, grad_clip=cfg.grad_clip,
+                               micro_batch_size=cfg.micro_batch_size, ref_model=self.ref_model)
+        step_s = time.monotonic() - t0
+
+        ts.step += 1
+        ts.version += 1
+        ts.cursor = broadcast_object(collected.cursor if collected else None, env)
+        t1 = time.monotonic()
+        path = self.save()
+        save_s = time.monotonic() - t1
+        if env.is_main:
+            assert path is not None and self.publisher is not None
+            self.state_path = path
+            self.publisher.submit(path / "model", ts.version)  # returns at once: training goes on
+
+        eval_acc = None
+        if cfg.eval_every > 0 and ts.step % cfg.eval_every == 0:
+            eval_acc = self.evaluate()
+
+        if env.is_main:
+            assert collected is not None and self.publisher is not None
+            metrics: dict[str, float] = {
+                **rollout_metrics(collected.fresh),
+                **{k: v for k, v in stats.items()},
+                **staleness_histogram(collected.groups, used_version, cfg.max_staleness),
+                "trainer_idle_s": collected.idle_s,
+                "step_s": step_s,
+                "save_s": save_s,
+                "groups_used": float(len(collected.groups)),
+                "groups_stale": float(collected.stale),
+                "groups_filtered": float(collected.filtered),
+                "published_version": float(self.publisher.published_version),
+            }
+            if self.publisher.last is not None:
+                metrics["publish_s"] = self.publisher.last.seconds
+            if eval_acc is not None:
+                metrics["eval_accuracy"] = eval_acc
+                self.display.print(f"step {ts.step} (v{ts.version}): eval accuracy {eval_acc:.3f}")
+            self.report(metrics)
+            self.display.step(ts.step, ts.version, metrics)
+            prune_states(self.state_dir, cfg.keep_states, protect=self.publisher.in_use())
+        return True
