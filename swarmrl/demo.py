@@ -241,9 +241,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 if "trainer" in dead:
                     stop_reason = "trainer finished" if swarm.procs["trainer"].returncode == 0 else "trainer died"
                     break
-                crashed = [n for n in dead if n != "trainer"]
-                if crashed:
-                    stop_reason = f"{crashed[0]} died"
+                # A node may die or be banned; the swarm goes on while any node lives, as a real pool would.
+                essential = [n for n in dead if n in ("coordinator", "verifier")]
+                nodes_alive = [n for n in swarm.procs if n.startswith("node") and n not in dead]
+                if essential or not nodes_alive:
+                    stop_reason = f"{essential[0]} died" if essential else "every node died"
                     break
                 acc = _metric_series(status, "eval_accuracy") if status else []
                 if acc and acc[-1][1] >= cfg.target_accuracy:
