@@ -1,15 +1,26 @@
 """Fetching signed checkpoints: manifest first, then every shard hash-checked, then the files assembled.
 
 Nothing is loaded before the manifest's signature has been checked against the coordinator's pinned key
-and found newer than what the node holds. Shards come from `ShardSource`s tried in order (peers first
-when there are any, the coordinator's HTTP origin as seed and fallback); a source that returns bytes
-that do not match their hash is reported through `on_bad_shard`, and the shard is taken elsewhere.
-Shards already on disk are reused, so a killed download resumes where it stopped.
+and found newer than what the node holds. Shards come from `ShardSource`s; a source that returns bytes
+that do not match their hash is reported through `on_bad_shard` (and its own `on_failure`), and the shard
+is taken elsewhere. Shards already on disk are reused, so a killed download resumes where it stopped.
+
+Scheduling. A source may stand for several concrete sources (`expand`: the swarm expands into one source
+per peer that the DHT says holds shards of this version) and may hold only some shards (`holds`). Sources
+with `seed = True` (the HTTP origin, the coordinator's seed peer: holders of everything, but one shared
+link) are used for shards that no peer holds, rarest first; peers are used for every shard they hold,
+rarest first (fewest peer holders), ties broken by a per-fetch rotation of the shard list so that nodes
+starting together take different shards from the seed. Up to `max_parallel` shards are in flight, at
+most `max_in_flight` to any one source. With the defaults (`max_parallel=1`, plain sources) this is the
+original behaviour: shard after shard, sources tried in the order given.
 """
 
 from __future__ import annotations
 
+import random
 import shutil
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,18 +34,62 @@ from protocol.manifest import (
     ShardStore,
     SignedManifest,
     assemble_checkpoint,
-    sha256_bytes,
 )
+
+WAIT = object()
+"""What `ShardSource.suggest` returns for "take none of these from me now" (a seed whose copies of them are
+on their way to other peers: they will be announced shortly)."""
+
+
+class BadShardBytes(Exception):
+    """A source sent something that is certainly not the shard (e.g. a wrong length): treated as bad bytes."""
 
 
 class ShardSource(ABC):
-    """Somewhere shards can be read from. Implementations may be slow, fail, or lie about bytes."""
+    """Somewhere shards can be read from. Implementations may be slow, fail, or lie about bytes.
+
+    Only `get` is required; the other members have defaults that describe a plain source holding every
+    shard (like the HTTP origin).
+    """
 
     name: str = "source"
+    #: A seed holds every shard but its link is shared by all nodes: used for shards no peer holds.
+    seed: bool = True
+    #: Requests the fetcher keeps in flight to this source at once.
+    max_in_flight: int = 1
+
+    @property
+    def key(self) -> str:
+        """Identifies this source across `expand` calls (load and failure bookkeeping)."""
+        return f"{type(self).__name__}@{id(self):x}"
 
     @abstractmethod
     def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
         """The bytes of `shard` (not yet verified: the caller checks the hash). Raises on failure."""
+
+    def expand(self, manifest: CheckpointManifest) -> list[ShardSource]:
+        """The concrete sources this one stands for right now (called often: keep it cheap)."""
+        return [self]
+
+    def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
+        return True
+
+    def suggest(self, manifest: CheckpointManifest, wanted: list[ShardRef]) -> ShardRef | object | None:
+        """Which of `wanted` this source would rather send next (a seed spreading its uploads): one of them,
+        `WAIT` (none now), or None (no opinion: the fetcher takes the rarest)."""
+        return None
+
+    def prepare(self, manifest: CheckpointManifest, store: ShardStore) -> None:  # noqa: B027 (optional hook)
+        """A fetch of `manifest` into `store` begins (verified shards of it may already be there)."""
+
+    def stored(self, manifest: CheckpointManifest, shard: ShardRef) -> None:  # noqa: B027 (optional hook)
+        """`shard` has been verified and stored (from whichever source)."""
+
+    def on_success(self, manifest: CheckpointManifest, shard: ShardRef) -> None:  # noqa: B027 (optional hook)
+        """This source delivered `shard` correctly."""
+
+    def on_failure(self, manifest: CheckpointManifest, shard: ShardRef, error: str, bad_bytes: bool) -> None:  # noqa: B027 (optional hook)
+        """This source failed to deliver `shard`; `bad_bytes`: it sent bytes that do not match the hash."""
 
 
 class HttpOrigin(ShardSource):
@@ -42,8 +97,9 @@ class HttpOrigin(ShardSource):
 
     name = "origin"
 
-    def __init__(self, client: CoordinatorClient):
+    def __init__(self, client: CoordinatorClient, max_in_flight: int = 1):
         self.client = client
+        self.max_in_flight = max_in_flight
 
     def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
         return self.client.shard(shard.sha256)
@@ -55,20 +111,30 @@ class FetchStats:
     shards_reused: int = 0
     bytes_fetched: int = 0
     bad_shards: int = 0
+    failures: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
 
 
 class CheckpointFetcher:
-    """Keeps verified checkpoint versions under `root`/v{version}, at most `keep_versions` of them."""
+    """Keeps verified checkpoint versions under `root`/v{version}, at most `keep_versions` of them.
+
+    `max_parallel`: shards in flight at once (from different sources, or several to a source whose
+    `max_in_flight` allows it). `stall_timeout_s`: give up when no source can make progress for this long
+    (only when no seed source is configured; with seeds a shard fails once every seed failed it).
+    """
 
     def __init__(self, root: str | Path, coordinator_key: str, sources: list[ShardSource], keep_versions: int = 2,
-                 on_bad_shard: Callable[[ShardSource, ShardRef], None] | None = None):
+                 on_bad_shard: Callable[[ShardSource, ShardRef], None] | None = None, *, max_parallel: int = 1,
+                 poll_s: float = 0.2, stall_timeout_s: float = 120.0):
         self.root = Path(root)
         self.store = ShardStore(self.root / "shards")
         self.coordinator_key = coordinator_key
         self.sources = sources
         self.keep_versions = keep_versions
         self.on_bad_shard = on_bad_shard
+        self.max_parallel = max(1, max_parallel)
+        self.poll_s = poll_s
+        self.stall_timeout_s = stall_timeout_s
         self.stats = FetchStats()
         self._manifests: dict[int, CheckpointManifest] = {}
 
@@ -84,38 +150,18 @@ class CheckpointFetcher:
         manifest = self.accept_manifest(signed, held_version)
         out = self.version_dir(manifest.version)
         if not out.exists():
-            for shard in manifest.shards():
-                self._ensure(manifest, shard)
+            for source in self.sources:
+                source.prepare(manifest, self.store)
+            missing = self.store.missing(manifest)
+            self.stats.shards_reused += len(manifest.shards()) - len(missing)
+            if missing:
+                _Download(self, manifest, missing).run()
             assemble_checkpoint(manifest, self.store.get, out)
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "manifests" / f"{manifest.version:08d}.json").write_text(signed.model_dump_json())
         self._manifests[manifest.version] = manifest
         self._prune()
         return manifest, out
-
-    def _ensure(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
-        if self.store.has(shard.sha256):
-            self.stats.shards_reused += 1
-            return
-        errors: list[str] = []
-        for source in self.sources:
-            try:
-                data = source.get(manifest, shard)
-            except Exception as e:  # a failing source is skipped, never fatal: another may have it
-                errors.append(f"{source.name}: {e}")
-                continue
-            if len(data) != shard.size or sha256_bytes(data) != shard.sha256:
-                self.stats.bad_shards += 1
-                errors.append(f"{source.name}: bad bytes")
-                if self.on_bad_shard is not None:
-                    self.on_bad_shard(source, shard)
-                continue
-            self.store.put(shard.sha256, data)
-            self.stats.shards_fetched += 1
-            self.stats.bytes_fetched += len(data)
-            self.stats.by_source[source.name] = self.stats.by_source.get(source.name, 0) + 1
-            return
-        raise ManifestError(f"no source had a good copy of shard {shard.sha256[:12]}: {'; '.join(errors)}")
 
     def _prune(self) -> None:
         versions = sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
@@ -131,3 +177,159 @@ class CheckpointFetcher:
                 p.unlink(missing_ok=True)
         if keep:
             self.store.remove_unreferenced(keep)
+
+
+class _Download:
+    """The missing shards of one manifest, fetched by `max_parallel` worker threads."""
+
+    def __init__(self, fetcher: CheckpointFetcher, manifest: CheckpointManifest, missing: list[ShardRef]):
+        self.f = fetcher
+        self.manifest = manifest
+        # Rotation: every fetch starts at its own random place in the shard list (see the module docstring).
+        k = random.randrange(len(missing)) if fetcher.max_parallel > 1 else 0
+        self.pending: list[ShardRef] = missing[k:] + missing[:k]
+        self.in_flight: set[str] = set()
+        self.failed: dict[str, set[str]] = {}  # shard sha -> keys of sources that failed it
+        self.errors: dict[str, list[str]] = {}
+        self.load: dict[str, int] = {}
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.last_progress = time.monotonic()
+
+    def run(self) -> None:
+        n = min(self.f.max_parallel, len(self.pending))
+        if n == 1:
+            self._work()
+        else:
+            threads = [threading.Thread(target=self._work, name=f"fetch-{i}", daemon=True) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if self.error is not None:
+            raise self.error
+
+    # -- choosing what to fetch from where -------------------------------------------------------------
+
+    def _sources(self) -> list[ShardSource]:
+        out: list[ShardSource] = []
+        for top in self.f.sources:
+            try:
+                out.extend(top.expand(self.manifest))
+            except Exception:  # noqa: BLE001 (discovery trouble must not stop the seeds)
+                continue
+        return out
+
+    def _free(self, s: ShardSource) -> bool:
+        return self.load.get(s.key, 0) < s.max_in_flight
+
+    def _pick(self) -> tuple[ShardRef, ShardSource] | None:
+        sources = self._sources()
+        peers = [s for s in sources if not s.seed]
+        seeds = [s for s in sources if s.seed]
+        best: tuple[tuple[int, int], ShardRef, ShardSource] | None = None
+        counts: list[int] = []
+        for rank, shard in enumerate(self.pending):
+            failed = self.failed.get(shard.sha256, ())
+            holders = [p for p in peers if p.key not in failed and p.holds(self.manifest, shard)]
+            counts.append(len(holders))
+            free = [p for p in holders if self._free(p)]
+            if free and (best is None or (len(holders), rank) < best[0]):
+                pick = min(free, key=lambda p: (self.load.get(p.key, 0), random.random()))
+                best = ((len(holders), rank), shard, pick)
+        if best is not None:
+            return best[1], best[2]
+        # Seeds: each shard goes to the first seed (in the order given) that has not failed it; the next
+        # seed is a fallback, not extra capacity (the HTTP origin and the seed peer share one link).
+        queues: dict[str, tuple[ShardSource, list[ShardRef], int]] = {}
+        for rank in sorted(range(len(self.pending)), key=lambda r: (counts[r], r)):
+            shard = self.pending[rank]
+            failed = self.failed.get(shard.sha256, ())
+            first = next((s for s in seeds if s.key not in failed and s.holds(self.manifest, shard)), None)
+            if first is None:
+                if seeds and counts[rank] == 0:
+                    raise ManifestError(f"no source had a good copy of shard {shard.sha256[:12]}: "
+                                        f"{'; '.join(self.errors.get(shard.sha256, []))}")
+                continue
+            seed, queue, rarest = queues.setdefault(first.key, (first, [], counts[rank]))
+            if counts[rank] == rarest:
+                queue.append(shard)
+        for seed, queue, _ in queues.values():
+            if self._free(seed):
+                hint = seed.suggest(self.manifest, queue)
+                if hint is WAIT:
+                    continue
+                return hint if isinstance(hint, ShardRef) else queue[0], seed
+        if not seeds and not self.in_flight and time.monotonic() - self.last_progress > self.f.stall_timeout_s:
+            raise ManifestError(f"no source can provide the {len(self.pending)} missing shards")
+        return None
+
+    # -- the workers -----------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while True:
+                    if self.error is not None or (not self.pending and not self.in_flight):
+                        self.cond.notify_all()
+                        return
+                    try:
+                        picked = self._pick() if self.pending else None
+                    except BaseException as e:  # noqa: BLE001 (reported to the caller of fetch)
+                        self.error = e
+                        continue
+                    if picked is not None:
+                        break
+                    self.cond.wait(self.f.poll_s)
+                shard, source = picked
+                self.pending.remove(shard)
+                self.in_flight.add(shard.sha256)
+                self.load[source.key] = self.load.get(source.key, 0) + 1
+            ok = False
+            try:
+                ok = self._fetch_one(shard, source)
+            except BaseException as e:  # noqa: BLE001
+                with self.cond:
+                    self.error = e
+            finally:
+                with self.cond:
+                    self.load[source.key] -= 1
+                    self.in_flight.discard(shard.sha256)
+                    if ok:
+                        self.last_progress = time.monotonic()
+                    elif self.error is None:
+                        self.pending.insert(0, shard)
+                    self.cond.notify_all()
+
+    def _fetch_one(self, shard: ShardRef, source: ShardSource) -> bool:
+        """Fetch `shard` from `source` into the store; False (and bookkeeping) if that failed."""
+        f, stats = self.f, self.f.stats
+        bad, error = False, ""
+        try:
+            data = source.get(self.manifest, shard)
+            if len(data) != shard.size:
+                raise BadShardBytes(f"{len(data)} bytes instead of {shard.size}")
+            f.store.put(shard.sha256, data)  # checks the hash before anything is written
+        except (BadShardBytes, ManifestError) as e:
+            bad, error = True, f"bad bytes ({e})"
+        except Exception as e:  # noqa: BLE001 (a failing source is skipped, never fatal: another may have it)
+            error = f"{type(e).__name__}: {e}"
+        if not error:
+            with self.cond:
+                stats.shards_fetched += 1
+                stats.bytes_fetched += shard.size
+                stats.by_source[source.name] = stats.by_source.get(source.name, 0) + 1
+            source.on_success(self.manifest, shard)
+            for top in f.sources:
+                top.stored(self.manifest, shard)
+            return True
+        with self.cond:
+            self.failed.setdefault(shard.sha256, set()).add(source.key)
+            self.errors.setdefault(shard.sha256, []).append(f"{source.name}: {error}")
+            stats.failures += 1
+            if bad:
+                stats.bad_shards += 1
+        source.on_failure(self.manifest, shard, error, bad)
+        if bad and f.on_bad_shard is not None:
+            f.on_bad_shard(source, shard)
+        return False

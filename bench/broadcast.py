@@ -1,0 +1,577 @@
+"""Broadcast benchmark: how fast does a checkpoint reach N nodes, through the swarm vs from the origin alone?
+
+Runs, in one invocation and on one emulated network:
+
+  (a) swarm: an origin (the coordinator's HTTP app, `coordinator.app`, serving its shard store, plus its DHT
+      seed, `coordinator.dht_seed`; a minimal shard server if the app cannot be built), N honest
+      nodes fetching with `CheckpointFetcher([SwarmSource, HttpOrigin])`, and (by default) one malicious
+      peer that announces every shard and serves corrupted bytes;
+  (b) origin-only: the same N nodes, each pulling every shard from the HTTP origin.
+
+Every host (origin, nodes, malicious peers) is a process in its own network namespace, joined by a veth
+pair to a bridge that lives in a namespace of its own; every link is shaped with `tc tbf` in both
+directions (default 100 Mbit/s, the origin's too). Addresses are 10.231.0.0/16, inside those namespaces
+only; nothing is added to the host's own namespace, and everything (namespaces, processes) is removed at
+the end, also on failure. Needs root, `ip` and `tc`.
+
+The checkpoint is a safetensors file of random float32 tensors (default 200 MB) plus a config.json,
+written to a temporary directory, cut into content-addressed shards and signed like the coordinator does.
+A node is done when `fetch` returned: signature checked, every shard hash-checked, files assembled and
+hash-checked. Reported times run from the moment all nodes are told to go to the moment the last one is
+done. The lower bound is S/B: the origin must send every byte once and every node must receive it once.
+
+    sudo .venv/bin/python bench/broadcast.py --nodes 8 --rate-mbit 100 --size-mb 200
+
+The last output line is one JSON object: swarm_s, origin_only_s, limit_s, nodes, size_mb, and details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RUN_ID = "bench"
+SUBNET = "10.231"
+HTTP_PORT = 8470
+SEED_PORT = 31337
+MSG = "@@ "  # prefix of protocol lines on a worker's stdout
+
+
+# =========================================================================================================
+# network namespaces
+# =========================================================================================================
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True)
+
+
+class Network:
+    """A bridge in its own namespace, and hosts (one namespace each) attached to it with shaped links."""
+
+    def __init__(self, rate_mbit: float, prefix: str):
+        self.rate = rate_mbit
+        self.prefix = prefix
+        self.switch = f"{prefix}sw"
+        self.hosts: dict[str, str] = {}  # host name -> namespace
+        self.namespaces: list[str] = []
+
+    def _ns(self, name: str) -> str:
+        ns = f"{self.prefix}{name}"
+        sh("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        return ns
+
+    def up(self) -> Network:
+        self._ns("sw")
+        sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        return self
+
+    def add_host(self, name: str, ip: str) -> str:
+        ns = self._ns(name)
+        port = f"p{len(self.hosts)}"
+        sh("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+        sh("ip", "-n", self.switch, "link", "set", port, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ip}/16", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        # tbf both ways: the host's egress (its upload) and the switch port's egress (its download).
+        shape = ["root", "tbf", "rate", f"{self.rate}mbit", "burst", "128kb", "latency", "50ms"]
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *shape)
+        sh("ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", port, *shape)
+        self.hosts[name] = ns
+        return ns
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Host name -> CPU seconds used so far by the processes in its namespace (workers and p2pd)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for name, ns in self.hosts.items():
+            total = 0.0
+            for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    total += (int(fields[11]) + int(fields[12])) / tick
+                except (OSError, IndexError, ValueError):
+                    continue
+            out[name] = total
+        return out
+
+    def kill_processes(self) -> None:
+        """End every process still inside our namespaces (our workers and their p2pd daemons), by pid."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = []
+            for ns in self.namespaces:
+                out = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+                pids += [int(p) for p in out if p.isdigit()]
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            if not pids:
+                return
+            time.sleep(1.0)
+
+    def down(self) -> None:
+        self.kill_processes()
+        for ns in reversed(self.namespaces):
+            sh("ip", "netns", "del", ns, check=False)
+        self.namespaces.clear()
+
+
+# =========================================================================================================
+# the checkpoint
+# =========================================================================================================
+
+
+def make_checkpoint(out: Path, size_mb: float) -> None:
+    """A safetensors file of random float32 tensors totalling at least `size_mb` MB, and a config.json."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng()
+    remaining = int(size_mb * 1e6) // 4 + 1
+    tensors, i = {}, 0
+    while remaining > 0:
+        n = min(remaining, 1 << 22)
+        tensors[f"layers.{i}.weight"] = rng.standard_normal(n, dtype=np.float32)
+        remaining -= n
+        i += 1
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"model_type": "bench", "tensors": i}))
+
+
+# =========================================================================================================
+# workers (each runs inside one namespace)
+# =========================================================================================================
+
+
+def emit(kind: str, **data: Any) -> None:
+    sys.stdout.write(MSG + json.dumps({"kind": kind, **data}) + "\n")
+    sys.stdout.flush()
+
+
+def read_cmd() -> dict[str, Any]:
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)  # the orchestrator went away
+    return json.loads(line)
+
+
+def origin_app(cfg: dict[str, Any]) -> tuple[Any, str]:
+    """The real coordinator app over the bench's data dir (its /v1/shards endpoint is what nodes use), or,
+    if that cannot be built here, a minimal app serving the same shard store."""
+    from protocol.identity import Identity
+    from protocol.manifest import ManifestError, ShardStore
+
+    try:
+        from coordinator.app import build_app
+        from coordinator.config import CoordinatorConfig
+
+        ccfg = CoordinatorConfig(host=cfg["ip"], port=HTTP_PORT, data_dir=Path(cfg["data_dir"]), run_id=RUN_ID,
+                                 key_path=Path(cfg["key_path"]))
+        return build_app(ccfg, Identity.load(cfg["key_path"])), "coordinator.app"
+    except Exception as e:  # noqa: BLE001 (the coordinator is someone else's moving target)
+        print(f"real coordinator unavailable ({type(e).__name__}: {e}); using a minimal shard server",
+              file=sys.stderr)
+    from fastapi import FastAPI, HTTPException, Response
+
+    store = ShardStore(Path(cfg["data_dir"]) / "shards")
+    app = FastAPI()
+
+    @app.get("/v1/shards/{sha}")
+    def shard(sha: str) -> Response:
+        try:
+            return Response(store.get(sha), media_type="application/octet-stream")
+        except (ManifestError, OSError) as e:
+            raise HTTPException(404, "no such shard") from e
+
+    return app, "minimal"
+
+
+def worker_origin(cfg: dict[str, Any]) -> None:
+    """HTTP origin serving the shard store (and, in swarm mode, the coordinator's DHT seed)."""
+    import uvicorn
+
+    from protocol.manifest import ShardStore, SignedManifest
+
+    store = ShardStore(Path(cfg["data_dir"]) / "shards")
+    app, kind = origin_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg["ip"], port=HTTP_PORT, log_level="warning",
+                                           access_log=False))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    seed = None
+    bootstrap: list[str] = []
+    if cfg["swarm"]:
+        from coordinator.dht_seed import DhtSeed
+        from node.p2p.config import P2PConfig
+
+        signed = SignedManifest.model_validate_json(Path(cfg["manifest"]).read_text())
+        pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/{SEED_PORT}"], **cfg.get("p2p", {}))
+        seed = DhtSeed(pcfg, RUN_ID, store).start()
+        seed.publish(signed.manifest)
+        bootstrap = seed.bootstrap_peers
+    emit("ready", bootstrap=bootstrap, origin=kind)
+    while read_cmd().get("cmd") != "stop":
+        pass
+    stats = seed.peer.stats.__dict__ if seed is not None else {}
+    if seed is not None:
+        seed.close()
+    server.should_exit = True
+    emit("bye", seed_stats=stats)
+
+
+class LyingStore:
+    """For the malicious peer: claims every shard and hands out random bytes of the right size."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+
+    def has(self, sha: str) -> bool:
+        return sha in self.sizes
+
+    def get(self, sha: str) -> bytes:
+        return os.urandom(self.sizes[sha])
+
+
+def worker_node(cfg: dict[str, Any]) -> None:
+    """An honest node (swarm or origin-only), or with cfg['malicious'] a peer serving corrupted shards."""
+    from node.fetcher import CheckpointFetcher, HttpOrigin, ShardSource
+    from protocol.client import CoordinatorClient
+    from protocol.manifest import SignedManifest
+
+    peer = None
+    if cfg["swarm"]:
+        from node.p2p.config import P2PConfig
+        from node.p2p.swarm import SwarmPeer
+
+        pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/0"], initial_peers=cfg["bootstrap"], **cfg.get("p2p", {}))
+        peer = SwarmPeer(pcfg, RUN_ID).start()
+    emit("ready", peer_id=peer.peer_id if peer else "")
+    go = read_cmd()
+    signed = SignedManifest.model_validate(go["signed"])
+    result: dict[str, Any] = {}
+    if cfg.get("malicious"):
+        assert peer is not None
+        peer.serve(signed.manifest, LyingStore({s.sha256: s.size for s in signed.manifest.shards()}))  # type: ignore[arg-type]
+        emit("done", t_done=time.time(), malicious=True)
+    else:
+        client = CoordinatorClient(f"http://{cfg['origin_ip']}:{HTTP_PORT}", timeout=120)
+        sources: list[ShardSource] = [HttpOrigin(client)]
+        if peer is not None:
+            sources.insert(0, peer.source())
+        fetcher = CheckpointFetcher(cfg["root"], go["coordinator_key"], sources, keep_versions=2,
+                                    max_parallel=peer.fetch_parallelism if peer else 1)
+        t0, c0 = time.time(), time.process_time()
+        try:
+            manifest, out = fetcher.fetch(signed, held_version=-1)
+            ok, error = True, ""
+        except Exception as e:  # noqa: BLE001 (reported to the orchestrator)
+            ok, error = False, f"{type(e).__name__}: {e}"
+        t1 = time.time()
+        stored = sorted(p.stat().st_mtime for p in fetcher.store.root.glob("??/*"))
+        result = {"ok": ok, "error": error, "t_start": t0, "t_done": t1, "stats": fetcher.stats.__dict__,
+                  "cpu_s": time.process_time() - c0, "t_half": stored[len(stored) // 2] if stored else t1,
+                  "t_last_shard": stored[-1] if stored else t1}
+        if peer is not None:
+            result["banned"] = sorted(peer.banned)
+        emit("done", **result)
+    while read_cmd().get("cmd") != "stop":
+        pass
+    swarm_stats = peer.stats.__dict__ if peer is not None else {}
+    if peer is not None:
+        peer.close()
+    emit("bye", swarm_stats=swarm_stats)
+
+
+def worker_main(role: str, cfg_json: str) -> None:
+    import logging
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = json.loads(cfg_json)
+    if role == "origin":
+        worker_origin(cfg)
+    else:
+        worker_node(cfg)
+
+
+# =========================================================================================================
+# orchestration
+# =========================================================================================================
+
+
+class Worker:
+    def __init__(self, name: str, ns: str, role: str, cfg: dict[str, Any], log_dir: Path):
+        self.name = name
+        self.log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, str(Path(__file__).resolve()), "--worker", role,
+             json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT,
+        )
+        self._buf = ""
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        try:
+            self.send(cmd="stop")
+        except (BrokenPipeError, OSError):
+            pass
+
+
+def wait_all(workers: list[Worker], kind: str, timeout: float) -> dict[str, dict[str, Any]]:
+    """Wait until every worker has emitted a `kind` message; name -> message."""
+    got: dict[str, dict[str, Any]] = {}
+    deadline = time.time() + timeout
+    by_fd = {w.proc.stdout.fileno(): w for w in workers}  # type: ignore[union-attr]
+    while len(got) < len(workers):
+        left = deadline - time.time()
+        if left <= 0:
+            missing = [w.name for w in workers if w.name not in got]
+            raise TimeoutError(f"no '{kind}' within {timeout:.0f} s from {missing}")
+        ready, _, _ = select.select(list(by_fd), [], [], min(left, 1.0))
+        for fd in ready:
+            w = by_fd[fd]
+            line = w.proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                by_fd.pop(fd)
+                if w.name not in got:
+                    raise RuntimeError(f"worker {w.name} exited (rc={w.proc.wait()}); see its log")
+                continue
+            if line.startswith(MSG):
+                msg = json.loads(line[len(MSG):])
+                if msg["kind"] == kind:
+                    got[w.name] = msg
+    return got
+
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    f = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + f[4]
+    return sum(f) - idle, sum(f)
+
+
+def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, signed_path: Path,
+              coordinator_key: str, data_dir: Path, key_path: Path) -> dict[str, Any]:
+    phase = "swarm" if swarm else "origin"
+    logs = work / f"logs-{phase}"
+    logs.mkdir(exist_ok=True)
+    p2p = {"max_parallel_peers": args.max_parallel_peers}
+    origin_ip = f"{SUBNET}.0.1"
+    workers: list[Worker] = []
+    try:
+        origin = Worker("origin", net.hosts["origin"], "origin",
+                        {"ip": origin_ip, "data_dir": str(data_dir), "key_path": str(key_path), "swarm": swarm,
+                         "manifest": str(signed_path), "p2p": {}}, logs)
+        workers.append(origin)
+        origin_ready = wait_all([origin], "ready", 120)["origin"]
+        boot = origin_ready["bootstrap"]
+        nodes = []
+        for i in range(args.nodes):
+            cfg = {"ip": f"{SUBNET}.1.{i + 1}", "swarm": swarm, "bootstrap": boot, "origin_ip": origin_ip,
+                   "root": str(work / phase / f"node{i}"), "p2p": p2p}
+            nodes.append(Worker(f"node{i}", net.hosts[f"node{i}"], "node", cfg, logs))
+        bad = []
+        if swarm:
+            for j in range(args.malicious):
+                cfg = {"ip": f"{SUBNET}.2.{j + 1}", "swarm": True, "bootstrap": boot, "origin_ip": origin_ip,
+                       "malicious": True, "p2p": p2p}
+                bad.append(Worker(f"bad{j}", net.hosts[f"bad{j}"], "node", cfg, logs))
+        workers += nodes + bad
+        wait_all(nodes + bad, "ready", 300)
+        signed = json.loads(signed_path.read_text())
+        if bad:  # the malicious peers announce everything before the honest nodes start
+            for w in bad:
+                w.send(cmd="go", signed=signed, coordinator_key=coordinator_key)
+            wait_all(bad, "done", 60)
+        time.sleep(2.0 if swarm else 0.5)  # let the DHT settle (announcements, routing tables)
+        cpu0, ns0 = cpu_times(), net.cpu_seconds()
+        t_go = time.time()
+        for w in nodes:
+            w.send(cmd="go", signed=signed, coordinator_key=coordinator_key)
+        limit = args.size_mb * 8 / args.rate_mbit
+        done = wait_all(nodes, "done", timeout=max(600.0, 4 * limit * args.nodes))
+        cpu1, ns1 = cpu_times(), net.cpu_seconds()
+        used = {h: ns1.get(h, 0.0) - ns0.get(h, 0.0) for h in ns1}
+        failed = {n: d["error"] for n, d in done.items() if not d["ok"]}
+        if failed:
+            raise RuntimeError(f"{phase}: nodes failed: {failed}")
+        finish = sorted(d["t_done"] - t_go for d in done.values())
+        by_source: dict[str, int] = {}
+        for d in done.values():
+            for k, v in d["stats"]["by_source"].items():
+                kind = k.split(":")[0]
+                by_source[kind] = by_source.get(kind, 0) + v
+        result = {
+            "origin_server": origin_ready["origin"],
+            "time_s": finish[-1],
+            "first_s": finish[0],
+            "median_s": finish[len(finish) // 2],
+            "cpu_busy": (cpu1[0] - cpu0[0]) / max(1.0, cpu1[1] - cpu0[1]),
+            "shards_by_source": by_source,
+            "half_s": round(sum(d["t_half"] - t_go for d in done.values()) / len(done), 2),
+            "last_shard_s": round(max(d["t_last_shard"] - t_go for d in done.values()), 2),
+            "bad_shards": sum(d["stats"]["bad_shards"] for d in done.values()),
+            "failures": sum(d["stats"]["failures"] for d in done.values()),
+            "cpu_s": {"origin": round(used.get("origin", 0.0), 1),
+                      "nodes": round(sum(v for h, v in used.items() if h.startswith("node")), 1),
+                      "malicious": round(sum(v for h, v in used.items() if h.startswith("bad")), 1),
+                      "node_python": round(sum(d["cpu_s"] for d in done.values()), 1)},
+        }
+        if swarm:
+            bad_ids = set()
+            for d in done.values():
+                bad_ids.update(d.get("banned", []))
+            result["banned_peers"] = sorted(b[-8:] for b in bad_ids)
+            result["nodes_that_banned"] = sum(1 for d in done.values() if d.get("banned"))
+        for w in workers:
+            w.stop()
+        byes = wait_all(workers, "bye", 60)
+        if swarm:
+            seed = byes["origin"]["seed_stats"]
+            result["seed_uploaded_mb"] = round(seed.get("bytes_uploaded", 0) / 1e6, 1)
+            result["seed_done_s"] = round(seed.get("last_upload_at", t_go) - t_go, 2)
+        return result
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.stop()
+        deadline = time.time() + 10
+        for w in workers:
+            try:
+                w.proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            w.log.close()
+        net.kill_processes()  # stray p2pd daemons, if a worker died without stopping its own
+        shutil.rmtree(work / phase, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--rate-mbit", type=float, default=100.0, help="every link, each way (origin's too)")
+    ap.add_argument("--size-mb", type=float, default=200.0, help="checkpoint size, MB (1e6 bytes)")
+    ap.add_argument("--shard-mb", type=float, default=4.0, help="shard size, MiB (protocol default: 4)")
+    ap.add_argument("--malicious", type=int, default=1, help="peers serving corrupted shards in the swarm run")
+    ap.add_argument("--max-parallel-peers", type=int, default=4)
+    ap.add_argument("--skip-origin-only", action="store_true", help="skip (b); origin_only_s is then N*S/B")
+    ap.add_argument("--workdir", default=None, help="default: a temporary directory in /dev/shm or /tmp")
+    ap.add_argument("--worker", nargs=2, metavar=("ROLE", "CONFIG"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(*args.worker)
+        return
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        sys.exit("bench/broadcast.py needs root and the `ip` and `tc` tools (network namespaces, tbf shaping)")
+
+    from protocol.identity import Identity
+    from protocol.manifest import ShardStore, SignedManifest, cut_checkpoint
+
+    base = args.workdir or ("/dev/shm" if shutil.disk_usage("/dev/shm").free > (args.nodes + 3) * 2.2 *
+                            args.size_mb * 1e6 else None)
+    work = Path(tempfile.mkdtemp(prefix="swarmrl-bench-", dir=base))
+    net = Network(args.rate_mbit, prefix=f"srlb{os.getpid() % 100000}-")
+    cleaned = False
+
+    def cleanup(*_: Any) -> None:
+        nonlocal cleaned
+        if not cleaned:
+            cleaned = True
+            net.down()
+            shutil.rmtree(work, ignore_errors=True)
+
+    atexit.register(cleanup)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda *_: sys.exit(1))
+    try:
+        t = time.time()
+        make_checkpoint(work / "ckpt", args.size_mb)
+        coordinator = Identity.generate()
+        data_dir = work / "coordinator"
+        key_path = data_dir / "coordinator.key"
+        coordinator.save(key_path)
+        manifest = cut_checkpoint(work / "ckpt", run_id=RUN_ID, version=1, store=ShardStore(data_dir / "shards"),
+                                  shard_size=int(args.shard_mb * (1 << 20)))
+        shutil.rmtree(work / "ckpt")
+        signed_path = work / "manifest.json"
+        signed_path.write_text(SignedManifest.sign(manifest, coordinator).model_dump_json())
+        size = manifest.total_bytes
+        print(f"checkpoint: {size / 1e6:.1f} MB in {len(manifest.shards())} shards of {args.shard_mb} MiB "
+              f"({time.time() - t:.1f} s to make)", flush=True)
+
+        net.up()
+        net.add_host("origin", f"{SUBNET}.0.1")
+        for i in range(args.nodes):
+            net.add_host(f"node{i}", f"{SUBNET}.1.{i + 1}")
+        for j in range(args.malicious):
+            net.add_host(f"bad{j}", f"{SUBNET}.2.{j + 1}")
+        print(f"network: {len(net.hosts)} hosts on a bridge, every link {args.rate_mbit:g} Mbit/s each way",
+              flush=True)
+
+        key = coordinator.public_key_hex
+        swarm = run_phase(net, args, work, True, signed_path, key, data_dir, key_path)
+        print(f"(a) swarm: {swarm['time_s']:.1f} s (first node {swarm['first_s']:.1f} s); shards by source "
+              f"{swarm['shards_by_source']}; bad shards caught {swarm['bad_shards']}, "
+              f"peers banned {swarm['banned_peers']} by {swarm['nodes_that_banned']} nodes; "
+              f"CPU busy {swarm['cpu_busy']:.0%}", flush=True)
+        if args.skip_origin_only:
+            origin = None
+        else:
+            origin = run_phase(net, args, work, False, signed_path, key, data_dir, key_path)
+            print(f"(b) origin only: {origin['time_s']:.1f} s (first node {origin['first_s']:.1f} s); "
+                  f"CPU busy {origin['cpu_busy']:.0%}", flush=True)
+        limit = size * 8 / (args.rate_mbit * 1e6)
+        origin_s = origin["time_s"] if origin else args.nodes * limit
+        print(f"lower bound S/B: {limit:.1f} s; swarm is {origin_s / swarm['time_s']:.1f}x faster than origin-only "
+              f"and {swarm['time_s'] / limit:.2f}x the bound", flush=True)
+        print(json.dumps({
+            "swarm_s": round(swarm["time_s"], 2),
+            "origin_only_s": round(origin_s, 2),
+            "limit_s": round(limit, 2),
+            "nodes": args.nodes,
+            "size_mb": round(size / 1e6, 1),
+            "rate_mbit": args.rate_mbit,
+            "shard_mib": args.shard_mb,
+            "malicious": args.malicious,
+            "origin_only_measured": origin is not None,
+            "speedup": round(origin_s / swarm["time_s"], 2),
+            "vs_limit": round(swarm["time_s"] / limit, 3),
+            "swarm": swarm,
+            "origin_only": origin,
+        }))
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Configuration of peer-to-peer checkpoint distribution (one `[p2p]` table in a node's or coordinator's TOML)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class P2PConfig(BaseModel):
+    """How a node (or the coordinator's seed) joins the DHT and exchanges checkpoint shards with peers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Share shards with peers; if false, every shard comes from the origin.")
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        description="libp2p multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 (port 0: any free port).",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list,
+        description="Multiaddrs other peers should dial (behind NAT or a port forward); explicit ports only.",
+    )
+    initial_peers: list[str] = Field(
+        default_factory=list,
+        description="DHT bootstrap multiaddrs ending in /p2p/<peer id>; empty: take RunInfo.dht_peers from the "
+        "coordinator.",
+    )
+    identity_path: str | None = Field(
+        None,
+        description="File holding this peer's libp2p RSA key (created if missing). It also signs the peer's DHT "
+        "records. None: a fresh key per process.",
+    )
+    upload_cap_mbps: float | None = Field(
+        None, gt=0, description="Upload rate cap for serving shards to peers, megabits per second; None: no cap."
+    )
+    max_uploads: int = Field(
+        4, ge=1, description="Shard uploads served at once; further requests wait their turn (fewer, faster uploads "
+        "let a new copy be re-shared sooner)."
+    )
+    max_parallel_peers: int = Field(
+        4, ge=1, description="Shards downloaded from peers at once (each from a different peer)."
+    )
+    origin_parallel: int = Field(
+        1, ge=1, description="Shards downloaded at once from seeds (the coordinator's seed peer, the HTTP origin)."
+    )
+    peer_timeout_s: float = Field(
+        20.0, gt=0, description="A peer that has not delivered a whole shard within this many seconds is skipped."
+    )
+    max_peer_failures: int = Field(
+        3, ge=1, description="Consecutive failures (errors, timeouts) after which a peer is dropped for a while."
+    )
+    drop_s: float = Field(60.0, ge=0, description="How long a dropped (failing or slow) peer is left alone.")
+    record_ttl_s: float = Field(
+        60.0, ge=5, description="DHT holder records expire after this many seconds; refreshed every third of it."
+    )
+    announce_delay_s: float = Field(
+        0.2, ge=0, description="Newly stored shards are announced within this many seconds (batched)."
+    )
+    poll_interval_s: float = Field(
+        0.5, gt=0, description="While downloading, who-holds-what is re-read from the DHT this often."
+    )
+    startup_timeout_s: float = Field(30.0, gt=0, description="Seconds allowed for the libp2p daemon and DHT to start.")
+    dht_wait_timeout_s: float = Field(3.0, gt=0, description="A DHT request without a reply in this time is lost.")
+    seed_grace_s: float = Field(
+        5.0, ge=0, description="A seed hands a shard out again only this long after its last upload of it ended "
+        "(the time the receiver needs to announce it); until then it tells askers to take it from peers."
+    )
+    seed: bool = Field(False, description="This peer holds every shard it announces (the coordinator's seed).")
+
+    @field_validator("announce_maddrs")
+    @classmethod
+    def _explicit_ports(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if a.endswith("/tcp/0") or "/tcp/0/" in a:
+                raise ValueError(f"announce multiaddr {a!r} needs an explicit port")
+        return v

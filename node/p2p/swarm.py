@@ -1,0 +1,718 @@
+"""Serving and fetching checkpoint shards over hivemind's libp2p streams, with discovery through its DHT.
+
+A `SwarmPeer` runs one libp2p daemon (p2pd) and one hivemind `DHTNode` on an asyncio loop in a background
+thread of the calling process. It
+
+- serves every shard held in the `ShardStore`s it was given (`serve`): those hold only shards whose hash
+  was checked when they were stored, so a shard is served as soon as it is held and verified;
+- announces, per checkpoint version, which shards it holds in an owner-signed DHT record (see `dht.py`),
+  refreshed every third of `record_ttl_s` and within `announce_delay_s` of a new shard;
+- reads who holds what (`holders`), fetches a shard from a given peer (`fetch`), and keeps the ban list
+  (peers that served bad bytes: never asked again, nor served) and the drop list (peers that failed or
+  were too slow `max_peer_failures` times in a row: left alone for `drop_s`).
+
+`SwarmSource` plugs all this into `node.fetcher.CheckpointFetcher`: it expands into one `PeerSource` per
+holder. Holders flagged as seeds (the coordinator's seed peer) count as seeds for the scheduler.
+
+Wire protocol on stream `/swarmrl/shard/1`, one request per stream: an op byte, an 8-byte big-endian
+length, the payload. `G` + sha256 hex: the response is a status byte (0 ok, 1 not held, 2 refused) and,
+when ok, an 8-byte length and the shard bytes. `S` + manifest tag + bitfield of wanted shards: status, and
+when ok the 8-byte index of the shard the peer would rather send (seeds spread their uploads this way);
+status 3 means "none of these now: they are on their way to other peers, take them from those".
+Uploads pass through one token bucket (`upload_cap_mbps`) and at most `max_uploads` run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
+from node.fetcher import WAIT, BadShardBytes, ShardSource
+from node.p2p.config import P2PConfig
+from node.p2p.dht import (
+    CachingSignatureValidator,
+    HolderRecord,
+    HolderRecordValidator,
+    bitfield_indices,
+    full_maddrs,
+    holders_key,
+    load_or_create_rsa_identity,
+    make_bitfield,
+    manifest_info,
+    manifest_tag,
+    parse_holders,
+)
+from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/swarmrl/shard/1"
+OK, NOT_HELD, REFUSED, LATER = b"\x00", b"\x01", b"\x02", b"\x03"
+OP_GET, OP_SUGGEST = b"G", b"S"
+MAX_REQUEST = 16 + (1 << 17)  # a manifest tag and a bitfield of up to 2**20 shards
+CHUNK = 1 << 16
+WAIT_MEMO_S = 0.3
+_HEX64 = re.compile(rb"^[0-9a-f]{64}$")
+
+
+class PeerError(Exception):
+    """A peer could not or would not deliver a shard (not held, refused, connection trouble, timeout)."""
+
+
+class TokenBucket:
+    """Bytes per second with a small burst, shared by all uploads; `take` waits until the bytes may go out."""
+
+    def __init__(self, rate_bytes_s: float, burst: float = 4 * CHUNK, clock: Any = time.monotonic,
+                 sleep: Any = asyncio.sleep):
+        self.rate = rate_bytes_s
+        self.burst = max(burst, CHUNK)
+        self.tokens = self.burst
+        self.clock, self.sleep = clock, sleep
+        self.last = clock()
+
+    async def take(self, n: int) -> None:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        self.tokens -= n  # may go negative: a debt that this caller waits out and later callers inherit
+        if self.tokens < 0:
+            await self.sleep(-self.tokens / self.rate)
+
+
+@dataclass
+class _Served:
+    manifest: CheckpointManifest
+    store: ShardStore
+    index: dict[str, tuple[int, ...]]  # shard sha -> its indices in manifest.shards()
+    n_shards: int
+    held: set[int] = field(default_factory=set)
+    announced: bytes | None = None
+    announced_at: float = 0.0
+    retired: bool = False
+
+
+@dataclass
+class _Handout:
+    given: int = 0  # uploads started or promised by a suggestion
+    active: int = 0  # uploads in progress
+    quiet_at: float = 0.0  # before this (monotonic) time the last copy is presumed still on its way
+
+
+@dataclass
+class _Holders:
+    records: dict[str, HolderRecord]
+    at: float
+    refreshing: bool = False
+
+
+@dataclass
+class SwarmStats:
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    refused: int = 0
+    downloads: int = 0
+    bytes_downloaded: int = 0
+    peer_failures: int = 0
+    announces: int = 0
+    last_upload_at: float = 0.0  # wall clock (time.time()) when the latest upload ended
+
+
+class SwarmPeer:
+    """This process's presence in the swarm: DHT membership, shard serving, peer fetching, bans.
+
+        peer = SwarmPeer(cfg, run_id, initial_peers=run_info.dht_peers).start()
+        fetcher = CheckpointFetcher(root, key, [peer.source(), HttpOrigin(client)],
+                                    max_parallel=peer.fetch_parallelism)
+        ...
+        peer.close()
+    """
+
+    def __init__(self, config: P2PConfig, run_id: str, *, initial_peers: list[str] | None = None):
+        self.config = config
+        self.run_id = run_id
+        self.initial_peers = list(initial_peers if initial_peers is not None else config.initial_peers)
+        self.banned: set[str] = set()
+        self.stats = SwarmStats()
+        self._strikes: dict[str, int] = {}
+        self._dropped_until: dict[str, float] = {}
+        self._served: dict[str, _Served] = {}
+        self._holders: dict[str, _Holders] = {}
+        self._addrs: dict[str, tuple[str, ...]] = {}
+        self._handouts: dict[str, _Handout] = {}  # shard sha -> how this peer has handed it out
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._p2p: P2P | None = None
+        self._dht: DHTNode | None = None
+        self._rsa: CachingSignatureValidator | None = None
+        self._announce_event: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._upload_sem: asyncio.Semaphore | None = None
+        self._bucket: TokenBucket | None = None
+        self.peer_id: str = ""
+        self.maddrs: list[str] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> SwarmPeer:
+        """Start the daemon, join the DHT, begin serving. Raises if that fails within startup_timeout_s."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-p2p", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start(), timeout=self.config.startup_timeout_s + 10)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop serving and announcing, leave the DHT, stop the daemon. Safe to call twice."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(self._stop(), loop).result(15)
+            except Exception as e:  # noqa: BLE001 (best effort on the way out)
+                log.debug("swarm shutdown: %s", e)
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+        if not loop.is_running():
+            loop.close()
+
+    def __enter__(self) -> SwarmPeer:
+        return self.start() if self._loop is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def fetch_parallelism(self) -> int:
+        """The `max_parallel` to give CheckpointFetcher: one worker per peer slot plus the seed slots."""
+        return self.config.max_parallel_peers + self.config.origin_parallel
+
+    def source(self) -> SwarmSource:
+        return SwarmSource(self)
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        if self._loop is None:
+            raise PeerError("the swarm peer is not running")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            fut.cancel()
+            raise TimeoutError(f"timed out after {timeout} s") from e
+
+    async def _start(self) -> None:
+        cfg = self.config
+        key, path, temporary = load_or_create_rsa_identity(cfg.identity_path)
+        try:
+            self._p2p = await P2P.create(
+                initial_peers=self.initial_peers or None,
+                host_maddrs=cfg.host_maddrs,
+                announce_maddrs=cfg.announce_maddrs or None,
+                identity_path=str(path),
+                check_if_identity_free=False,
+                auto_nat=False,
+                nat_port_map=False,
+                use_relay=False,
+                use_auto_relay=False,
+                startup_timeout=cfg.startup_timeout_s,
+            )
+        finally:
+            if temporary:
+                path.unlink(missing_ok=True)
+        self._rsa = CachingSignatureValidator(key)
+        self._dht = await DHTNode.create(
+            p2p=self._p2p,
+            initial_peers=self.initial_peers or None,
+            record_validator=CompositeValidator([self._rsa, HolderRecordValidator()]),
+            wait_timeout=cfg.dht_wait_timeout_s,
+            num_workers=4,
+        )
+        self.peer_id = self._p2p.peer_id.to_base58()
+        self.maddrs = full_maddrs(await self._p2p.get_visible_maddrs(), self._p2p.peer_id)
+        self._upload_sem = asyncio.Semaphore(cfg.max_uploads)
+        if cfg.upload_cap_mbps is not None:
+            self._bucket = TokenBucket(cfg.upload_cap_mbps * 1e6 / 8)
+        self._announce_event = asyncio.Event()
+        await self._p2p.add_binary_stream_handler(PROTOCOL, self._handle)
+        self._tasks.append(asyncio.create_task(self._announce_loop()))
+
+    async def _stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._dht is not None:
+            await self._dht.shutdown()
+        if self._p2p is not None:
+            await self._p2p.shutdown()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    # -- serving -----------------------------------------------------------------------------------------
+
+    def serve(self, manifest: CheckpointManifest, store: ShardStore) -> None:
+        """Serve and announce the shards of `manifest` that are (or come to be) in `store`.
+
+        Announcing continues while any of them is in the store; once none is, the record is emptied and
+        the manifest forgotten.
+        """
+        info = manifest_info(manifest)
+        tag, index = info.tag, info.index
+        with self._lock:
+            if tag in self._served:
+                return
+            served = _Served(manifest, store, index, len(info.shards))
+            served.held = {i for sha, idx in index.items() if store.has(sha) for i in idx}
+            self._served[tag] = served
+        self._poke()
+
+    def retire(self, manifest: CheckpointManifest) -> None:
+        """Stop serving `manifest`: its record is emptied now (rather than when its shards leave the disk)."""
+        with self._lock:
+            served = self._served.get(manifest_tag(manifest))
+            if served is None:
+                return
+            served.retired = True
+            served.held = set()
+        self._poke()
+
+    def mark_held(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
+        """`shard` of `manifest` has just been verified and stored: announce it soon."""
+        with self._lock:
+            served = self._served.get(manifest_tag(manifest))
+            if served is None or served.retired:
+                return
+            served.held.update(served.index.get(shard.sha256, ()))
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._loop is not None and self._announce_event is not None:
+            self._loop.call_soon_threadsafe(self._announce_event.set)
+
+    async def _announce_loop(self) -> None:
+        assert self._announce_event is not None
+        refresh = self.config.record_ttl_s / 3
+        while True:
+            try:
+                await asyncio.wait_for(self._announce_event.wait(), timeout=refresh)
+                await asyncio.sleep(self.config.announce_delay_s)
+            except TimeoutError:
+                pass
+            self._announce_event.clear()
+            try:
+                await self._announce_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 (try again at the next refresh)
+                log.warning("announcing held shards failed: %s", e)
+
+    async def _announce_all(self) -> None:
+        assert self._dht is not None and self._rsa is not None
+        now = time.monotonic()
+        refresh = self.config.record_ttl_s / 3
+        with self._lock:
+            served = list(self._served.items())
+        for tag, s in served:
+            if now - s.announced_at > refresh and not s.retired:  # also notices shards pruned from disk
+                held = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda s=s: {i for sha, idx in s.index.items() if s.store.has(sha) for i in idx})
+                with self._lock:
+                    if not s.retired:
+                        s.held = held
+            n = s.n_shards
+            with self._lock:
+                bits = make_bitfield(n, s.held)
+                empty = not s.held
+            if bits == s.announced and now - s.announced_at < refresh:
+                continue
+            if empty and s.announced is None:
+                continue
+            rec = HolderRecord(peer_id=self.peer_id, tag=tag, n_shards=n, bits=bits, seed=self.config.seed,
+                               addrs=tuple(self.maddrs[:8]))
+            ok = await self._dht.store(holders_key(self.run_id, s.manifest.version), rec.to_value(),
+                                       get_dht_time() + self.config.record_ttl_s, subkey=self._rsa.local_public_key)
+            if not ok:
+                log.debug("DHT refused or lost the holder record for v%d", s.manifest.version)
+            s.announced, s.announced_at = bits, now
+            self.stats.announces += 1
+            if empty:
+                with self._lock:
+                    self._served.pop(tag, None)
+
+    def _load_shard(self, sha: str) -> bytes | None:
+        """The bytes of a verified shard this peer holds, or None. (Tests and the benchmark override it.)"""
+        with self._lock:
+            stores = {id(s.store): s.store for s in self._served.values() if not s.retired}
+        for store in stores.values():
+            try:
+                return store.get(sha)
+            except OSError:
+                continue
+        return None
+
+    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        remote = info.peer_id.to_base58()
+        try:
+            op = await asyncio.wait_for(reader.readexactly(1), 30)
+            length = int.from_bytes(await asyncio.wait_for(reader.readexactly(P2P.HEADER_LEN), 30), P2P.BYTEORDER)
+            if length > MAX_REQUEST:
+                return
+            payload = await asyncio.wait_for(reader.readexactly(length), 30)
+            if remote in self.banned:
+                self.stats.refused += 1
+                writer.write(REFUSED)
+            elif op == OP_GET and _HEX64.match(payload):
+                await self._send_shard(payload.decode(), writer)
+            elif op == OP_SUGGEST:
+                idx = self._suggest_for(payload)
+                if isinstance(idx, int):
+                    writer.write(OK + idx.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+                else:
+                    writer.write(NOT_HELD if idx is None else LATER)
+            else:
+                writer.write(REFUSED)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError) as e:
+            log.debug("serving %s: %s", remote[-8:], e)
+        finally:
+            writer.close()
+
+    async def _send_shard(self, sha: str, writer: asyncio.StreamWriter) -> None:
+        assert self._upload_sem is not None
+        with self._lock:  # in progress from now on, also while waiting for an upload slot
+            h = self._handout(sha)
+            if h.active == 0 and time.monotonic() >= h.quiet_at:
+                h.given += 1  # not announced by a suggestion
+            h.active += 1
+        try:
+            async with self._upload_sem:
+                data = await asyncio.get_running_loop().run_in_executor(None, self._load_shard, sha)
+                if data is None:
+                    writer.write(NOT_HELD)
+                    return
+                writer.write(OK + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+                view = memoryview(data)
+                for off in range(0, len(view), CHUNK):
+                    piece = view[off : off + CHUNK]
+                    if self._bucket is not None:
+                        await self._bucket.take(len(piece))
+                    writer.write(piece)
+                    await writer.drain()
+                self.stats.uploads += 1
+                self.stats.bytes_uploaded += len(data)
+                self.stats.last_upload_at = time.time()
+        finally:
+            with self._lock:
+                h.active -= 1
+                h.quiet_at = time.monotonic() + self.config.seed_grace_s
+
+    def _handout(self, sha: str) -> _Handout:
+        h = self._handouts.get(sha)
+        if h is None:
+            if len(self._handouts) > 1 << 16:
+                self._handouts.clear()
+            h = self._handouts[sha] = _Handout()
+        return h
+
+    def _suggest_for(self, payload: bytes) -> int | None | bytes:
+        """Super-seeding: of the shards a peer still wants, the one this peer has handed out least often.
+
+        Nodes ask a seed before taking a shard from it, so that the seed's one link sends every shard once
+        before it sends any twice: the copies then spread peer to peer. A suggestion counts as a hand-out,
+        which keeps concurrent askers apart. If every wanted shard is on its way to some other peer (an
+        upload in progress, or ended less than `seed_grace_s` ago, the time it takes to be announced),
+        the answer is LATER: take them from the peers. Returns an index, None (no opinion) or LATER.
+        """
+        tag, bits = payload[:16].decode("ascii", "replace"), payload[16:]
+        now = time.monotonic()
+        with self._lock:
+            served = self._served.get(tag)
+            if served is None or served.retired or len(bits) != (served.n_shards + 7) // 8:
+                return None
+            wanted = bitfield_indices(bits, served.n_shards) & served.held
+            if not wanted:
+                return None
+            shards = manifest_info(served.manifest).shards
+
+            def rank(i: int) -> tuple[bool, int, float]:
+                h = self._handouts.get(shards[i].sha256)
+                if h is None:
+                    return False, 0, random.random()
+                return h.active > 0 or now < h.quiet_at, h.given, random.random()
+
+            best = min(wanted, key=rank)
+            if rank(best)[0]:
+                return LATER
+            h = self._handout(shards[best].sha256)
+            h.given += 1
+            h.quiet_at = now + self.config.seed_grace_s  # the asker's request should follow at once
+            return best
+
+    # -- discovery -----------------------------------------------------------------------------------------
+
+    def holders(self, manifest: CheckpointManifest, wait: bool = False) -> dict[str, HolderRecord]:
+        """Peer id -> what it holds of `manifest`, per the DHT (not this peer; banned peers excluded).
+
+        Cached for `poll_interval_s`; a stale cache is refreshed in the background, a missing one
+        synchronously (or whenever `wait`).
+        """
+        tag = manifest_tag(manifest)
+        with self._lock:
+            c = self._holders.get(tag)
+            stale = c is None or time.monotonic() - c.at > self.config.poll_interval_s
+            start = stale and (c is None or not c.refreshing)
+            if c is not None and start:
+                c.refreshing = True
+        if c is None or wait:
+            try:
+                self._call(self._refresh(manifest), timeout=self.config.dht_wait_timeout_s * 3)
+            except Exception as e:  # noqa: BLE001 (no holders known: the seeds remain)
+                log.debug("holder lookup failed: %s", e)
+        elif start and self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._refresh(manifest), self._loop)
+        with self._lock:
+            c = self._holders.get(tag)
+            recs = dict(c.records) if c is not None else {}
+        return {p: r for p, r in recs.items() if p not in self.banned}
+
+    async def _refresh(self, manifest: CheckpointManifest) -> None:
+        assert self._dht is not None
+        tag = manifest_tag(manifest)
+        try:
+            raw = await self._dht.get(holders_key(self.run_id, manifest.version), latest=True)
+            recs = parse_holders(raw, manifest)
+            recs.pop(self.peer_id, None)
+        except Exception:
+            with self._lock:  # keep what was known; retry after poll_interval_s, never block on it again
+                c = self._holders.get(tag)
+                self._holders[tag] = _Holders(c.records if c is not None else {}, time.monotonic())
+            raise
+        with self._lock:
+            self._holders[tag] = _Holders(recs, time.monotonic())
+            for pid, r in recs.items():
+                self._addrs[pid] = r.addrs
+
+    # -- fetching from one peer --------------------------------------------------------------------------
+
+    def usable(self, peer_id: str) -> bool:
+        """Neither banned nor currently dropped."""
+        if peer_id in self.banned:
+            return False
+        with self._lock:
+            return self._dropped_until.get(peer_id, 0.0) <= time.monotonic()
+
+    def ban(self, peer_id: str, reason: str = "") -> None:
+        """Never ask `peer_id` again and refuse its requests, for the rest of this process."""
+        if peer_id not in self.banned:
+            log.warning("banning peer %s: %s", peer_id, reason or "served bad bytes")
+        self.banned.add(peer_id)
+
+    def strike(self, peer_id: str) -> None:
+        """One more failure of `peer_id`; enough in a row and it is dropped for `drop_s`."""
+        with self._lock:
+            n = self._strikes.get(peer_id, 0) + 1
+            self._strikes[peer_id] = n
+            self.stats.peer_failures += 1
+            if n >= self.config.max_peer_failures:
+                self._strikes[peer_id] = 0
+                self._dropped_until[peer_id] = time.monotonic() + self.config.drop_s
+                log.info("dropping peer %s for %.0f s after %d failures", peer_id[-8:], self.config.drop_s, n)
+
+    def forgive(self, peer_id: str) -> None:
+        with self._lock:
+            self._strikes.pop(peer_id, None)
+
+    def fetch(self, peer_id: str, shard: ShardRef, timeout: float | None = None) -> bytes:
+        """The bytes `peer_id` sends for `shard` (unverified). PeerError, TimeoutError or BadShardBytes."""
+        timeout = self.config.peer_timeout_s if timeout is None else timeout
+        return self._call(asyncio.wait_for(self._fetch(peer_id, shard), timeout), timeout=timeout + 1)
+
+    def suggest(self, peer_id: str, manifest: CheckpointManifest, wanted: list[ShardRef],
+                timeout: float = 1.0) -> ShardRef | object | None:
+        """Which of `wanted` the peer would rather send (see `_suggest_for`): a shard, WAIT, or None."""
+        if not wanted:
+            return None
+        info = manifest_info(manifest)
+        index, n = info.index, len(info.shards)
+        bits = make_bitfield(n, (i for s in wanted for i in index.get(s.sha256, ())))
+        payload = info.tag.encode() + bits
+
+        async def ask() -> int | bytes | None:
+            reader, writer = await self._open(peer_id)
+            try:
+                await self._request(writer, OP_SUGGEST, payload)
+                status = await reader.readexactly(1)
+                if status != OK:
+                    return status
+                return int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+            finally:
+                writer.close()
+
+        try:
+            i = self._call(asyncio.wait_for(ask(), timeout), timeout=timeout + 1)
+        except Exception as e:  # noqa: BLE001 (a suggestion is only a hint)
+            log.debug("suggestion from %s failed: %s", peer_id[-8:], e)
+            return None
+        if i == LATER:
+            return WAIT
+        if not isinstance(i, int) or not 0 <= i < n:
+            return None
+        pick = info.shards[i]
+        return next((s for s in wanted if s.sha256 == pick.sha256), None)
+
+    async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        assert self._p2p is not None
+        pid = PeerID.from_base58(peer_id)
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(pid, PROTOCOL)
+        except Exception:  # noqa: BLE001 (not connected yet: dial the addresses it announced, then retry)
+            with self._lock:
+                addrs = self._addrs.get(peer_id, ())
+            try:
+                await self._p2p._client.connect(pid, [Multiaddr(a) for a in addrs])  # noqa: SLF001
+                _, reader, writer = await self._p2p.call_binary_stream_handler(pid, PROTOCOL)
+            except Exception as e:  # noqa: BLE001
+                raise PeerError(f"cannot reach peer {peer_id[-8:]}: {e}") from e
+        return reader, writer
+
+    @staticmethod
+    async def _request(writer: asyncio.StreamWriter, op: bytes, payload: bytes) -> None:
+        writer.write(op + len(payload).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + payload)
+        await writer.drain()
+
+    async def _fetch(self, peer_id: str, shard: ShardRef) -> bytes:
+        reader, writer = await self._open(peer_id)
+        try:
+            await self._request(writer, OP_GET, shard.sha256.encode())
+            status = await reader.readexactly(1)
+            if status == NOT_HELD:
+                raise PeerError(f"peer {peer_id[-8:]} does not hold shard {shard.sha256[:12]}")
+            if status != OK:
+                raise PeerError(f"peer {peer_id[-8:]} refused shard {shard.sha256[:12]}")
+            n = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+            if n != shard.size:
+                raise BadShardBytes(f"peer {peer_id[-8:]} announced {n} bytes for a {shard.size}-byte shard")
+            data = await reader.readexactly(n)
+        except asyncio.IncompleteReadError as e:
+            raise PeerError(f"peer {peer_id[-8:]} closed the stream early") from e
+        finally:
+            writer.close()
+        self.stats.downloads += 1
+        self.stats.bytes_downloaded += n
+        return data
+
+
+class PeerSource(ShardSource):
+    """One peer of the swarm, as the fetcher sees it (made by SwarmSource.expand)."""
+
+    def __init__(self, peer: SwarmPeer, peer_id: str, record: HolderRecord):
+        self.peer = peer
+        self.peer_id = peer_id
+        self._wait_until = 0.0
+        self.update(record)
+
+    def update(self, record: HolderRecord) -> None:
+        self.record = record
+        self.have = record.indices()
+        self.seed = record.seed
+        self.max_in_flight = self.peer.config.origin_parallel if record.seed else 1
+        self.name = f"{'seed' if record.seed else 'peer'}:{self.peer_id[-8:]}"
+
+    @property
+    def key(self) -> str:
+        return f"peer:{self.peer_id}"
+
+    def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
+        idx = _shard_index(manifest).get(shard.sha256, ())
+        return any(i in self.have for i in idx)
+
+    def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+        return self.peer.fetch(self.peer_id, shard)
+
+    def suggest(self, manifest: CheckpointManifest, wanted: list[ShardRef]) -> ShardRef | object | None:
+        if not self.seed:
+            return None
+        now = time.monotonic()
+        if now < self._wait_until:  # asked a moment ago and told to wait: do not ask again yet
+            return WAIT
+        answer = self.peer.suggest(self.peer_id, manifest, wanted)
+        if answer is WAIT:
+            self._wait_until = now + WAIT_MEMO_S
+        return answer
+
+    def on_success(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
+        self.peer.forgive(self.peer_id)
+
+    def on_failure(self, manifest: CheckpointManifest, shard: ShardRef, error: str, bad_bytes: bool) -> None:
+        if bad_bytes:
+            self.peer.ban(self.peer_id, f"shard {shard.sha256[:12]}: {error}")
+        else:
+            self.peer.strike(self.peer_id)
+
+
+def _shard_index(manifest: CheckpointManifest) -> dict[str, tuple[int, ...]]:
+    return manifest_info(manifest).index
+
+
+class SwarmSource(ShardSource):
+    """All peers of the swarm as one entry of CheckpointFetcher's sources (it expands into PeerSources)."""
+
+    name = "swarm"
+    seed = False
+
+    def __init__(self, peer: SwarmPeer):
+        self.peer = peer
+        self._peers: dict[str, PeerSource] = {}
+
+    def expand(self, manifest: CheckpointManifest) -> list[ShardSource]:
+        out: list[ShardSource] = []
+        for pid, rec in self.peer.holders(manifest).items():
+            if not self.peer.usable(pid):
+                continue
+            src = self._peers.get(pid)
+            if src is None:
+                src = self._peers[pid] = PeerSource(self.peer, pid, rec)
+            elif src.record != rec:
+                src.update(rec)
+            out.append(src)
+        return out
+
+    def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
+        return any(s.holds(manifest, shard) for s in self.expand(manifest))
+
+    def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+        """Any holder's copy (for callers that do not expand sources); tries holders until one answers."""
+        errors = []
+        for src in self.expand(manifest):
+            if src.holds(manifest, shard):
+                try:
+                    return src.get(manifest, shard)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"{src.name}: {e}")
+        raise PeerError("no peer delivered the shard: " + ("; ".join(errors) or "no holder known"))
+
+    def prepare(self, manifest: CheckpointManifest, store: ShardStore) -> None:
+        self.peer.serve(manifest, store)
+        self.peer.holders(manifest, wait=True)
+
+    def stored(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
+        self.peer.mark_held(manifest, shard)

@@ -1,0 +1,477 @@
+"""Peer-to-peer checkpoint distribution: DHT discovery records, shard exchange, bans, resume, manifest checks.
+
+Everything runs on 127.0.0.1 (libp2p daemons with NAT helpers and relays off). No timing asserts: waits
+poll for a condition with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from node.fetcher import WAIT, CheckpointFetcher, ShardSource
+from protocol.identity import Identity
+from protocol.manifest import (
+    CheckpointManifest,
+    ManifestError,
+    ShardRef,
+    ShardStore,
+    SignedManifest,
+    cut_checkpoint,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD = 64 * 1024
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def make_checkpoint(root: Path, version: int = 1, size: int = 600_000, seed: int = 0) -> tuple[Path, bytes]:
+    ckpt = root / f"ckpt-v{version}-{seed}"
+    ckpt.mkdir(parents=True)
+    weights = os.urandom(size)
+    (ckpt / "model.safetensors").write_bytes(weights)
+    (ckpt / "config.json").write_text(f'{{"version": {version}}}')
+    return ckpt, weights
+
+
+@pytest.fixture()
+def coordinator() -> Identity:
+    return Identity.generate()
+
+
+@pytest.fixture()
+def published(tmp_path: Path, coordinator: Identity) -> tuple[SignedManifest, ShardStore, bytes]:
+    """A signed 600 kB checkpoint (10 shards of 64 KiB) and the origin's store holding its shards."""
+    ckpt, weights = make_checkpoint(tmp_path)
+    store = ShardStore(tmp_path / "origin")
+    manifest = cut_checkpoint(ckpt, run_id="test", version=1, store=store, shard_size=SHARD)
+    return SignedManifest.sign(manifest, coordinator), store, weights
+
+
+class StoreSource(ShardSource):
+    """A plain source reading a ShardStore (the HTTP origin without HTTP), counting and optionally pausing."""
+
+    def __init__(self, store: ShardStore, name: str = "origin", delay: float = 0.0):
+        self.store = store
+        self.name = name
+        self.delay = delay
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+
+    def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+        with self.lock:
+            self.calls.append(shard.sha256)
+        if self.delay:
+            time.sleep(self.delay)
+        return self.store.get(shard.sha256)
+
+
+class LyingStore:
+    """Claims every shard of a manifest and serves random bytes of the right size."""
+
+    def __init__(self, manifest: CheckpointManifest):
+        self.sizes = {s.sha256: s.size for s in manifest.shards()}
+        self.served = 0
+
+    def has(self, sha: str) -> bool:
+        return sha in self.sizes
+
+    def get(self, sha: str) -> bytes:
+        self.served += 1
+        return os.urandom(self.sizes[sha])
+
+
+class SlowStore(ShardStore):
+    """A real store whose reads take `delay` seconds (a slow peer)."""
+
+    def __init__(self, root: Path, delay: float):
+        super().__init__(root)
+        self.delay = delay
+
+    def get(self, sha256: str) -> bytes:
+        time.sleep(self.delay)
+        return super().get(sha256)
+
+
+# -- swarm peers on loopback ----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def swarm() -> Iterator[Callable[..., object]]:
+    """Start SwarmPeers on 127.0.0.1; all are closed at the end of the test."""
+    from node.p2p.config import P2PConfig
+    from node.p2p.swarm import SwarmPeer
+
+    peers: list[SwarmPeer] = []
+
+    def start(initial_peers: list[str] | None = None, **overrides: object) -> SwarmPeer:
+        settings: dict[str, object] = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "poll_interval_s": 0.1,
+                                       "announce_delay_s": 0.02, "peer_timeout_s": 10.0}
+        cfg = P2PConfig(**{**settings, **overrides})
+        peer = SwarmPeer(cfg, "test", initial_peers=initial_peers or []).start()
+        peers.append(peer)
+        return peer
+
+    yield start
+    for p in peers:
+        p.close()
+
+
+def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_path, published, swarm):
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from node.p2p.dht import HolderRecord, holders_key, make_bitfield, manifest_tag
+
+    signed, origin, _ = published
+    manifest = signed.manifest
+    shards = manifest.shards()
+    a = swarm()
+    b = swarm(a.maddrs)
+    c = swarm(a.maddrs)
+    # Each peer holds different shards: a the first 3, b the next 3, c none.
+    stores = {}
+    for name, peer, held in (("a", a, shards[:3]), ("b", b, shards[3:6]), ("c", c, [])):
+        stores[name] = ShardStore(tmp_path / f"store-{name}")
+        for s in held:
+            stores[name].put(s.sha256, origin.get(s.sha256))
+        peer.serve(manifest, stores[name])
+
+    def seen_by_c() -> dict:
+        h = c.holders(manifest, wait=True)
+        return h if {a.peer_id, b.peer_id} <= set(h) else {}
+
+    holders = wait_for(seen_by_c, what="c to see a and b in the DHT")
+    assert holders[a.peer_id].indices() == {0, 1, 2}
+    assert holders[b.peer_id].indices() == {3, 4, 5}
+    assert c.peer_id not in holders  # c holds nothing: no record announced
+    assert a.peer_id in wait_for(lambda: b.holders(manifest, wait=True), what="b to see a")
+
+    # c tries to overwrite b's record (b's owner subkey, signed with c's key): refused by the DHT.
+    key = holders_key("test", manifest.version)
+    n = len(shards)
+    forged = HolderRecord(peer_id=c.peer_id, tag=manifest_tag(manifest), n_shards=n, bits=make_bitfield(n, range(n)))
+    assert not c._call(c._dht.store(key, forged.to_value(), get_dht_time() + 30, subkey=b._rsa.local_public_key))
+    # c announces under its own key that *b's* peer id holds everything: refused as well.
+    spoof = HolderRecord(peer_id=b.peer_id, tag=manifest_tag(manifest), n_shards=n, bits=make_bitfield(n, range(n)))
+    assert not c._call(c._dht.store(key, spoof.to_value(), get_dht_time() + 30, subkey=c._rsa.local_public_key))
+    time.sleep(0.3)
+    again = a.holders(manifest, wait=True)
+    assert again[b.peer_id].indices() == {3, 4, 5}
+    assert c.peer_id not in again
+
+    # A new shard is announced soon after it is stored; a shard removed from disk leaves the record.
+    stores["c"].put(shards[9].sha256, origin.get(shards[9].sha256))
+    c.mark_held(manifest, shards[9])
+    rec = wait_for(lambda: a.holders(manifest, wait=True).get(c.peer_id), what="c's announcement")
+    assert rec.indices() == {9}
+
+
+def test_swarm_fetch_takes_shards_from_peers_and_seed_each_verified(tmp_path, published, coordinator, swarm):
+    from coordinator.dht_seed import DhtSeed
+    from node.p2p.config import P2PConfig
+
+    signed, origin_store, weights = published
+    seed = DhtSeed(P2PConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), "test", origin_store).start()
+    try:
+        seed.publish(signed.manifest)
+        assert seed.bootstrap_peers and all("/p2p/" in a for a in seed.bootstrap_peers)
+        nodes = [swarm(seed.bootstrap_peers) for _ in range(3)]
+        http = StoreSource(origin_store)  # stands in for the HTTP origin: the fallback
+        results: dict[int, tuple[CheckpointFetcher, Path]] = {}
+
+        def run(i: int) -> None:
+            f = CheckpointFetcher(tmp_path / f"node{i}", coordinator.public_key_hex, [nodes[i].source(), http],
+                                  max_parallel=nodes[i].fetch_parallelism)
+            results[i] = (f, f.fetch(signed)[1])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 3
+        n = len(signed.manifest.shards())
+        for f, out in results.values():
+            assert (out / "model.safetensors").read_bytes() == weights
+            assert f.stats.shards_fetched == n and f.stats.bad_shards == 0
+        by_kind: dict[str, int] = {}
+        for f, _ in results.values():
+            for k, v in f.stats.by_source.items():
+                by_kind[k.split(":")[0]] = by_kind.get(k.split(":")[0], 0) + v
+        assert by_kind.get("peer", 0) > 0  # nodes shared shards with each other
+        assert by_kind.get("origin", 0) == 0  # the seed peer was there: no fallback needed
+        assert seed.peer.stats.uploads >= n  # every shard left the seed at least once
+    finally:
+        seed.close()
+
+
+def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp_path, published, coordinator,
+                                                                                swarm):
+    signed, origin_store, weights = published
+    manifest = signed.manifest
+    honest = swarm()
+    liar = swarm(honest.maddrs)
+    lies = LyingStore(manifest)
+    liar.serve(manifest, lies)  # type: ignore[arg-type]  # announces every shard
+    node = swarm(honest.maddrs)
+    wait_for(lambda: liar.peer_id in node.holders(manifest, wait=True), what="the liar's announcement")
+
+    origin = StoreSource(origin_store)
+    bad_reports: list[tuple[str, str]] = []
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [node.source(), origin],
+                          max_parallel=node.fetch_parallelism,
+                          on_bad_shard=lambda src, shard: bad_reports.append((src.name, shard.sha256)))
+    _, out = f.fetch(signed)
+
+    assert (out / "model.safetensors").read_bytes() == weights  # nothing corrupt was assembled
+    assert f.stats.bad_shards == 1 and len(bad_reports) == 1  # caught once, then never asked again
+    assert bad_reports[0][0].endswith(liar.peer_id[-8:])
+    assert liar.peer_id in node.banned
+    assert lies.served == 1
+    bad_sha = bad_reports[0][1]
+    assert bad_sha in origin.calls  # the corrupted shard was taken from the origin instead
+    assert f.store.get(bad_sha) == origin_store.get(bad_sha)
+    assert liar.peer_id not in node.holders(manifest)
+    # The banned peer is refused service by the node from now on.
+    from node.p2p.swarm import PeerError
+
+    with pytest.raises(PeerError, match="refused"):
+        liar.fetch(node.peer_id, manifest.shards()[0])
+
+
+def test_slow_peer_is_dropped_and_the_shard_taken_elsewhere(tmp_path, published, coordinator, swarm):
+    signed, origin_store, weights = published
+    manifest = signed.manifest
+    slow_store = SlowStore(tmp_path / "slow", delay=3.0)
+    for s in manifest.shards():
+        slow_store.put(s.sha256, origin_store.get(s.sha256))
+    slow = swarm()
+    slow.serve(manifest, slow_store)
+    node = swarm(slow.maddrs, peer_timeout_s=0.5, max_peer_failures=1, drop_s=600)
+    wait_for(lambda: slow.peer_id in node.holders(manifest, wait=True), what="the slow peer's announcement")
+    origin = StoreSource(origin_store)
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [node.source(), origin],
+                          max_parallel=node.fetch_parallelism)
+    _, out = f.fetch(signed)
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert f.stats.bad_shards == 0 and f.stats.failures == 1  # one timeout, then the peer was dropped
+    assert not node.usable(slow.peer_id) and slow.peer_id not in node.banned
+    assert len(origin.calls) == len(manifest.shards())
+
+
+def test_upload_cap_token_bucket_paces_bytes():
+    from node.p2p.swarm import TokenBucket
+
+    now = [0.0]
+
+    async def fake_sleep(dt: float) -> None:
+        now[0] += dt
+
+    async def send(total: int, chunk: int) -> None:
+        bucket = TokenBucket(1_000_000, burst=chunk, clock=lambda: now[0], sleep=fake_sleep)
+        for _ in range(total // chunk):
+            await bucket.take(chunk)
+
+    asyncio.run(send(4_000_000, 65536))
+    assert 3.9 <= now[0] <= 4.0  # 4 MB at 1 MB/s, less the initial burst
+
+
+def test_seed_suggestions_hand_every_shard_out_once_before_any_twice(published):
+    from node.p2p.config import P2PConfig
+    from node.p2p.dht import make_bitfield, manifest_tag
+    from node.p2p.swarm import LATER, SwarmPeer
+
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    n = len(manifest.shards())
+    seed = SwarmPeer(P2PConfig(seed=True, seed_grace_s=60), "test")  # not started: only its bookkeeping
+    seed.serve(manifest, origin_store)
+    want_all = manifest_tag(manifest).encode() + make_bitfield(n, range(n))
+    picks = [seed._suggest_for(want_all) for _ in range(n)]
+    assert sorted(picks) == list(range(n))  # n askers, n different shards
+    assert seed._suggest_for(want_all) == LATER  # all on their way: take them from peers
+    want_one = manifest_tag(manifest).encode() + make_bitfield(n, [3])
+    assert seed._suggest_for(want_one) == LATER
+    assert seed._suggest_for(b"0" * 16 + make_bitfield(n, [3])) is None  # unknown manifest: no opinion
+
+
+# -- the fetcher's scheduling, resume and manifest checks (no network) -----------------------------------
+
+
+class FakePeer(ShardSource):
+    seed = False
+
+    def __init__(self, name: str, store: ShardStore, holds: set[str], log: list[tuple[str, str]]):
+        self.name, self.store, self.have, self.log = name, store, holds, log
+
+    def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
+        return shard.sha256 in self.have
+
+    def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+        self.log.append((self.name, shard.sha256))
+        return self.store.get(shard.sha256)
+
+
+def test_rarest_shards_first_and_seeds_only_for_what_no_peer_holds(tmp_path, published, coordinator):
+    signed, origin_store, _ = published
+    shards = [s.sha256 for s in signed.manifest.shards()]
+    log: list[tuple[str, str]] = []
+    # shard 0: 3 holders, 1: 2 holders, 2: 1 holder, 3..: no peer holds them.
+    p1 = FakePeer("p1", origin_store, {shards[0], shards[1], shards[2]}, log)
+    p2 = FakePeer("p2", origin_store, {shards[0], shards[1]}, log)
+    p3 = FakePeer("p3", origin_store, {shards[0]}, log)
+    origin = StoreSource(origin_store)
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [p3, p2, p1, origin])
+    f.fetch(signed)
+    assert [sha for _, sha in log] == [shards[2], shards[1], shards[0]]  # rarest first
+    assert set(origin.calls) == set(shards[3:]) and len(origin.calls) == len(shards) - 3
+    assert f.stats.by_source["origin"] == len(shards) - 3 and f.stats.shards_fetched == len(shards)
+
+
+def test_plain_sources_keep_their_order_and_a_bad_one_is_reported(tmp_path, published, coordinator):
+    signed, origin_store, weights = published
+
+    class Corrupting(StoreSource):
+        def get(self, manifest, shard):
+            return b"\0" * shard.size
+
+    bad, good = Corrupting(origin_store, "bad"), StoreSource(origin_store, "good")
+    reports: list[str] = []
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [bad, good],
+                          on_bad_shard=lambda src, shard: reports.append(src.name))
+    _, out = f.fetch(signed)
+    n = len(signed.manifest.shards())
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert reports == ["bad"] * n and f.stats.by_source == {"good": n}
+
+    class Failing(StoreSource):
+        def get(self, manifest, shard):
+            raise OSError("down")
+
+    f2 = CheckpointFetcher(tmp_path / "node2", coordinator.public_key_hex, [Failing(origin_store), bad])
+    with pytest.raises(ManifestError, match="no source had a good copy"):
+        f2.fetch(signed)
+    assert not f2.version_dir(1).exists()
+
+
+def test_resume_after_a_killed_download(tmp_path, published, coordinator):
+    signed, origin_store, weights = published
+    root = tmp_path / "node"
+    (tmp_path / "signed.json").write_text(signed.model_dump_json())
+    # A separate process fetches slowly (0.3 s per shard) and is killed with SIGKILL part-way through.
+    child = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from node.fetcher import CheckpointFetcher, ShardSource
+        from protocol.manifest import ShardStore, SignedManifest
+        class Slow(ShardSource):
+            def get(self, manifest, shard):
+                time.sleep(0.3)
+                return ShardStore({str(origin_store.root)!r}).get(shard.sha256)
+        signed = SignedManifest.model_validate_json(open({str(tmp_path / "signed.json")!r}).read())
+        CheckpointFetcher({str(root)!r}, {coordinator.public_key_hex!r}, [Slow()]).fetch(signed)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child])
+    try:
+        store = ShardStore(root / "shards")
+        wait_for(lambda: len(list(store.root.glob("??/*"))) >= 3 or proc.poll() is not None, what="some shards")
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    held = {p.name for p in store.root.glob("??/*")}
+    n = len(signed.manifest.shards())
+    assert 3 <= len(held) < n and not any(p.name.startswith(".part-") for p in store.root.glob("??/*"))
+    assert not (root / "v00000001").exists()
+
+    origin = StoreSource(origin_store)
+    f = CheckpointFetcher(root, coordinator.public_key_hex, [origin])
+    _, out = f.fetch(signed)
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert f.stats.shards_reused == len(held)
+    assert set(origin.calls) == {s.sha256 for s in signed.manifest.shards()} - held  # only the missing ones
+
+
+def test_manifest_signature_failures_are_refused_before_anything_is_fetched(tmp_path, published, coordinator):
+    signed, origin_store, _ = published
+    origin = StoreSource(origin_store)
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [origin])
+    manifest = signed.manifest
+
+    unsigned = SignedManifest(manifest=manifest, public_key=coordinator.public_key_hex, signature="00" * 64)
+    other = SignedManifest.sign(manifest, Identity.generate())
+    forged_key = SignedManifest(manifest=manifest, public_key=coordinator.public_key_hex,
+                                signature=other.signature)
+    tampered = signed.model_copy(deep=True)
+    tampered.manifest.files[0].sha256 = "f" * 64
+    for bad, reason in ((unsigned, "bad manifest signature"), (other, "untrusted key"),
+                        (forged_key, "bad manifest signature"), (tampered, "bad manifest signature")):
+        with pytest.raises(ManifestError, match=reason):
+            f.fetch(bad)
+    with pytest.raises(ManifestError, match="not newer"):
+        f.fetch(signed, held_version=1)
+    with pytest.raises(ManifestError, match="not newer"):
+        f.fetch(signed, held_version=5)
+    assert origin.calls == []
+    assert not list((tmp_path / "node").glob("v*")) and not list(f.store.root.glob("??/*"))
+
+
+def test_keep_versions_prunes_old_versions_and_their_shards(tmp_path, coordinator):
+    store = ShardStore(tmp_path / "origin")
+    signed = []
+    for v in (1, 2, 3):
+        ckpt, _ = make_checkpoint(tmp_path, version=v, size=200_000, seed=v)
+        signed.append(SignedManifest.sign(cut_checkpoint(ckpt, run_id="test", version=v, store=store,
+                                                         shard_size=SHARD), coordinator))
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [StoreSource(store)], keep_versions=2)
+    held = -1
+    for s in signed:
+        held = f.fetch(s, held_version=held)[0].version
+    assert sorted(p.name for p in (tmp_path / "node").glob("v*")) == ["v00000002", "v00000003"]
+    on_disk = {p.name for p in f.store.root.glob("??/*")}
+    assert on_disk == {x.sha256 for s in signed[1:] for x in s.manifest.shards()}
+
+
+def test_wait_hint_holds_a_shard_back_from_the_seed(tmp_path, published, coordinator):
+    """A seed saying WAIT is not asked for those shards; they come from a peer once it holds them."""
+    signed, origin_store, _ = published
+    shards = signed.manifest.shards()
+    log: list[tuple[str, str]] = []
+    late_peer = FakePeer("peer", origin_store, set(), log)
+
+    class Seed(StoreSource):
+        seed = True
+
+        def suggest(self, manifest, wanted):
+            if any(s.sha256 == shards[0].sha256 for s in wanted) and len(self.calls) == len(shards) - 1:
+                late_peer.have.add(shards[0].sha256)  # "announced" by the peer that got it
+                return WAIT
+            return next((s for s in wanted if s.sha256 != shards[0].sha256), WAIT)
+
+    seed = Seed(origin_store, "seed")
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [late_peer, seed], max_parallel=2,
+                          poll_s=0.01)
+    f.fetch(signed)
+    assert shards[0].sha256 not in seed.calls
+    assert log == [("peer", shards[0].sha256)]
