@@ -1,0 +1,248 @@
+"""Benchmark: synchronous (k = 0) vs asynchronous (k = 2) swarm, and TRL's GRPOTrainer at equal wall time.
+
+One warm-started checkpoint (fixed seed) is built once and copied into every run, so that all runs start
+from the same weights:
+
+1. the local swarm (`swarmrl.demo.run_demo`) with max_staleness = 0, then with max_staleness = 2, same
+   nodes, batch, seed and machine, each until the trainer's held-out greedy accuracy reaches the target
+   (or a time limit); the wall time to the target is read off the trainer's evaluations;
+2. TRL's GRPOTrainer (bench/trl_baseline.py) on the same checkpoint, task, reward and batch shape, for as
+   long as the asynchronous run took, and its held-out accuracy at that wall time.
+
+Clocks. Swarm: seconds since the trainer process was launched (its imports, model load and evaluations
+included; nodes are already importing vLLM by then), taken when the coordinator's /v1/status first shows
+an evaluation, polled every 0.5 s, or the trainer's own `elapsed_s` metric where it posts one. TRL:
+seconds since training began, its setup and evaluations excluded. Both choices favour TRL.
+
+    python bench/async_vs_sync.py                 # full run: 15-25 min on 2 CPU cores, k=0 the longest
+    python bench/async_vs_sync.py --quick         # smoke run: low target, short limits
+
+Writes `<out>/async_vs_sync.json` and `<out>/async_vs_sync.png`; the last line printed is one JSON
+object with sync_s, async_s, speedup, trl_accuracy, swarmrl_accuracy, equal_wall_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import tomllib
+import traceback
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: find trl_baseline
+
+Point = dict[str, float]
+
+
+class EvalWatcher(threading.Thread):
+    """Follows one demo run from outside: finds its coordinator in `<run_dir>/config`, polls /v1/status
+    and timestamps every held-out evaluation the trainer reports."""
+
+    def __init__(self, run_dir: Path, poll_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.run_dir, self.poll_s = run_dir, poll_s
+        self.points: list[Point] = []
+        self.t_trainer: float | None = None
+        self.done = threading.Event()
+
+    def _wait_for(self, path: Path) -> bool:
+        while not path.exists():
+            if self.done.wait(0.1):
+                return False
+        return True
+
+    def run(self) -> None:
+        from protocol.client import CoordinatorClient
+
+        coord_cfg = self.run_dir / "config" / "coordinator.toml"
+        if not self._wait_for(coord_cfg):
+            return
+        time.sleep(0.2)  # let the writer finish
+        port = tomllib.loads(coord_cfg.read_text())["port"]
+        # The demo writes the trainer's config just before launching it: the swarm's clock starts there.
+        if not self._wait_for(self.run_dir / "config" / "trainer.toml"):
+            return
+        self.t_trainer = (self.run_dir / "config" / "trainer.toml").stat().st_mtime
+        seen: set[int] = set()
+        with CoordinatorClient(f"http://127.0.0.1:{port}", timeout=5.0) as client:
+            while not self.done.is_set():
+                try:
+                    metrics = client.status().metrics
+                except Exception:  # not up yet, or already gone
+                    metrics = []
+                now = time.time()
+                for m in metrics:
+                    if "eval_accuracy" in m.metrics and m.step not in seen:
+                        seen.add(m.step)
+                        wall = m.metrics.get("elapsed_s", now - self.t_trainer)
+                        self.points.append({"wall_s": round(wall, 2), "step": m.step,
+                                            "accuracy": m.metrics["eval_accuracy"]})
+                self.done.wait(self.poll_s)
+
+
+def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One demo run from the shared checkpoint; returns its report and timestamped evaluation points."""
+    from swarmrl.demo import DemoConfig, run_demo
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    shutil.copytree(init, run_dir / "init")  # run_demo skips its warm start when init/config.json exists
+    cfg = DemoConfig(
+        run_dir=run_dir, nodes=args.nodes, engine=args.engine, max_staleness=max_staleness,
+        target_accuracy=args.target, time_limit_s=args.time_limit, max_steps=args.max_steps,
+        batch_groups=args.batch_prompts, group_size=args.group_size, lr=args.lr, eval_every=args.eval_every,
+        seed=args.seed,
+    )
+    watcher = EvalWatcher(run_dir)
+    watcher.start()
+    result: dict[str, Any] = {"max_staleness": max_staleness, "run_dir": str(run_dir)}
+    try:
+        result["report"] = run_demo(cfg)
+    except Exception as e:  # the demo may not run end to end yet: record why, go on with the others
+        traceback.print_exc()
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        time.sleep(2 * watcher.poll_s)
+        watcher.done.set()
+        watcher.join(timeout=10)
+    result["points"] = sorted(watcher.points, key=lambda p: p["step"])
+    if "report" in result:  # the demo's own check of the newest published checkpoint, when the run stopped
+        r = result["report"]
+        result["end_point"] = {"wall_s": r["rl_seconds"], "step": r["steps"], "accuracy": r["final_accuracy"]}
+    return result
+
+
+def time_to_target(points: list[Point], target: float) -> tuple[float | None, float | None]:
+    """(interpolated, observed) wall seconds at which accuracy first reaches `target`; None if never.
+
+    Interpolated: linear between the last evaluation below the target and the first at or above it.
+    """
+    for prev, p in zip([None, *points], points, strict=False):
+        if p["accuracy"] >= target:
+            if prev is None or p["accuracy"] == prev["accuracy"]:
+                return p["wall_s"], p["wall_s"]
+            frac = (target - prev["accuracy"]) / (p["accuracy"] - prev["accuracy"])
+            return round(prev["wall_s"] + frac * (p["wall_s"] - prev["wall_s"]), 2), p["wall_s"]
+    return None, None
+
+
+def plot(runs: dict[str, list[Point]], ends: dict[str, Point | None], target: float, equal_wall_s: float,
+         path: Path) -> None:
+    """Held-out accuracy against wall seconds for every run, the target and the equal-time line.
+
+    `ends`: a swarm run's final checkpoint as the demo measured it when the run stopped (drawn as an x).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, pts in runs.items():
+        line = None
+        if pts:
+            (line,) = ax.plot([p["wall_s"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=3, label=label)
+        end = ends.get(label)
+        if end is not None:
+            ax.plot([end["wall_s"]], [end["accuracy"]], marker="x", ms=8, ls="",
+                    color=line.get_color() if line else None, label=None if line else label)
+    ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.2f}")
+    ax.axvline(equal_wall_s, color="grey", ls=":", lw=1, label=f"equal wall time {equal_wall_s:.0f} s")
+    ax.set_xlabel("wall seconds")
+    ax.set_ylabel("held-out greedy accuracy (500 problems)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("3-digit addition, 0.86M Llama: swarm k=0 vs k=2 vs TRL GRPOTrainer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench/async_vs_sync-<time>)")
+    ap.add_argument("--init", type=Path, default=None, help="reuse this warm-started checkpoint")
+    ap.add_argument("--quick", action="store_true", help="smoke run: target 0.35, 150 s limit, eval every 5")
+    ap.add_argument("--target", type=float, default=0.55, help="held-out accuracy to reach")
+    ap.add_argument("--time-limit", type=float, default=900, help="seconds per swarm run at most")
+    ap.add_argument("--max-steps", type=int, default=2000, help="trainer steps per swarm run at most")
+    ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (all runs)")
+    ap.add_argument("--warmup-accuracy", type=float, default=0.25)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--engine", default="auto")
+    ap.add_argument("--batch-prompts", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-trl", action="store_true", help="only the two swarm runs")
+    a = ap.parse_args()
+    if a.quick:
+        a.target, a.time_limit, a.eval_every = 0.35, 150.0, 5
+    return a
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    out = (args.out or Path("runs/bench") / f"async_vs_sync-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    init = args.init or out / "init"
+    if not (init / "config.json").exists():
+        from swarmrl.modelcmd import build_and_warm
+
+        build_and_warm(init, target_accuracy=args.warmup_accuracy, seed=args.seed)
+    initial = json.loads((init / "swarmrl.json").read_text()).get("warmup_accuracy")
+
+    swarm = {k: run_swarm(init, out / f"k{k}", k, args) for k in (0, 2)}
+    sync_s, sync_seen = time_to_target(swarm[0]["points"], args.target)
+    async_s, async_seen = time_to_target(swarm[2]["points"], args.target)
+    speedup, lower_bound = None, False
+    if sync_s and async_s:
+        speedup = round(sync_s / async_s, 2)
+    elif async_s and swarm[0].get("report", {}).get("stop_reason") == "time limit":
+        # k = 0 ran its whole time limit without reaching the target: it would have taken longer than that.
+        speedup, lower_bound = round(swarm[0]["report"]["rl_seconds"] / async_s, 2), True
+
+    # Equal wall time: where the asynchronous run's last evaluation stood (the one that reached the target).
+    async_pts = swarm[2]["points"]
+    equal_wall_s = async_pts[-1]["wall_s"] if async_pts else args.time_limit
+    swarmrl_accuracy = async_pts[-1]["accuracy"] if async_pts else None
+
+    trl: dict[str, Any] = {}
+    if not args.skip_trl:
+        from trl_baseline import run_trl
+
+        trl = run_trl(init, equal_wall_s, batch_prompts=args.batch_prompts, group_size=args.group_size,
+                      lr=args.lr, eval_every_steps=args.eval_every, seed=args.seed, output_dir=out / "trl")
+    trl_accuracy = trl["final_accuracy"] if trl else None
+
+    labels = {"swarm k=0 (sync)": swarm[0], "swarm k=2 (async)": swarm[2]}
+    plot({**{lb: r["points"] for lb, r in labels.items()}, "TRL GRPOTrainer": trl.get("points", [])},
+         {lb: r.get("end_point") for lb, r in labels.items()}, args.target, equal_wall_s, out / "async_vs_sync.png")
+    summary = {
+        "sync_s": sync_s, "async_s": async_s, "speedup": speedup, "trl_accuracy": trl_accuracy,
+        "swarmrl_accuracy": swarmrl_accuracy, "equal_wall_s": equal_wall_s,
+    }
+    details = {
+        **summary, "speedup_is_lower_bound": lower_bound, "sync_first_eval_at_target_s": sync_seen,
+        "async_first_eval_at_target_s": async_seen, "target": args.target, "initial_accuracy": initial,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "swarm": {f"k{k}": v for k, v in swarm.items()}, "trl": trl, "plot": str(out / "async_vs_sync.png"),
+    }
+    (out / "async_vs_sync.json").write_text(json.dumps(details, indent=1))
+    print(f"details: {out / 'async_vs_sync.json'}  plot: {out / 'async_vs_sync.png'}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
