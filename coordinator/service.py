@@ -213,6 +213,12 @@ class Coordinator:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
+        lease = self.store.get_lease(sub.lease_id)
+        current, k = self.current_version(), self.config.max_staleness
+        if lease is not None and lease["node_id"] == req.signer and not current - k <= sub.policy_version <= current:
+            # None of its groups can be accepted any more: close the lease so it stops holding one of the node's
+            # max_outstanding_leases slots (the refusal below still says why).
+            self.store.close_lease(sub.lease_id)
         with self.store.transaction():
             lease = self.store.get_lease(sub.lease_id)
             if lease is None:

@@ -312,6 +312,9 @@ class Store:
                          "AND submitted = 0", (lease_id, prompt_id))
         return cur.rowcount == 1
 
+    def close_lease(self, lease_id: str) -> None:
+        self._exec("UPDATE leases SET state = 'done' WHERE id = ?", (lease_id,))
+
     def close_lease_if_complete(self, lease_id: str) -> bool:
         cur = self._exec("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open' AND NOT EXISTS "
                          "(SELECT 1 FROM lease_prompts WHERE lease_id = ? AND submitted = 0)", (lease_id, lease_id))

@@ -42,3 +42,19 @@ def test_stale_work_does_not_hold_the_buffer(run_factory):
     node.submit(submission(lease))
     run.publish(1)  # with k = 0, version-0 groups can no longer be used: they free the buffer
     assert node.lease(max_prompts=1, held_version=1) is not None
+
+
+def test_a_stale_submission_frees_its_lease_slot(run_factory):
+    from protocol.client import CoordinatorError
+
+    run: Run = run_factory(max_outstanding_leases=1, max_staleness=0)
+    run.publish(0)
+    node = run.node()
+    lease = node.lease(max_prompts=1, held_version=0)
+    run.publish(1)
+    try:
+        node.submit(submission(lease))
+        raise AssertionError("a stale submission must be refused")
+    except CoordinatorError as e:
+        assert e.status == 409 and "stale" in e.reason
+    assert node.lease(max_prompts=1, held_version=1) is not None  # the slot was freed
