@@ -78,6 +78,9 @@ class TrainerConfig(BaseModel):
     )
     keep_states: int = Field(3, ge=1, description="Keep this many newest states/checkpoints on disk.")
     seed: int = Field(0, description="Seeds torch and Python RNGs at a fresh start (restored on resume).")
+    device: str = Field(
+        "cpu", description="'cpu', 'cuda' (under torchrun: the rank's LOCAL_RANK GPU) or 'auto' (cuda if available)."
+    )
     threads: int = Field(1, ge=0, description="torch.set_num_threads in the trainer; 0 = leave torch's default.")
     progress: bool = Field(True, description="Show a live rich progress line (rank 0 only).")
 

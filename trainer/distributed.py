@@ -1,4 +1,4 @@
-"""The GRPO step under FSDP (torch.distributed, gloo on CPU, nccl on GPUs), launched with torchrun.
+"""The GRPO step under FSDP (torch.distributed: gloo on CPU, nccl on GPUs), launched with torchrun.
 
 Data parallel with sharded parameters (FSDP2, `fully_shard`): every rank holds the whole batch (rank 0
 pulled it and broadcast it), takes its contiguous slice of the rows, and runs `grpo.grpo_step` on it with
@@ -48,19 +48,31 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
+def resolve_device(device: str = "cpu") -> torch.device:
+    """The torch device for `device` ('cpu', 'cuda', 'auto'); a GPU process uses its LOCAL_RANK's GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(device)
+
+
+def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> DistEnv:
     """Join the torchrun job described by the environment (WORLD_SIZE, RANK, MASTER_ADDR...), if any.
 
-    Without torchrun (WORLD_SIZE unset or 1) this does nothing and returns rank 0 of 1. The default
-    backend is gloo on CPU, nccl when CUDA is available. The long timeout is on purpose: ranks other than
-    0 wait in a collective while rank 0 waits for groups from the swarm.
+    Without torchrun (WORLD_SIZE unset or 1) this does nothing and returns rank 0 of 1; a process group
+    that already exists is joined as is. Backend: gloo on CPU; on GPUs nccl for CUDA tensors and gloo for
+    the few CPU ones (counters). The long timeout is on purpose: ranks other than 0 wait in a collective
+    while rank 0 waits for groups from the swarm.
     """
     if dist.is_available() and dist.is_initialized():
         return DistEnv(dist.get_rank(), dist.get_world_size())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = "cpu:gloo,cuda:nccl" if resolve_device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return DistEnv(dist.get_rank(), dist.get_world_size())
 
@@ -165,8 +177,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, env: D
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The parameter-name keyed optimizer state of an unsharded model (no collective: one process)."""
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    """The parameter-name keyed optimizer state of an unsharded model, on the CPU (no collective)."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL)
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ def greedy_complete(
     """
     was_training = model.training
     model.eval()
-    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     out = model.generate(
         **enc,
         max_new_tokens=max_new_tokens,

@@ -114,6 +114,10 @@ class Batch:
         """The sub-batch of the given rows (a slice or an index tensor)."""
         return Batch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch on `device` (itself when already there)."""
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
     def micro_batches(self, size: int) -> list[Batch]:
         """Consecutive sub-batches of at most `size` rows; `size` 0 means the whole batch."""
         if size <= 0 or size >= len(self):
@@ -278,8 +282,10 @@ def grpo_step(
     if normaliser is None:
         normaliser = max(float(batch.num_tokens), 1.0)
     optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+    device = next(model.parameters()).device
+    sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=device)
     for mb in batch.micro_batches(micro_batch_size):
+        mb = mb.to(device)
         new_lp, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, cfg.temperature)
         ref_lp = None
         if cfg.kl_coef > 0:
@@ -297,7 +303,7 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
     if reduce_sums is not None:
         sums = reduce_sums(sums)
-    stats = finish_stats(sums)
+    stats = finish_stats(sums.cpu())
     stats["grad_norm"] = float(grad_norm)
     return stats
 

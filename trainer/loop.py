@@ -49,6 +49,7 @@ from trainer.distributed import (
     init_distributed,
     load_optimizer_state,
     optimizer_state,
+    resolve_device,
     shard_model,
     unsharded_copy,
 )
@@ -181,7 +182,7 @@ def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop
     coordinator, writes states and publishes. Returns after the last checkpoint is published.
     """
     joined = dist.is_available() and dist.is_initialized()
-    env = init_distributed()
+    env = init_distributed(cfg.device)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     # transformers draws a progress bar for every load and save: one per step here, which buries the status.
@@ -246,6 +247,10 @@ class _Run:
             self.ref_model, _ = load_checkpoint(cfg.init_checkpoint)
             self.ref_model.requires_grad_(False)
             self.ref_model.eval()
+        self.device = resolve_device(cfg.device)
+        self.model.to(self.device)
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
         if env.distributed:
             shard_model(self.model)
             if self.ref_model is not None:

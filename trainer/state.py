@@ -131,9 +131,9 @@ def load_state(path: str | Path) -> LoadedState:
     """Everything saved at `path` (a directory from `save_state` / `latest`)."""
     p = Path(path)
     model, tokenizer = load_checkpoint(p / "model")
-    optimizer = torch.load(p / "optimizer.pt", weights_only=True)
+    optimizer = torch.load(p / "optimizer.pt", weights_only=True, map_location="cpu")
     rng_file = p / "rng.pt"
-    rng = torch.load(rng_file, weights_only=True) if rng_file.exists() else {}
+    rng = torch.load(rng_file, weights_only=True, map_location="cpu") if rng_file.exists() else {}
     return LoadedState(path=p, model=model, tokenizer=tokenizer, optimizer=optimizer, rng=rng,
                        state=read_state(p))
 
