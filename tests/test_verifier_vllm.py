@@ -1,12 +1,13 @@
 """The vLLM engine's rollouts pass the full check: replay, logprobs, and activation proofs built from hidden
-states captured inside vLLM during generation; the same engine with perturbed weights is caught."""
+states captured inside vLLM during generation, also after an in-place weight reload to a new policy version;
+the same engine with perturbed weights is caught."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.byzantine import nodes as bad
-from tests.byzantine.harness import make_checkpoint, open_pool
+from tests.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -16,13 +17,16 @@ def test_vllm_node_passes_and_vllm_wrong_model_is_caught(tmp_path):
     with open_pool(tmp_path, make_checkpoint(tmp_path / "ckpt")) as pool:
         honest = pool.node(name="vllm", engine="vllm", max_prompts=8)
         try:
-            for _ in range(2):
-                honest.step()
+            honest.step()
+            pool.publish(perturb_checkpoint(pool.versions[0], tmp_path / "v1", 0.01))
+            honest.sync()
+            honest.step()  # the engine reloaded version 1 in place: the capture hook must still work
         finally:
             honest.engine.close()
         assert pool.verify_all() == 16
         groups = pool.groups(honest.node_id)
         assert [g["status"] for g in groups] == ["accepted"] * 16
+        assert [g.policy_version for g in pool.op.training_batch(0, 100).groups] == [0] * 8 + [1] * 8
         reports = [pool.verifier.reports[g["id"]] for g in groups]
         assert all(r.proof_checked > 0 for r in reports)
         assert max(r.max_logprob_diff for r in reports) < 1e-5

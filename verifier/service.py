@@ -14,10 +14,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import httpx
 import torch
 
-from protocol.client import CoordinatorClient
+from protocol.client import CoordinatorClient, CoordinatorError
 from protocol.identity import Identity
+from protocol.manifest import ManifestError
 from protocol.messages import PendingGroup, Verdict
 from protocol.tasks import get_task
 from verifier.checks import CheckContext, cheap_checks
@@ -156,7 +158,14 @@ class Verifier:
         return len(verdicts)
 
     def run(self, stop_after_s: float | None = None) -> None:
+        """Poll until `stop_after_s` (forever by default). Coordinator errors and unreachable or inconsistent
+        weights are logged and retried: claimed groups left without a verdict are claimed again later."""
         t0 = time.time()
         while stop_after_s is None or time.time() - t0 < stop_after_s:
-            if self.poll_once() == 0:
+            try:
+                worked = self.poll_once()
+            except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
+                log.error("poll failed: %s", e)
+                worked = 0
+            if worked == 0:
                 time.sleep(self.cfg.poll_interval_s)

@@ -111,6 +111,12 @@ class ScriptedNode(Node):
     def _swap_in_weights(self, temperature: float) -> None:
         super()._swap_in_weights(self.engine_temperature(temperature))
 
+    def _catch_up(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
+        # No fetch thread here: fetch now if the lease needs newer weights than this node holds.
+        if self.stats.held_version < lease.policy_version - max_staleness:
+            self.sync()
+        super()._catch_up(lease, max_staleness, temperature)
+
     def _generate(self, lease: m.Lease) -> m.RolloutSubmission:
         self.last_lease = lease
         self.last_submission = self.tamper(super()._generate(lease), lease)

