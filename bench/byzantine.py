@@ -198,7 +198,7 @@ def calibrate(out: Path, quick: bool) -> dict[str, Any]:
               ("27M", make_long_model(out / "m27"), 8 if not quick else 2, 128, 1.0)]
     for name, ckpt, n_prompts, max_tokens, temperature in setups:
         policy = load_policy(ckpt, 0)
-        texts = prompts(n_prompts, seed=hash(name) % 1000)
+        texts = prompts(n_prompts, seed=len(name))  # fixed per model (str hashes vary between processes)
         variants = [("honest", "vllm", ckpt), ("honest", "torch", ckpt)]
         for frac in (0.001, 0.01):
             variants.append((f"perturbed {frac:g}", "vllm", perturb_checkpoint(ckpt, out / f"{name}-p{frac:g}", frac)))
@@ -258,9 +258,6 @@ def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
             h.engine.close()
         groups = [g for nid in ids for g in pool.groups(nid)]
         rejected = [g for g in groups if g["status"] == "rejected"]
-        attackers = {g["node_id"] for g in pool.groups()} - set(ids)
-        leaked = [g for g in pool.groups() if g["node_id"] in attackers and g["status"] == "accepted"
-                  and pool.node_row(g["node_id"]).banned]
         honest_reports = [pool.verifier.reports[g["id"]] for g in groups if g["id"] in pool.verifier.reports]
     summary = {
         "attacks": {k: [sum(a.detected for a in v), len(v)] for k, v in results.items()},
@@ -273,7 +270,6 @@ def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
         "honest_max_logprob_diff": max(r.max_logprob_diff for r in honest_reports),
         "honest_max_replay_gap": max(r.max_replay_gap for r in honest_reports),
         "honest_proof_max_ulp": max(r.proof_max_ulp for r in honest_reports),
-        "banned_attacker_groups_accepted": len(leaked),
     }
     (out / "suite.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -332,6 +328,9 @@ def cost(out: Path, repeats: int) -> dict[str, Any]:
         "gen_ms_per_token_without_proofs": round(1e3 * med["vllm-noproof_s"], 3),
         "verify_ms_per_token": round(1e3 * check, 3),
         "verify_cost_ratio": round(check / gen, 3),
+        # With the K-then-p policy, in the long run a share p of groups gets the full check, the rest cheap ones.
+        "amortized_ratio_by_p": {str(p): round((p * med["full_s"] + med["cheap_s"]) / gen, 4)
+                                 for p in (1.0, 0.5, 0.25, 0.1, 0.05)},
         "proof_overhead": round(gen / med["vllm-noproof_s"] - 1, 3),
         "rounds": rows,
     }

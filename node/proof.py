@@ -22,7 +22,8 @@ def select_topk(states: torch.Tensor, topk: int) -> tuple[np.ndarray, np.ndarray
 def build_proof(states: torch.Tensor, chunk_tokens: int = proofs.CHUNK_TOKENS, topk: int = proofs.TOPK) -> str:
     """The base64 proof for states [n_tokens, hidden] (row i chose completion token i).
 
-    Cost: a top-k per state and one O(points^2) interpolation per chunk (~1 ms per 32 tokens).
+    Cost: a top-k per state and one O(points^2) interpolation per chunk (a few ms per 32 tokens; about 2% of
+    vLLM's generation time on the 27M model, bench/byzantine.py).
     """
     if states.ndim != 2 or states.shape[0] == 0:
         raise proofs.ProofError(f"expected states [n_tokens >= 1, hidden], got {tuple(states.shape)}")

@@ -74,11 +74,11 @@ class Verifier:
         self.models = ModelCache(self.client, key, self.cfg.work_dir, keep=self.cfg.keep_versions,
                                  dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
 
-    def _context(self, policy: PolicyModel) -> CheckContext:
-        return CheckContext(tokenizer=policy.tokenizer, task=self.task, max_staleness=self.max_staleness,
-                            max_positions=policy.max_positions, require_proof=self.cfg.require_proof,
+    def _context(self, weights: PolicyModel) -> CheckContext:
+        return CheckContext(tokenizer=weights.tokenizer, task=self.task, max_staleness=self.max_staleness,
+                            max_positions=weights.max_positions, require_proof=self.cfg.require_proof,
                             proof_chunk_tokens=self.cfg.proof_chunk_tokens, proof_topk=self.cfg.proof_topk,
-                            hidden_size=policy.hidden_size)
+                            hidden_size=weights.hidden_size)
 
     def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
         """Verdicts for `groups` (in group-id order, so holds are applied before later passes release them)."""
@@ -89,12 +89,12 @@ class Verifier:
         full: dict[int, list[tuple[PendingGroup, list[float]]]] = defaultdict(list)
         for g in sorted(groups, key=lambda g: g.group_id):
             try:
-                policy = self.models.get(g.policy_version)
+                weights = self.models.get(g.policy_version)
             except VersionUnavailable as e:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {e}"))
                 continue
             try:
-                reason, rewards = cheap_checks(g, self._context(policy))
+                reason, rewards = cheap_checks(g, self._context(weights))
             except Exception as e:  # a bug here must not stop the verifier, nor pass the group
                 log.exception("cheap checks of group %d crashed", g.group_id)
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500]))
@@ -109,13 +109,13 @@ class Verifier:
             verdicts.extend(self._full(self.models.get(version), items))
         return sorted(verdicts, key=lambda v: v.group_id)
 
-    def _full(self, policy: PolicyModel, items: list[tuple[PendingGroup, list[float]]]) -> list[Verdict]:
+    def _full(self, weights: PolicyModel, items: list[tuple[PendingGroup, list[float]]]) -> list[Verdict]:
         t0 = time.perf_counter()
         try:
-            reports = full_check([g for g, _ in items], policy, self.cfg.tolerances, self.cfg.max_batch_tokens)
+            reports = full_check([g for g, _ in items], weights, self.cfg.tolerances, self.cfg.max_batch_tokens)
         except Exception:
             log.exception("batched full check crashed; checking its %d groups one by one", len(items))
-            reports = [self._full_one(g, policy) for g, _ in items]
+            reports = [self._full_one(g, weights) for g, _ in items]
         self.stats.check_seconds += time.perf_counter() - t0
         out = []
         for (g, rewards), rep in zip(items, reports, strict=True):
@@ -134,9 +134,9 @@ class Verifier:
                 out.append(Verdict(group_id=g.group_id, accepted=False, reason=rep.reason, ban=True))
         return out
 
-    def _full_one(self, g: PendingGroup, policy: PolicyModel) -> GroupReport | None:
+    def _full_one(self, g: PendingGroup, weights: PolicyModel) -> GroupReport | None:
         try:
-            return full_check([g], policy, self.cfg.tolerances, self.cfg.max_batch_tokens)[0]
+            return full_check([g], weights, self.cfg.tolerances, self.cfg.max_batch_tokens)[0]
         except Exception:
             log.exception("full check of group %d crashed", g.group_id)
             return None
