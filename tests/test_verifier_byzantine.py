@@ -63,7 +63,7 @@ def test_a_ban_drops_everything_unreleased(suite):
 def test_checks_fire_where_designed(suite):
     """Which full-check test catches what (first attempt): the layers each carry their own attack."""
     results = suite[0]
-    assert "logprobs" in results["wrong_model_0.1pct"][0].caught_by
+    assert "activation proof" in results["wrong_model_0.1pct"][0].caught_by  # the robust one on trained models
     assert "replay" in results["edited_token"][0].caught_by
     assert "replay" in results["edited_last_token"][0].caught_by
     assert "logprobs" in results["faked_logprobs"][0].caught_by

@@ -13,7 +13,7 @@ import torch
 
 from node.proof import build_proof
 from protocol import proofs
-from verifier.proofs import header_problem, mean_limit, proof_errors
+from verifier.proofs import header_problem, proof_errors
 
 H = 128
 
@@ -51,11 +51,21 @@ def test_honest_errors_are_rounding_and_drift_is_caught():
     proof = proofs.decode(build_proof(s))
     honest = proof_errors(proof, s, 1e-3)
     mean = honest.err_sum / honest.checked
-    assert honest.max_err <= 0.5 + 1e-3 and 0.2 < mean < 0.3 < mean_limit(0.30, honest.checked)
+    assert honest.max_err <= 0.5 + 1e-3 and 0.2 < mean < 0.3
     drift = proof_errors(proof, s * (1 + 1e-3 * torch.randn(s.shape)), 1e-3)
-    assert drift.max_err > 1.0 and drift.err_sum / drift.checked > mean_limit(0.30, drift.checked)
+    assert drift.max_err > 1.0 and drift.err_sum / drift.checked > 0.55
     foreign = proof_errors(proof, states(256, seed=2), 1e-3)
     assert foreign.max_err > 100
+
+
+def test_repeated_activations_stay_within_the_flat_mean_bound():
+    """A trained model's top entries often repeat at every position: rounding errors then do not average out,
+    but each is still <= 0.5 ulp, so the honest mean stays below proof_mean_ulp = 0.55."""
+    s = states(64, seed=3)
+    s[:, 7] = 3.0 + 0.000957  # 0.49 fp16 ulp (2**-9 here) above 3.0 at every token: a top entry everywhere
+    s[:, 9] = -2.5 - 0.000955
+    stats = proof_errors(proofs.decode(build_proof(s)), s, 1e-3)
+    assert 0.45 < stats.max_err <= 0.5 + 1e-3 and stats.err_sum / stats.checked < 0.55
 
 
 def test_header_must_fit_the_rollout():

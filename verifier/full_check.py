@@ -16,7 +16,7 @@ from verifier.config import Tolerances
 from verifier.logprobs import compare_logprobs
 from verifier.models import PolicyModel
 from verifier.prefill import recompute
-from verifier.proofs import mean_limit, proof_errors
+from verifier.proofs import proof_errors
 from verifier.replay import replay
 
 
@@ -78,9 +78,8 @@ def _check_group(g: PendingGroup, recomputed: list, tol: Tolerances) -> GroupRep
     rep.proof_checked = checked
     if checked:
         rep.proof_mean_ulp = err_sum / checked
-        limit = mean_limit(tol.proof_mean_ulp, checked)
-        if rep.proof_mean_ulp > limit:
+        if rep.proof_mean_ulp > tol.proof_mean_ulp:
             rep.failures.append(f"activation proof: mean error {rep.proof_mean_ulp:.3g} fp16 ulps over {checked} "
-                                f"entries exceeds {limit:.3g}")
+                                f"entries exceeds {tol.proof_mean_ulp:g}")
     rep.reason = rep.failures[0] if rep.failures else None
     return rep

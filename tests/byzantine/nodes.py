@@ -153,17 +153,27 @@ def made_up_completion(r, prompt_ids, truth, rng, sampling):
 
 
 def faked_logprobs(r, prompt_ids, truth, rng, sampling):
-    """Honest tokens, logprobs scaled by 0.9-0.99 or 1.01-1.1 (as a node would to steer importance ratios)."""
-    scale = rng.uniform(0.9, 0.99) if rng.random() < 0.5 else rng.uniform(1.01, 1.1)
-    return r.model_copy(update={"logprobs": [lp * scale for lp in r.logprobs]})
+    """Honest tokens, every logprob lowered by 0.005-0.05 (as if the sampler had been less sure): the trainer's
+    importance ratios for this rollout grow by 0.5-5%."""
+    return r.model_copy(update={"logprobs": [lp - rng.uniform(0.005, 0.05) for lp in r.logprobs]})
 
 
 class ClaimNode(ScriptedNode):
-    """Honest rollouts that claim a reward of 1.0 each."""
+    """Honest rollouts whose claimed rewards are inflated: 0.5 above what each completion really earns (the node
+    can score its own completions: it sees the prompt, and the task's answer follows from it)."""
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        groups = [g.model_copy(update={"rollouts": [r.model_copy(update={"claimed_reward": 1.0}) for r in g.rollouts]})
-                  for g in submission.groups]
+        from protocol.tasks import get_task
+
+        task = get_task(self._run_info.task)
+        texts = {p.prompt_id: p.text for p in lease.prompts}
+        groups = []
+        for g in submission.groups:
+            a, b = texts[g.prompt_id].rstrip("=").split("+")
+            answer = str(int(a) + int(b))
+            rollouts = [r.model_copy(update={"claimed_reward": task.reward(
+                self.tokenizer.decode(r.completion_ids, skip_special_tokens=True), answer) + 0.5}) for r in g.rollouts]
+            groups.append(g.model_copy(update={"rollouts": rollouts}))
         return submission.model_copy(update={"groups": groups})
 
 
