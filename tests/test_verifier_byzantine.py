@@ -39,6 +39,8 @@ def test_attack_detected_every_attempt(suite, attack):
     results = suite[0][attack]
     assert len(results) == ATTEMPTS
     assert all(a.detected for a in results), [(a.stage, a.reason) for a in results]
+    # A verifier rejection bans the node, unless the only fault was a missing proof.
+    assert all(a.banned for a in results if a.stage == "verifier" and "no activation proof" not in a.reason)
 
 
 def test_no_honest_group_rejected(suite):

@@ -5,7 +5,8 @@
   length limit; no completion longer than max_tokens;
 - versions: generated with a version no newer than the lease's and within the pool's staleness bound;
 - logprobs finite and <= 0; a claimed reward, if any, must be the trusted one; a proof, when required,
-  must decode with the pool's parameters (a malformed proof is rejected, never a crash).
+  must decode with the pool's parameters (a malformed proof is rejected, never a crash; a missing one is
+  refused without a ban).
 
 The reward is recomputed here from the decoded completion, never taken from the node. All of this costs
 microseconds per group; the prefill-based checks are in `verifier.full_check`.
@@ -88,7 +89,7 @@ def check_proofs_decode(g: PendingGroup, ctx: CheckContext) -> str | None:
     for i, r in enumerate(g.group.rollouts):
         if r.proof is None:
             if ctx.require_proof:
-                return f"rollout {i}: no activation proof"
+                return f"rollout {i}: no activation proof (this pool requires them)"
             continue
         try:
             p = proofs.decode(r.proof)
@@ -120,8 +121,19 @@ def check_claimed_rewards(g: PendingGroup, trusted: list[float]) -> str | None:
     return None
 
 
+def missing_proof(g: PendingGroup, ctx: CheckContext) -> str | None:
+    """A rollout without a proof where the pool requires one: refused, but not proof of cheating (a node
+    configured without proofs), so it earns no ban."""
+    if ctx.require_proof:
+        for i, r in enumerate(g.group.rollouts):
+            if r.proof is None:
+                return f"rollout {i}: no activation proof (this pool requires them)"
+    return None
+
+
 def cheap_checks(g: PendingGroup, ctx: CheckContext) -> tuple[str | None, list[float]]:
-    """(reason to reject or None, trusted rewards). Every failure here proves the group was not made honestly."""
+    """(reason to reject or None, trusted rewards). Every failure here proves the group was not made honestly,
+    except a missing proof (see `missing_proof`, which callers check first to refuse without a ban)."""
     for check in (check_versions, check_shape, check_proofs_decode):
         reason = check(g, ctx)
         if reason is not None:

@@ -4,7 +4,8 @@ Per group: the cheap checks (`verifier.checks`) always; then either the full che
 prefill with the weights of the group's policy version, replay, logprobs, activation proof) or, when the
 policy (`verifier.policy`) samples it out, an accepted verdict with `checked=False` that the coordinator holds
 until a later full check of the same node passes. Any failed check rejects the group and bans its node.
-A group whose weights the coordinator can no longer supply is rejected without a ban.
+A group whose weights the coordinator can no longer supply, or that lacks a required proof, is rejected
+without a ban.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from protocol.identity import Identity
 from protocol.manifest import ManifestError
 from protocol.messages import PendingGroup, Verdict
 from protocol.tasks import get_task
-from verifier.checks import CheckContext, cheap_checks
+from verifier.checks import CheckContext, cheap_checks, missing_proof
 from verifier.config import VerifierConfig
 from verifier.full_check import GroupReport, full_check
 from verifier.models import ModelCache, PolicyModel, VersionUnavailable
@@ -93,8 +94,12 @@ class Verifier:
             except VersionUnavailable as e:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {e}"))
                 continue
+            ctx = self._context(weights)
+            if (reason := missing_proof(g, ctx)) is not None:
+                verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason))
+                continue
             try:
-                reason, rewards = cheap_checks(g, self._context(weights))
+                reason, rewards = cheap_checks(g, ctx)
             except Exception as e:  # a bug here must not stop the verifier, nor pass the group
                 log.exception("cheap checks of group %d crashed", g.group_id)
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500]))

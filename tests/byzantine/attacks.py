@@ -1,9 +1,9 @@
 """Every attack of the byzantine suite as one runnable attempt against a `Pool`.
 
 An attempt makes (or takes) an attacker identity, cheats once through the real protocol, lets the real
-verifier decide everything pending, and reports whether the attack was *detected*: no group it produced
-reached the trainer, and the cheat was refused by the coordinator or rejected by the verifier (which bans
-the node). Attempt i of an attack may pick a variant by i.
+verifier decide everything pending, and reports whether the attack was *detected*: every group it produced
+was refused by the coordinator or rejected by the verifier, so none reached the trainer (and whether the
+rejection banned the node). Attempt i of an attack may pick a variant by i.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class Attempt:
     reason: str
     caught_by: tuple[str, ...] = ()
     """Every full-check test that failed on the attacker's groups (replay, logprobs, activation proof)."""
+    banned: bool = False
+    """The verifier's rejection banned the attacker (every verifier-stage rejection does, except a missing proof,
+    which is refused without a ban)."""
 
 
 def _outcome(pool: Pool, node_ids: list[str], before: int, refused: list[str]) -> Attempt:
@@ -41,12 +44,12 @@ def _outcome(pool: Pool, node_ids: list[str], before: int, refused: list[str]) -
         return Attempt(False, "missed", "a group reached the trainer")
     if any(g["held"] or g["status"] == "pending" for g in mine):
         return Attempt(False, "missed", "a group is still undecided")
-    if mine:
+    if mine:  # all rejected
         banned = all(pool.node_row(nid).banned for nid in {g["node_id"] for g in mine})
         reports = [pool.verifier.reports[g["id"]] for g in mine if g["id"] in pool.verifier.reports]
         failures = [f for rep in reports for f in rep.failures]
         caught = tuple(sorted({f.split(":")[0] for f in failures}))
-        return Attempt(banned, "verifier" if banned else "missed", mine[0]["reason"][:200], caught)
+        return Attempt(True, "verifier", mine[0]["reason"][:200], caught, banned)
     if refused:
         return Attempt(True, "coordinator", refused[0][:200])
     return Attempt(False, "missed", "nothing was submitted or refused")
