@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tests.test_coordinator_api import Run, run_factory, submission  # noqa: F401  (fixture)
+from tests import test_coordinator_api as api
+from tests.test_coordinator_api import Run, submission
+
+run_factory = api.run_factory  # the coordinator fixture, shared with the API tests
 
 
 def _verify_all(run: Run) -> None:
