@@ -105,7 +105,12 @@ class EditNode(ScriptedNode):
                     rollouts[i] = edited
                     break
             else:
-                raise RuntimeError("no rollout of the group could be edited")
+                fallback = getattr(self.edit, "fallback", None)
+                i = self.rng.randrange(len(rollouts))
+                edited = fallback(rollouts[i], g.prompt_ids, truth, self.rng, lease.sampling) if fallback else None
+                if edited is None:
+                    raise RuntimeError("no rollout of the group could be edited")
+                rollouts[i] = edited
             groups.append(g.model_copy(update={"rollouts": rollouts}))
         return submission.model_copy(update={"groups": groups})
 
@@ -144,6 +149,16 @@ def edit_last_token(r, prompt_ids, truth, rng, sampling):
     new = truth.eos if rng.random() < 0.5 else _other(ids[-1], truth, rng)
     ids[-1] = new
     return _reannotate(r, truth, prompt_ids, ids, sampling.temperature, "stop" if new == truth.eos else "length")
+
+
+def _edit_stopped_last_token(r, prompt_ids, truth, rng, sampling):
+    """When no completion ran to max_tokens: the final EOS replaced by an ordinary token, claimed as 'length'."""
+    ids = list(r.completion_ids)
+    ids[-1] = _other(truth.eos, truth, rng)
+    return _reannotate(r, truth, prompt_ids, ids, sampling.temperature, "length")
+
+
+edit_last_token.fallback = _edit_stopped_last_token
 
 
 def made_up_completion(r, prompt_ids, truth, rng, sampling):
