@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from node.p2p.config import P2PConfig
 from protocol.identity import Identity
 from protocol.messages import SamplingSpec
 from protocol.tasks import get_task
@@ -61,6 +62,9 @@ class CoordinatorConfig(BaseModel):
         None, ge=1, description="Lease no more prompts while this many usable groups are already in flight "
         "(leased, pending verification, or accepted but not yet taken by the trainer); None: no limit. About "
         "batch_groups * (max_staleness + 1) keeps nodes busy without producing groups that go stale.")
+    p2p: P2PConfig | None = Field(
+        None, description="Run a DHT bootstrap peer that also seeds every published checkpoint over libp2p, so that "
+        "nodes share shards with each other; None: nodes fetch from the HTTP origin only.")
     dht_peers: list[str] = Field(default_factory=list, description="DHT bootstrap multiaddrs, returned in RunInfo.")
     prompt_seed: int = Field(
         0, description="Prompts are drawn deterministically from this seed and a persistent lease counter."

@@ -7,24 +7,54 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import uvicorn
+from fastapi import FastAPI
 
 from coordinator.app import build_app
 from coordinator.config import CoordinatorConfig
 from protocol.identity import Identity
+
+if TYPE_CHECKING:
+    from coordinator.dht_seed import DhtSeed
+
+
+def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
+    """Start the checkpoint swarm's DHT seed if `config.p2p` asks for one, serving what is already published
+    and each new version; nodes learn its addresses from RunInfo.dht_peers. The caller closes it."""
+    if config.p2p is None or not config.p2p.enabled:
+        return None
+    from coordinator.dht_seed import DhtSeed  # hivemind is heavy: import it only when the swarm is on
+
+    svc = app.state.coordinator
+    seed = DhtSeed(config.p2p, run_id=config.run_id, store=svc.shards, keep_versions=config.keep_versions).start()
+    for version in sorted(v for v in (svc.current_version() - i for i in range(config.keep_versions)) if v >= 0):
+        signed = svc.manifest(version)
+        if signed is not None:
+            seed.publish(signed.manifest)
+    svc.dht_peers = [*seed.bootstrap_peers, *config.dht_peers]
+    svc.publish_hooks.append(seed.publish)
+    return seed
 
 
 def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     """Run the coordinator until interrupted (Ctrl-C / SIGTERM), printing its public key and URL first."""
     identity = identity or config.load_identity()
     app = build_app(config, identity)
+    seed = attach_seed(app, config)
+    if seed is not None:
+        print(f"  DHT seed:       {', '.join(app.state.coordinator.dht_peers)}", flush=True)
     host = config.host if ":" not in config.host else f"[{config.host}]"
     print(f"swarmrl coordinator for run {config.run_id!r}", flush=True)
     print(f"  url:            http://{host}:{config.port}", flush=True)
     print(f"  coordinator key {identity.public_key_hex}", flush=True)
     print(f"  data dir:       {config.data_dir.resolve()}", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+    finally:
+        if seed is not None:
+            seed.close()
 
 
 @contextmanager
@@ -37,6 +67,7 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
     """
     identity = identity or config.load_identity()
     app = build_app(config, identity, clock=clock)
+    seed = attach_seed(app, config)
     # Bind the socket ourselves: the port is known before the server starts, with no race for it.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -58,3 +89,5 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        if seed is not None:
+            seed.close()

@@ -7,6 +7,7 @@ signed request is recorded before anything else, so that even a refused request 
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import secrets
@@ -35,6 +36,9 @@ MAX_REASON_CHARS = 1000
 STATUS_METRICS_ROWS = 1000
 
 
+log = logging.getLogger("swarmrl.coordinator")
+
+
 @dataclass(frozen=True)
 class Signed:
     """An authenticated request: its envelope, typed payload and (for node endpoints) the node's row."""
@@ -53,6 +57,10 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time):
         self.config = config
+        # Bootstrap multiaddrs of the checkpoint swarm's DHT, sent to nodes in RunInfo (the seed adds its own).
+        self.dht_peers: list[str] = list(config.dht_peers)
+        # Called with each newly published manifest (e.g. the DHT seed starts serving it).
+        self.publish_hooks: list[Callable[[CheckpointManifest], None]] = []
         self.identity = identity
         self.clock = clock
         self.task = get_task(config.task)
@@ -111,7 +119,7 @@ class Coordinator:
         c = self.config
         return m.RunInfo(run_id=c.run_id, task=c.task, coordinator_key=self.identity.public_key_hex,
                          sampling=c.sampling, max_staleness=c.max_staleness, current_version=self.current_version(),
-                         dht_peers=list(c.dht_peers))
+                         dht_peers=list(self.dht_peers))
 
     def manifest(self, version: int | None = None) -> SignedManifest | None:
         """The manifest of `version` (default: the current one), or None."""
@@ -376,6 +384,11 @@ class Coordinator:
             keep = [SignedManifest.model_validate(d).manifest
                     for d in self.store.latest_manifests(self.config.keep_versions)]
             self.shards.remove_unreferenced(keep)
+        for hook in self.publish_hooks:
+            try:
+                hook(signed.manifest)
+            except Exception:  # a failing side channel must not undo a publish: nodes still have the origin
+                log.exception("publish hook failed for version %d", manifest.version)
         return signed
 
     def record_metrics(self, req: Signed) -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerFast
 
@@ -22,6 +23,9 @@ from protocol.client import CoordinatorClient, CoordinatorError
 from protocol.identity import Identity
 from protocol.manifest import ManifestError
 from protocol.messages import Lease, Rollout, RolloutGroup, RolloutSubmission
+
+if TYPE_CHECKING:
+    from node.p2p.swarm import SwarmPeer
 
 log = logging.getLogger("swarmrl.node")
 
@@ -74,6 +78,7 @@ class Node:
         self.engine: InferenceEngine | None = None
         self.tokenizer: PreTrainedTokenizerFast | None = None
         self.fetcher: CheckpointFetcher | None = None
+        self.swarm: SwarmPeer | None = None
 
     # -- weights --------------------------------------------------------------------------------------
 
@@ -186,15 +191,29 @@ class Node:
             log.warning("group %s refused: %s", pid, reason)
         return True
 
-    def run(self) -> NodeStats:
+    def _setup(self) -> None:
+        """Register with the pool, pin its key, join the checkpoint swarm if it has one, set up fetching."""
         reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8],
                                    engine=resolve_engine_kind(self.cfg.engine))
         self._run_info = reg.run
         key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
-        sources: list[ShardSource] = [*self._extra_sources, HttpOrigin(self.client)]
+        sources: list[ShardSource] = [*self._extra_sources]
+        p2p = self.cfg.p2p
+        bootstrap = p2p.initial_peers or reg.run.dht_peers
+        if p2p.enabled and bootstrap:
+            from node.p2p.swarm import SwarmPeer  # hivemind starts a libp2p daemon: only when the pool has a swarm
+
+            self.swarm = SwarmPeer(p2p, reg.run.run_id, initial_peers=bootstrap).start()
+            sources.append(self.swarm.source())
+            log.info("joined the checkpoint swarm as %s", self.swarm.peer_id)
+        sources.append(HttpOrigin(self.client))
         self.fetcher = CheckpointFetcher(self.cfg.work_dir / "checkpoints", key, sources,
-                                         keep_versions=self.cfg.keep_versions)
+                                         keep_versions=self.cfg.keep_versions,
+                                         **(self.swarm.fetcher_options() if self.swarm is not None else {}))
         log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
+
+    def run(self) -> NodeStats:
+        self._setup()
         fetch_thread = threading.Thread(target=self._fetch_loop, name="fetch", daemon=True)
         fetch_thread.start()
         last_beat = 0.0
@@ -222,6 +241,8 @@ class Node:
             fetch_thread.join(timeout=5)
             if self.engine is not None:
                 self.engine.close()
+            if self.swarm is not None:
+                self.swarm.close()
         return self.stats
 
     def stop(self) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from node.engine import EngineConfig
+from node.p2p.config import P2PConfig
 
 
 class NodeConfig(BaseModel):
@@ -27,3 +28,7 @@ class NodeConfig(BaseModel):
     max_leases: int | None = Field(None, description="Stop after this many leases (for tests); None runs forever.")
     progress: bool = Field(True, description="Show a live status line (rich).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine settings.")
+    p2p: P2PConfig = Field(
+        default_factory=P2PConfig,
+        description="Checkpoint sharing with other nodes over libp2p (hivemind DHT). Used when enabled and the pool "
+        "(or p2p.initial_peers) names DHT bootstrap peers; the coordinator's HTTP origin stays the fallback.")

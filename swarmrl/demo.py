@@ -48,7 +48,11 @@ class DemoConfig(BaseModel):
     lr: float = Field(3e-4, description="Trainer learning rate.")
     eval_every: int = Field(10, description="Trainer evaluates held-out accuracy every this many steps.")
     seed: int = Field(0, description="Seed of the model's initial weights and warm start.")
+    p2p: bool = Field(True, description="Share checkpoints between nodes over libp2p (the coordinator seeds the DHT).")
     report: Path | None = Field(None, description="Write the JSON report here.")
+
+
+LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def _free_port() -> int:
@@ -197,6 +201,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size},
             "max_staleness": cfg.max_staleness,
             "max_buffered_groups": cfg.batch_groups * (cfg.max_staleness + 1),
+            "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
             "operator_keys": [keys["trainer"].public_key_hex, keys["verifier"].public_key_hex],
         }, CoordinatorConfig)
         # Nodes start now: importing vLLM and registering overlaps the warm start below.
@@ -206,6 +211,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 "key_path": str(run_dir / "keys" / f"node{i}.key"), "name": f"node{i}",
                 "work_dir": str(run_dir / f"node{i}"), "max_prompts": cfg.prompts_per_lease, "progress": False,
                 "engine": {"kind": cfg.engine},
+                "p2p": {"enabled": cfg.p2p, "host_maddrs": LOOPBACK_MADDRS},
             }, NodeConfig)
         swarm.start("verifier", "verifier", {
             "coordinator_url": url, "key_path": str(run_dir / "keys" / "verifier.key"),

@@ -1,0 +1,75 @@
+"""The checkpoint swarm wired into the pool: the coordinator seeds the DHT and names it in RunInfo, and
+nodes that join the pool fetch published checkpoints from each other, every shard verified."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+
+from coordinator.config import CoordinatorConfig
+from coordinator.server import running_server
+from node.agent import Node
+from node.config import NodeConfig
+from protocol.client import CoordinatorClient
+from protocol.identity import Identity
+from protocol.manifest import ShardStore, cut_checkpoint
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def test_nodes_share_a_published_checkpoint_through_the_coordinators_seed(tmp_path):
+    trainer = Identity.generate()
+    cfg = CoordinatorConfig(data_dir=tmp_path / "coord", run_id="p2p-run", operator_keys=[trainer.public_key_hex],
+                            p2p={"host_maddrs": LOOPBACK, "seed_grace_s": 0.5})
+    coordinator_key = cfg.load_identity()
+    with running_server(cfg, coordinator_key) as url:
+        info = CoordinatorClient(url).info()
+        assert info.dht_peers and all("/p2p/" in a for a in info.dht_peers)
+
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps({"v": 1}))
+        weights = secrets.token_bytes(3 * 1024 * 1024)
+        (ckpt / "model.safetensors").write_bytes(weights)
+        local = ShardStore(tmp_path / "trainer-shards")
+        manifest = cut_checkpoint(ckpt, run_id="p2p-run", version=0, store=local, shard_size=128 * 1024)
+        op = CoordinatorClient(url, trainer)
+        for ref in manifest.shards():
+            op.upload_shard(ref.sha256, local.get(ref.sha256))
+        op.publish(manifest)
+
+        nodes = [Node(NodeConfig(coordinator_url=url, coordinator_key=coordinator_key.public_key_hex,
+                                 key_path=tmp_path / f"n{i}.key", work_dir=tmp_path / f"n{i}",
+                                 p2p={"host_maddrs": LOOPBACK, "poll_interval_s": 0.1, "announce_delay_s": 0.02}))
+                 for i in range(3)]
+        errors: list[BaseException] = []
+
+        def join_and_fetch(node: Node) -> None:
+            # What Node.run does before generating: register, join the swarm, fetch the newest checkpoint.
+            try:
+                node._setup()
+                node._fetch_newer()
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=join_and_fetch, args=(n,)) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        try:
+            assert not errors, errors
+            by_kind: dict[str, int] = {}
+            for n in nodes:
+                assert n._ready is not None and n._ready[0] == 0
+                assert (n._ready[1] / "model.safetensors").read_bytes() == weights
+                assert n.fetcher is not None and n.fetcher.stats.bad_shards == 0
+                for k, v in n.fetcher.stats.by_source.items():
+                    by_kind[k.split(":")[0]] = by_kind.get(k.split(":")[0], 0) + v
+            assert by_kind.get("peer", 0) > 0, by_kind  # nodes served each other
+            assert by_kind.get("seed", 0) > 0, by_kind  # the coordinator's seed peer took part
+        finally:
+            for n in nodes:
+                if n.swarm is not None:
+                    n.swarm.close()
