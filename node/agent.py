@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 from transformers import PreTrainedTokenizerFast
 
 from node.config import NodeConfig
@@ -22,7 +23,7 @@ from node.fetcher import CheckpointFetcher, HttpOrigin, ShardSource
 from protocol.client import CoordinatorClient, CoordinatorError
 from protocol.identity import Identity
 from protocol.manifest import ManifestError
-from protocol.messages import Lease, Rollout, RolloutGroup, RolloutSubmission
+from protocol.messages import Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
 
 if TYPE_CHECKING:
     from node.p2p.swarm import SwarmPeer
@@ -191,10 +192,23 @@ class Node:
             log.warning("group %s refused: %s", pid, reason)
         return True
 
+    def _register(self) -> Registered:
+        """Register, waiting out a coordinator that is not reachable yet (starting, restarting) for up to
+        `join_timeout_s`; a refusal (4xx) is final and raised at once."""
+        deadline = time.time() + self.cfg.join_timeout_s
+        while True:
+            try:
+                return self.client.register(name=self.cfg.name or self.identity.node_id[:8],
+                                            engine=resolve_engine_kind(self.cfg.engine))
+            except httpx.TransportError as e:
+                if time.time() > deadline:
+                    raise
+                log.warning("coordinator %s not reachable yet (%s); retrying", self.cfg.coordinator_url, e)
+                self._stop.wait(2.0)
+
     def _setup(self) -> None:
         """Register with the pool, pin its key, join the checkpoint swarm if it has one, set up fetching."""
-        reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8],
-                                   engine=resolve_engine_kind(self.cfg.engine))
+        reg = self._register()
         self._run_info = reg.run
         key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
         sources: list[ShardSource] = [*self._extra_sources]

@@ -23,6 +23,7 @@ class NodeConfig(BaseModel):
     name: str = Field("", description="Human-readable name shown on the coordinator's dashboard.")
     work_dir: Path = Field(Path("node-data"), description="Checkpoints and shards are kept here.")
     keep_versions: int = Field(2, ge=1, description="Checkpoint versions kept on disk.")
+    join_timeout_s: float = Field(300.0, ge=0, description="Keep trying to reach the coordinator this long at start.")
     max_prompts: int = Field(8, ge=1, description="Prompts asked for per lease.")
     poll_interval_s: float = Field(0.5, gt=0, description="Wait between polls when there is no work or no new weights.")
     max_leases: int | None = Field(None, description="Stop after this many leases (for tests); None runs forever.")

@@ -101,6 +101,19 @@ class Swarm:
                 p.wait()
 
 
+def _wait_until_up(client: CoordinatorClient, swarm: Swarm, timeout_s: float = 120.0) -> None:
+    """Block until the coordinator answers (it starts its DHT seed before serving)."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            client.info()
+            return
+        except (CoordinatorError, OSError) as e:
+            if "coordinator" in swarm.dead() or time.time() > deadline:
+                raise RuntimeError(f"the coordinator did not come up: {e}\n{swarm.log_tail('coordinator')}") from e
+            time.sleep(0.3)
+
+
 def _metric_series(status: RunStatus, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.metrics[key]) for m in status.metrics if key in m.metrics]
 
@@ -204,6 +217,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
             "operator_keys": [keys["trainer"].public_key_hex, keys["verifier"].public_key_hex],
         }, CoordinatorConfig)
+        _wait_until_up(CoordinatorClient(url, retries=0), swarm)
         # Nodes start now: importing vLLM and registering overlaps the warm start below.
         for i in range(cfg.nodes):
             swarm.start(f"node{i}", "node", {
