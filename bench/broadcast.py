@@ -114,6 +114,14 @@ class Network:
             out[name] = total
         return out
 
+    def tx_bytes(self, name: str) -> int:
+        """Bytes sent so far on the host's link (its upload)."""
+        out = sh("ip", "-n", self.hosts[name], "-j", "-s", "link", "show", "eth0", check=False).stdout
+        try:
+            return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+        except (ValueError, LookupError):
+            return 0
+
     def kill_processes(self) -> None:
         """End every process still inside our namespaces (our workers and their p2pd daemons), by pid."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -282,7 +290,7 @@ def worker_node(cfg: dict[str, Any]) -> None:
         if peer is not None:
             sources.insert(0, peer.source())
         fetcher = CheckpointFetcher(cfg["root"], go["coordinator_key"], sources, keep_versions=2,
-                                    max_parallel=peer.fetch_parallelism if peer else 1)
+                                    **(peer.fetcher_options() if peer else {}))
         t0, c0 = time.time(), time.process_time()
         try:
             manifest, out = fetcher.fetch(signed, held_version=-1)
@@ -379,18 +387,40 @@ def cpu_times() -> tuple[float, float]:
     return sum(f) - idle, sum(f)
 
 
+def origin_link_summary(samples: list[tuple[float, int]], t_go: float, rate_mbit: float) -> dict[str, Any]:
+    """How busy an upload link (or the sum of several) was: MB sent, and the rate per 2-second window as a
+    percentage of `rate_mbit`."""
+    if len(samples) < 2:
+        return {}
+    t0, b0 = samples[0]
+    windows = []
+    i = 0
+    for j, (t, b) in enumerate(samples):
+        if t - samples[i][0] >= 2.0 or j == len(samples) - 1:
+            if t > samples[i][0]:
+                windows.append(round(100 * (b - samples[i][1]) * 8 / (t - samples[i][0]) / (rate_mbit * 1e6)))
+            i = j
+    sent = samples[-1][1] - b0
+    busy_until = next((t for t, b in samples if b - b0 >= 0.99 * sent), samples[-1][0])
+    return {"sent_mb": round(sent / 1e6, 1), "pct_per_2s": windows,
+            "avg_pct_until_99pct_sent": round(100 * 0.99 * sent * 8 / max(1e-9, busy_until - t0) /
+                                              (rate_mbit * 1e6))}
+
+
 def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, signed_path: Path,
               coordinator_key: str, data_dir: Path, key_path: Path) -> dict[str, Any]:
     phase = "swarm" if swarm else "origin"
     logs = work / f"logs-{phase}"
     logs.mkdir(exist_ok=True)
-    p2p = {"max_parallel_peers": args.max_parallel_peers}
+    from protocol.config import apply_overrides
+
+    p2p = apply_overrides({}, args.p2p)
     origin_ip = f"{SUBNET}.0.1"
     workers: list[Worker] = []
     try:
         origin = Worker("origin", net.hosts["origin"], "origin",
                         {"ip": origin_ip, "data_dir": str(data_dir), "key_path": str(key_path), "swarm": swarm,
-                         "manifest": str(signed_path), "p2p": {}}, logs)
+                         "manifest": str(signed_path), "p2p": apply_overrides({}, args.seed_p2p)}, logs)
         workers.append(origin)
         origin_ready = wait_all([origin], "ready", 120)["origin"]
         boot = origin_ready["bootstrap"]
@@ -414,12 +444,30 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             wait_all(bad, "done", 60)
         time.sleep(2.0 if swarm else 0.5)  # let the DHT settle (announcements, routing tables)
         cpu0, ns0 = cpu_times(), net.cpu_seconds()
+        samples: list[tuple[float, int]] = []
+        node_samples: list[tuple[float, int]] = []
+        per_node: list[list[int]] = []
+        sampling = threading.Event()
+
+        def sample_origin_link() -> None:
+            while not sampling.is_set():
+                samples.append((time.time(), net.tx_bytes("origin")))
+                if swarm:
+                    per = [net.tx_bytes(f"node{i}") for i in range(args.nodes)]
+                    per_node.append(per)
+                    node_samples.append((time.time(), sum(per)))
+                sampling.wait(0.5)
+
+        sampler = threading.Thread(target=sample_origin_link, daemon=True)
+        sampler.start()
         t_go = time.time()
         for w in nodes:
             w.send(cmd="go", signed=signed, coordinator_key=coordinator_key)
         limit = args.size_mb * 8 / args.rate_mbit
         done = wait_all(nodes, "done", timeout=max(600.0, 4 * limit * args.nodes))
         cpu1, ns1 = cpu_times(), net.cpu_seconds()
+        sampling.set()
+        sampler.join()
         used = {h: ns1.get(h, 0.0) - ns0.get(h, 0.0) for h in ns1}
         failed = {n: d["error"] for n, d in done.items() if not d["ok"]}
         if failed:
@@ -439,6 +487,11 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             "shards_by_source": by_source,
             "half_s": round(sum(d["t_half"] - t_go for d in done.values()) / len(done), 2),
             "last_shard_s": round(max(d["t_last_shard"] - t_go for d in done.values()), 2),
+            "origin_link": origin_link_summary(samples, t_go, args.rate_mbit),
+            "node_uplinks": origin_link_summary(node_samples, t_go, args.rate_mbit * args.nodes) if swarm else {},
+            "per_node_uplink_pct": [round(100 * (per_node[-1][i] - per_node[0][i]) * 8 /
+                                          ((node_samples[-1][0] - node_samples[0][0]) * args.rate_mbit * 1e6))
+                                    for i in range(args.nodes)] if swarm and len(per_node) > 1 else [],
             "bad_shards": sum(d["stats"]["bad_shards"] for d in done.values()),
             "failures": sum(d["stats"]["failures"] for d in done.values()),
             "cpu_s": {"origin": round(used.get("origin", 0.0), 1),
@@ -456,6 +509,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             w.stop()
         byes = wait_all(workers, "bye", 60)
         if swarm:
+            result["busy_answers"] = sum(b.get("swarm_stats", {}).get("busy", 0) for b in byes.values())
             seed = byes["origin"]["seed_stats"]
             result["seed_uploaded_mb"] = round(seed.get("bytes_uploaded", 0) / 1e6, 1)
             result["seed_done_s"] = round(seed.get("last_upload_at", t_go) - t_go, 2)
@@ -483,7 +537,10 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=200.0, help="checkpoint size, MB (1e6 bytes)")
     ap.add_argument("--shard-mb", type=float, default=4.0, help="shard size, MiB (protocol default: 4)")
     ap.add_argument("--malicious", type=int, default=1, help="peers serving corrupted shards in the swarm run")
-    ap.add_argument("--max-parallel-peers", type=int, default=4)
+    ap.add_argument("--p2p", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a P2PConfig field on the nodes, e.g. --p2p max_parallel_peers=4 (repeatable)")
+    ap.add_argument("--seed-p2p", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a P2PConfig field on the origin's seed, e.g. --seed-p2p seed_max_uploads=2")
     ap.add_argument("--skip-origin-only", action="store_true", help="skip (b); origin_only_s is then N*S/B")
     ap.add_argument("--workdir", default=None, help="default: a temporary directory in /dev/shm or /tmp")
     ap.add_argument("--worker", nargs=2, metavar=("ROLE", "CONFIG"), help=argparse.SUPPRESS)

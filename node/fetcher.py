@@ -41,6 +41,15 @@ WAIT = object()
 on their way to other peers: they will be announced shortly)."""
 
 
+class SourceBusy(Exception):
+    """A source cannot take the request now (all its upload slots are in use); not a failure: ask it again
+    after `retry_after_s`, and meanwhile take this shard, or another, elsewhere."""
+
+    def __init__(self, message: str = "busy", retry_after_s: float = 0.25):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class BadShardBytes(Exception):
     """A source sent something that is certainly not the shard (e.g. a wrong length): treated as bad bytes."""
 
@@ -112,6 +121,7 @@ class FetchStats:
     bytes_fetched: int = 0
     bad_shards: int = 0
     failures: int = 0
+    busy: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
 
 
@@ -119,13 +129,14 @@ class CheckpointFetcher:
     """Keeps verified checkpoint versions under `root`/v{version}, at most `keep_versions` of them.
 
     `max_parallel`: shards in flight at once (from different sources, or several to a source whose
-    `max_in_flight` allows it). `stall_timeout_s`: give up when no source can make progress for this long
+    `max_in_flight` allows it); at most `max_peer_parallel` of them from non-seed sources, so that the rest
+    stay free for the seeds. `stall_timeout_s`: give up when no source can make progress for this long
     (only when no seed source is configured; with seeds a shard fails once every seed failed it).
     """
 
     def __init__(self, root: str | Path, coordinator_key: str, sources: list[ShardSource], keep_versions: int = 2,
                  on_bad_shard: Callable[[ShardSource, ShardRef], None] | None = None, *, max_parallel: int = 1,
-                 poll_s: float = 0.2, stall_timeout_s: float = 120.0):
+                 max_peer_parallel: int | None = None, poll_s: float = 0.2, stall_timeout_s: float = 120.0):
         self.root = Path(root)
         self.store = ShardStore(self.root / "shards")
         self.coordinator_key = coordinator_key
@@ -133,6 +144,7 @@ class CheckpointFetcher:
         self.keep_versions = keep_versions
         self.on_bad_shard = on_bad_shard
         self.max_parallel = max(1, max_parallel)
+        self.max_peer_parallel = self.max_parallel if max_peer_parallel is None else max(1, max_peer_parallel)
         self.poll_s = poll_s
         self.stall_timeout_s = stall_timeout_s
         self.stats = FetchStats()
@@ -192,6 +204,8 @@ class _Download:
         self.failed: dict[str, set[str]] = {}  # shard sha -> keys of sources that failed it
         self.errors: dict[str, list[str]] = {}
         self.load: dict[str, int] = {}
+        self.peer_in_flight = 0  # downloads from non-seed sources
+        self.busy_until: dict[str, float] = {}  # source key -> monotonic time it said it would be free again
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         self.last_progress = time.monotonic()
@@ -221,7 +235,7 @@ class _Download:
         return out
 
     def _free(self, s: ShardSource) -> bool:
-        return self.load.get(s.key, 0) < s.max_in_flight
+        return self.load.get(s.key, 0) < s.max_in_flight and self.busy_until.get(s.key, 0.0) <= time.monotonic()
 
     def _pick(self) -> tuple[ShardRef, ShardSource] | None:
         sources = self._sources()
@@ -229,14 +243,16 @@ class _Download:
         seeds = [s for s in sources if s.seed]
         best: tuple[tuple[int, int], ShardRef, ShardSource] | None = None
         counts: list[int] = []
+        peer_room = self.peer_in_flight < self.f.max_peer_parallel
         for rank, shard in enumerate(self.pending):
             failed = self.failed.get(shard.sha256, ())
             holders = [p for p in peers if p.key not in failed and p.holds(self.manifest, shard)]
             counts.append(len(holders))
-            free = [p for p in holders if self._free(p)]
-            if free and (best is None or (len(holders), rank) < best[0]):
+            free = [p for p in holders if self._free(p)] if peer_room else []
+            score = (len(holders), rank)
+            if free and (best is None or score < best[0]):
                 pick = min(free, key=lambda p: (self.load.get(p.key, 0), random.random()))
-                best = ((len(holders), rank), shard, pick)
+                best = (score, shard, pick)
         if best is not None:
             return best[1], best[2]
         # Seeds: each shard goes to the first seed (in the order given) that has not failed it; the next
@@ -285,6 +301,7 @@ class _Download:
                 self.pending.remove(shard)
                 self.in_flight.add(shard.sha256)
                 self.load[source.key] = self.load.get(source.key, 0) + 1
+                self.peer_in_flight += not source.seed
             ok = False
             try:
                 ok = self._fetch_one(shard, source)
@@ -294,6 +311,7 @@ class _Download:
             finally:
                 with self.cond:
                     self.load[source.key] -= 1
+                    self.peer_in_flight -= not source.seed
                     self.in_flight.discard(shard.sha256)
                     if ok:
                         self.last_progress = time.monotonic()
@@ -310,6 +328,11 @@ class _Download:
             if len(data) != shard.size:
                 raise BadShardBytes(f"{len(data)} bytes instead of {shard.size}")
             f.store.put(shard.sha256, data)  # checks the hash before anything is written
+        except SourceBusy as e:
+            with self.cond:
+                self.busy_until[source.key] = time.monotonic() + e.retry_after_s
+                stats.busy += 1
+            return False
         except (BadShardBytes, ManifestError) as e:
             bad, error = True, f"bad bytes ({e})"
         except Exception as e:  # noqa: BLE001 (a failing source is skipped, never fatal: another may have it)

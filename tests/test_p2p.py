@@ -202,7 +202,7 @@ def test_swarm_fetch_takes_shards_from_peers_and_seed_each_verified(tmp_path, pu
 
         def run(i: int) -> None:
             f = CheckpointFetcher(tmp_path / f"node{i}", coordinator.public_key_hex, [nodes[i].source(), http],
-                                  max_parallel=nodes[i].fetch_parallelism)
+                                  **nodes[i].fetcher_options())
             results[i] = (f, f.fetch(signed)[1])
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
@@ -240,7 +240,7 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
     origin = StoreSource(origin_store)
     bad_reports: list[tuple[str, str]] = []
     f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [node.source(), origin],
-                          max_parallel=node.fetch_parallelism,
+                          **node.fetcher_options(),
                           on_bad_shard=lambda src, shard: bad_reports.append((src.name, shard.sha256)))
     _, out = f.fetch(signed)
 
@@ -272,7 +272,7 @@ def test_slow_peer_is_dropped_and_the_shard_taken_elsewhere(tmp_path, published,
     wait_for(lambda: slow.peer_id in node.holders(manifest, wait=True), what="the slow peer's announcement")
     origin = StoreSource(origin_store)
     f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [node.source(), origin],
-                          max_parallel=node.fetch_parallelism)
+                          **node.fetcher_options())
     _, out = f.fetch(signed)
     assert (out / "model.safetensors").read_bytes() == weights
     assert f.stats.bad_shards == 0 and f.stats.failures == 1  # one timeout, then the peer was dropped
@@ -308,11 +308,14 @@ def test_seed_suggestions_hand_every_shard_out_once_before_any_twice(published):
     seed = SwarmPeer(P2PConfig(seed=True, seed_grace_s=60), "test")  # not started: only its bookkeeping
     seed.serve(manifest, origin_store)
     want_all = manifest_tag(manifest).encode() + make_bitfield(n, range(n))
-    picks = [seed._suggest_for(want_all) for _ in range(n)]
-    assert sorted(picks) == list(range(n))  # n askers, n different shards
-    assert seed._suggest_for(want_all) == LATER  # all on their way: take them from peers
     want_one = manifest_tag(manifest).encode() + make_bitfield(n, [3])
-    assert seed._suggest_for(want_one) == LATER
+    assert seed._suggest_for(want_one) == 3
+    assert seed._suggest_for(want_one) == LATER  # handed out once; others have never-handed shards to get
+    picks = [seed._suggest_for(want_all) for _ in range(n - 1)]
+    assert sorted(picks) == [i for i in range(n) if i != 3]  # n - 1 askers, n - 1 different shards
+    assert seed._suggest_for(want_all) == LATER  # all handed out, all still on their way: take them from peers
+    seed._handouts[manifest.shards()[5].sha256].quiet_at = 0.0  # shard 5's copy landed long ago
+    assert seed._suggest_for(want_all) == 5  # now the seed may help with a second copy
     assert seed._suggest_for(b"0" * 16 + make_bitfield(n, [3])) is None  # unknown manifest: no opinion
 
 
@@ -475,3 +478,12 @@ def test_wait_hint_holds_a_shard_back_from_the_seed(tmp_path, published, coordin
     f.fetch(signed)
     assert shards[0].sha256 not in seed.calls
     assert log == [("peer", shards[0].sha256)]
+
+
+def test_start_swarm_degrades_to_the_origin_when_disabled_or_unreachable():
+    from node.p2p import P2PConfig, start_swarm
+
+    assert start_swarm(P2PConfig(enabled=False), "test", []) is None
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"  # nobody listens there
+    cfg = P2PConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_wait_timeout_s=1.0, startup_timeout_s=10.0)
+    assert start_swarm(cfg, "test", [dead]) is None

@@ -1,0 +1,48 @@
+"""Peer-to-peer checkpoint distribution: discovery in a hivemind DHT, shard exchange over libp2p streams.
+
+A node process:
+
+    from node.p2p import P2PConfig, start_swarm
+    peer = start_swarm(cfg.p2p, run_info.run_id, run_info.dht_peers)   # None: disabled or failed to start
+    sources = ([peer.source()] if peer else []) + [HttpOrigin(client)]
+    fetcher = CheckpointFetcher(root, key, sources, keep_versions, **(peer.fetcher_options() if peer else {}))
+    ...
+    if peer:
+        peer.close()
+
+The coordinator runs `coordinator.dht_seed.DhtSeed` (a bootstrap peer that seeds its shard store).
+Modules: `config` (P2PConfig), `dht` (holder records and their validators), `swarm` (SwarmPeer, SwarmSource).
+Importing `swarm` imports hivemind (and torch): a few seconds, so it is imported only when needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from node.p2p.config import P2PConfig
+
+if TYPE_CHECKING:
+    from node.p2p.swarm import SwarmPeer
+
+log = logging.getLogger(__name__)
+
+
+def start_swarm(config: P2PConfig, run_id: str, dht_peers: list[str] | None = None) -> SwarmPeer | None:
+    """This node's started SwarmPeer, bootstrapped from `config.initial_peers` or else `dht_peers` (the
+    coordinator's RunInfo.dht_peers); None when p2p is disabled or the daemon/DHT cannot start, in which case
+    the node fetches from the HTTP origin alone."""
+    if not config.enabled:
+        return None
+    from node.p2p.swarm import SwarmPeer
+
+    peers = config.initial_peers or list(dht_peers or [])
+    try:
+        return SwarmPeer(config, run_id, initial_peers=peers).start()
+    except Exception as e:  # noqa: BLE001 (the origin still works: degrade, do not die)
+        log.warning("peer-to-peer checkpoint sharing unavailable (%s: %s); using the origin only",
+                    type(e).__name__, e)
+        return None
+
+
+__all__ = ["P2PConfig", "start_swarm"]

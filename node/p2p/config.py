@@ -33,11 +33,17 @@ class P2PConfig(BaseModel):
         None, gt=0, description="Upload rate cap for serving shards to peers, megabits per second; None: no cap."
     )
     max_uploads: int = Field(
-        4, ge=1, description="Shard uploads served at once; further requests wait their turn (fewer, faster uploads "
-        "let a new copy be re-shared sooner)."
+        3, ge=1, description="Shard uploads served at once (fewer, faster uploads let a new copy be re-shared "
+        "sooner); see upload_queue for the requests beyond."
     )
+    upload_queue: int = Field(
+        2, ge=0, description="Requests that may wait for an upload slot (so the link never idles between uploads); "
+        "one more is answered 'busy'."
+    )
+    busy_retry_s: float = Field(0.25, gt=0, description="A peer that answered 'busy' is asked again after this long.")
     max_parallel_peers: int = Field(
-        4, ge=1, description="Shards downloaded from peers at once (each from a different peer)."
+        4, ge=1, description="Shards downloaded from peers at once (each from a different peer): enough streams to "
+        "fill a node's download link while each holder splits its upload among max_uploads askers."
     )
     origin_parallel: int = Field(
         1, ge=1, description="Shards downloaded at once from seeds (the coordinator's seed peer, the HTTP origin)."
@@ -53,16 +59,21 @@ class P2PConfig(BaseModel):
         60.0, ge=5, description="DHT holder records expire after this many seconds; refreshed every third of it."
     )
     announce_delay_s: float = Field(
-        0.2, ge=0, description="Newly stored shards are announced within this many seconds (batched)."
+        0.1, ge=0, description="Newly stored shards are announced within this many seconds (batched)."
     )
     poll_interval_s: float = Field(
-        0.5, gt=0, description="While downloading, who-holds-what is re-read from the DHT this often."
+        0.25, gt=0, description="While downloading, who-holds-what is re-read from the DHT this often."
     )
     startup_timeout_s: float = Field(30.0, gt=0, description="Seconds allowed for the libp2p daemon and DHT to start.")
     dht_wait_timeout_s: float = Field(3.0, gt=0, description="A DHT request without a reply in this time is lost.")
+    seed_max_uploads: int = Field(
+        5, ge=1, description="Uploads a seed (the coordinator) serves at once; further requests queue. Each copy must "
+        "share its receiver's link with max_parallel_peers peer streams, so about that many plus one keep the seed's "
+        "link full, and fewer at once means each copy lands (and spreads) sooner."
+    )
     seed_grace_s: float = Field(
-        5.0, ge=0, description="A seed hands a shard out again only this long after its last upload of it ended "
-        "(the time the receiver needs to announce it); until then it tells askers to take it from peers."
+        5.0, ge=0, description="A seed sends every shard once before any twice; after that it sends a shard again "
+        "only this long after its last upload of it ended (time for the receiver to announce it)."
     )
     seed: bool = Field(False, description="This peer holds every shard it announces (the coordinator's seed).")
 

@@ -15,11 +15,13 @@ thread of the calling process. It
 holder. Holders flagged as seeds (the coordinator's seed peer) count as seeds for the scheduler.
 
 Wire protocol on stream `/swarmrl/shard/1`, one request per stream: an op byte, an 8-byte big-endian
-length, the payload. `G` + sha256 hex: the response is a status byte (0 ok, 1 not held, 2 refused) and,
-when ok, an 8-byte length and the shard bytes. `S` + manifest tag + bitfield of wanted shards: status, and
-when ok the 8-byte index of the shard the peer would rather send (seeds spread their uploads this way);
-status 3 means "none of these now: they are on their way to other peers, take them from those".
-Uploads pass through one token bucket (`upload_cap_mbps`) and at most `max_uploads` run at once.
+length, the payload. `G` + sha256 hex: the response is a status byte (0 ok, 1 not held, 2 refused,
+4 busy: all upload slots taken, ask again shortly) and, when ok, an 8-byte length and the shard bytes.
+`S` + manifest tag + bitfield of wanted shards: a status byte and, when ok, the 8-byte index of the shard
+the peer would rather send (seeds spread their uploads this way); status 3 means "none of these now: they
+are on their way to other peers, take them from those". Uploads pass through one token bucket
+(`upload_cap_mbps`); at most `max_uploads` run at once (`seed_max_uploads` for a seed, which queues
+rather than answering busy).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.fetcher import WAIT, BadShardBytes, ShardSource
+from node.fetcher import WAIT, BadShardBytes, ShardSource, SourceBusy
 from node.p2p.config import P2PConfig
 from node.p2p.dht import (
     CachingSignatureValidator,
@@ -60,7 +62,7 @@ from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/swarmrl/shard/1"
-OK, NOT_HELD, REFUSED, LATER = b"\x00", b"\x01", b"\x02", b"\x03"
+OK, NOT_HELD, REFUSED, LATER, BUSY = b"\x00", b"\x01", b"\x02", b"\x03", b"\x04"
 OP_GET, OP_SUGGEST = b"G", b"S"
 MAX_REQUEST = 16 + (1 << 17)  # a manifest tag and a bitfield of up to 2**20 shards
 CHUNK = 1 << 16
@@ -127,6 +129,7 @@ class SwarmStats:
     bytes_downloaded: int = 0
     peer_failures: int = 0
     announces: int = 0
+    busy: int = 0  # requests answered "busy" (all upload slots taken)
     last_upload_at: float = 0.0  # wall clock (time.time()) when the latest upload ended
 
 
@@ -134,8 +137,7 @@ class SwarmPeer:
     """This process's presence in the swarm: DHT membership, shard serving, peer fetching, bans.
 
         peer = SwarmPeer(cfg, run_id, initial_peers=run_info.dht_peers).start()
-        fetcher = CheckpointFetcher(root, key, [peer.source(), HttpOrigin(client)],
-                                    max_parallel=peer.fetch_parallelism)
+        fetcher = CheckpointFetcher(root, key, [peer.source(), HttpOrigin(client)], **peer.fetcher_options())
         ...
         peer.close()
     """
@@ -161,6 +163,10 @@ class SwarmPeer:
         self._announce_event: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._upload_sem: asyncio.Semaphore | None = None
+        self._upload_waiting = 0
+        self._ramp: asyncio.Condition | None = None  # a seed's ramp-up (see _ramp_up)
+        self._ramp_active = 0
+        self._ramp_done = 0
         self._bucket: TokenBucket | None = None
         self.peer_id: str = ""
         self.maddrs: list[str] = []
@@ -201,10 +207,10 @@ class SwarmPeer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def fetch_parallelism(self) -> int:
-        """The `max_parallel` to give CheckpointFetcher: one worker per peer slot plus the seed slots."""
-        return self.config.max_parallel_peers + self.config.origin_parallel
+    def fetcher_options(self) -> dict[str, int]:
+        """Keyword arguments for CheckpointFetcher: peer slots plus seed slots, the peers kept to theirs."""
+        return {"max_parallel": self.config.max_parallel_peers + self.config.origin_parallel,
+                "max_peer_parallel": self.config.max_parallel_peers}
 
     def source(self) -> SwarmSource:
         return SwarmSource(self)
@@ -248,7 +254,8 @@ class SwarmPeer:
         )
         self.peer_id = self._p2p.peer_id.to_base58()
         self.maddrs = full_maddrs(await self._p2p.get_visible_maddrs(), self._p2p.peer_id)
-        self._upload_sem = asyncio.Semaphore(cfg.max_uploads)
+        self._upload_sem = asyncio.Semaphore(cfg.seed_max_uploads if cfg.seed else cfg.max_uploads)
+        self._ramp = asyncio.Condition()
         if cfg.upload_cap_mbps is not None:
             self._bucket = TokenBucket(cfg.upload_cap_mbps * 1e6 / 8)
         self._announce_event = asyncio.Event()
@@ -281,6 +288,7 @@ class SwarmPeer:
             if tag in self._served:
                 return
             served = _Served(manifest, store, index, len(info.shards))
+            self._ramp_done = 0  # a seed ramps up again for a new version
             served.held = {i for sha, idx in index.items() if store.has(sha) for i in idx}
             self._served[tag] = served
         self._poke()
@@ -398,13 +406,26 @@ class SwarmPeer:
 
     async def _send_shard(self, sha: str, writer: asyncio.StreamWriter) -> None:
         assert self._upload_sem is not None
+        if self._upload_sem.locked() and self._upload_waiting >= self.config.upload_queue and not self.config.seed:
+            # Every upload slot is taken and enough askers wait for one: say so at once, and the asker takes
+            # this shard (or another) from a less loaded holder meanwhile. Seeds queue everyone instead.
+            self.stats.busy += 1
+            writer.write(BUSY)
+            return
         with self._lock:  # in progress from now on, also while waiting for an upload slot
             h = self._handout(sha)
             if h.active == 0 and time.monotonic() >= h.quiet_at:
                 h.given += 1  # not announced by a suggestion
             h.active += 1
         try:
-            async with self._upload_sem:
+            self._upload_waiting += 1
+            try:
+                await self._upload_sem.acquire()
+                if self.config.seed:
+                    await self._ramp_up()
+            finally:
+                self._upload_waiting -= 1
+            try:
                 data = await asyncio.get_running_loop().run_in_executor(None, self._load_shard, sha)
                 if data is None:
                     writer.write(NOT_HELD)
@@ -420,10 +441,36 @@ class SwarmPeer:
                 self.stats.uploads += 1
                 self.stats.bytes_uploaded += len(data)
                 self.stats.last_upload_at = time.time()
+            finally:
+                self._upload_sem.release()
+                if self.config.seed:
+                    self._ramp_release()
         finally:
             with self._lock:
                 h.active -= 1
                 h.quiet_at = time.monotonic() + self.config.seed_grace_s
+
+    async def _ramp_up(self) -> None:
+        """A seed starts a new version with one upload at a time and adds one per upload that ends.
+
+        At first nobody's download link is busy, so one upload at full rate lands a first copy (which can
+        then spread) soonest; later each copy shares its receiver's link with peer traffic, and more
+        uploads at once keep the seed's link full.
+        """
+        assert self._ramp is not None
+        async with self._ramp:
+            await self._ramp.wait_for(lambda: self._ramp_active < 1 + self._ramp_done)
+            self._ramp_active += 1
+
+    def _ramp_release(self) -> None:
+        self._ramp_active -= 1
+        self._ramp_done += 1
+        if self._ramp is not None and self._loop is not None:
+            async def notify() -> None:
+                async with self._ramp:  # type: ignore[union-attr]
+                    self._ramp.notify_all()  # type: ignore[union-attr]
+
+            asyncio.ensure_future(notify())
 
     def _handout(self, sha: str) -> _Handout:
         h = self._handouts.get(sha)
@@ -434,13 +481,15 @@ class SwarmPeer:
         return h
 
     def _suggest_for(self, payload: bytes) -> int | None | bytes:
-        """Super-seeding: of the shards a peer still wants, the one this peer has handed out least often.
+        """Super-seeding: which of the shards a peer still wants this peer (a seed) should send it, if any.
 
-        Nodes ask a seed before taking a shard from it, so that the seed's one link sends every shard once
-        before it sends any twice: the copies then spread peer to peer. A suggestion counts as a hand-out,
-        which keeps concurrent askers apart. If every wanted shard is on its way to some other peer (an
-        upload in progress, or ended less than `seed_grace_s` ago, the time it takes to be announced),
-        the answer is LATER: take them from the peers. Returns an index, None (no opinion) or LATER.
+        The seed's one link is the swarm's bottleneck, so it sends every shard once before it sends any
+        twice, and lets the copies spread peer to peer: it suggests a wanted shard it has never handed
+        out; if there is none but other peers still have never-handed shards to get, the answer is LATER
+        (take these from the peers). Once every shard has been handed out, it helps with the least handed
+        out wanted shard, except one still on its way to some peer (an upload in progress, or ended less
+        than `seed_grace_s` ago: the time its receiver needs to announce it). A suggestion counts as a
+        hand-out, which keeps concurrent askers apart. Returns an index, None (no opinion) or LATER.
         """
         tag, bits = payload[:16].decode("ascii", "replace"), payload[16:]
         now = time.monotonic()
@@ -453,15 +502,24 @@ class SwarmPeer:
                 return None
             shards = manifest_info(served.manifest).shards
 
-            def rank(i: int) -> tuple[bool, int, float]:
+            def given(i: int) -> int:
                 h = self._handouts.get(shards[i].sha256)
-                if h is None:
-                    return False, 0, random.random()
-                return h.active > 0 or now < h.quiet_at, h.given, random.random()
+                return 0 if h is None else h.given
 
-            best = min(wanted, key=rank)
-            if rank(best)[0]:
+            def in_transit(i: int) -> bool:
+                h = self._handouts.get(shards[i].sha256)
+                return h is not None and (h.active > 0 or now < h.quiet_at)
+
+            fresh = [i for i in wanted if given(i) == 0]
+            if fresh:
+                best = random.choice(fresh)
+            elif any(given(i) == 0 for i in served.held):
                 return LATER
+            else:
+                ready = [i for i in wanted if not in_transit(i)]
+                if not ready:
+                    return LATER
+                best = min(ready, key=lambda i: (given(i), random.random()))
             h = self._handout(shards[best].sha256)
             h.given += 1
             h.quiet_at = now + self.config.seed_grace_s  # the asker's request should follow at once
@@ -604,6 +662,8 @@ class SwarmPeer:
         try:
             await self._request(writer, OP_GET, shard.sha256.encode())
             status = await reader.readexactly(1)
+            if status == BUSY:
+                raise SourceBusy(f"peer {peer_id[-8:]} is busy", self.config.busy_retry_s)
             if status == NOT_HELD:
                 raise PeerError(f"peer {peer_id[-8:]} does not hold shard {shard.sha256[:12]}")
             if status != OK:
