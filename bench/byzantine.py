@@ -185,6 +185,7 @@ def measure(kind: str, gen_ckpt: Path, policy, texts: list[str], group: int, tem
         out["logit_err_max"] = dlogit
         out["top2_gap_min"] = float(gaps_t.min())
         out["tokens_with_top2_gap_below_1e-4"] = int((gaps_t < 1e-4).sum())
+        out["tokens_with_top2_gap_below_1e-3"] = int((gaps_t < 1e-3).sum())
     return out
 
 
