@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, Field
 from rich.console import Console, Group
 from rich.live import Live
@@ -108,7 +109,7 @@ def _wait_until_up(client: CoordinatorClient, swarm: Swarm, timeout_s: float = 1
         try:
             client.info()
             return
-        except (CoordinatorError, OSError) as e:
+        except (CoordinatorError, httpx.TransportError) as e:
             if "coordinator" in swarm.dead() or time.time() > deadline:
                 raise RuntimeError(f"the coordinator did not come up: {e}\n{swarm.log_tail('coordinator')}") from e
             time.sleep(0.3)
@@ -253,7 +254,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 time.sleep(1.0)
                 try:
                     status = client.status()
-                except (CoordinatorError, OSError):
+                except (CoordinatorError, httpx.TransportError):
                     status = None
                 phase = "learning" if status and status.metrics else "starting"
                 live.update(Panel(render(status, time.time() - t_start, cfg, phase), title="swarmrl demo"))
