@@ -44,18 +44,16 @@ def _single_thread() -> None:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> None:
-    from coordinator.server import serve
-
     from coordinator.config import CoordinatorConfig
+    from coordinator.server import serve
 
     serve(_load(CoordinatorConfig, args))
 
 
 def cmd_trainer(args: argparse.Namespace) -> None:
     _single_thread()
-    from trainer.loop import run_trainer
-
     from trainer.config import TrainerConfig
+    from trainer.loop import run_trainer
 
     run_trainer(_load(TrainerConfig, args))
 
