@@ -300,6 +300,7 @@ def worker_node(cfg: dict[str, Any]) -> None:
         t1 = time.time()
         stored = sorted(p.stat().st_mtime for p in fetcher.store.root.glob("??/*"))
         result = {"ok": ok, "error": error, "t_start": t0, "t_done": t1, "stats": fetcher.stats.__dict__,
+                  "workers": fetcher.max_parallel,
                   "cpu_s": time.process_time() - c0, "t_half": stored[len(stored) // 2] if stored else t1,
                   "t_last_shard": stored[-1] if stored else t1}
         if peer is not None:
@@ -494,6 +495,9 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
                                     for i in range(args.nodes)] if swarm and len(per_node) > 1 else [],
             "bad_shards": sum(d["stats"]["bad_shards"] for d in done.values()),
             "failures": sum(d["stats"]["failures"] for d in done.values()),
+            "worker_idle_pct": round(100 * sum(d["stats"].get("idle_s", 0.0) for d in done.values()) /
+                                     max(1e-9, sum((d["t_done"] - d["t_start"]) * d.get("workers", 1)
+                                                   for d in done.values()))),
             "cpu_s": {"origin": round(used.get("origin", 0.0), 1),
                       "nodes": round(sum(v for h, v in used.items() if h.startswith("node")), 1),
                       "malicious": round(sum(v for h, v in used.items() if h.startswith("bad")), 1),

@@ -17,6 +17,7 @@ original behaviour: shard after shard, sources tried in the order given.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import threading
@@ -122,6 +123,7 @@ class FetchStats:
     bad_shards: int = 0
     failures: int = 0
     busy: int = 0
+    idle_s: float = 0.0  # worker-seconds spent waiting for a shard and a source with room for it
     by_source: dict[str, int] = field(default_factory=dict)
 
 
@@ -249,7 +251,7 @@ class _Download:
             holders = [p for p in peers if p.key not in failed and p.holds(self.manifest, shard)]
             counts.append(len(holders))
             free = [p for p in holders if self._free(p)] if peer_room else []
-            score = (len(holders), rank)
+            score = (len(holders), rank) if not os.environ.get("SWARMRL_RANDOM_FIRST") else (random.random(), rank)
             if free and (best is None or score < best[0]):
                 pick = min(free, key=lambda p: (self.load.get(p.key, 0), random.random()))
                 best = (score, shard, pick)
@@ -296,7 +298,9 @@ class _Download:
                         continue
                     if picked is not None:
                         break
+                    t = time.monotonic()
                     self.cond.wait(self.f.poll_s)
+                    self.f.stats.idle_s += time.monotonic() - t
                 shard, source = picked
                 self.pending.remove(shard)
                 self.in_flight.add(shard.sha256)

@@ -220,6 +220,7 @@ def test_swarm_fetch_takes_shards_from_peers_and_seed_each_verified(tmp_path, pu
             for k, v in f.stats.by_source.items():
                 by_kind[k.split(":")[0]] = by_kind.get(k.split(":")[0], 0) + v
         assert by_kind.get("peer", 0) > 0  # nodes shared shards with each other
+        assert by_kind.get("seed", 0) >= n  # the bootstrap peer's seed flag was believed
         assert by_kind.get("origin", 0) == 0  # the seed peer was there: no fallback needed
         assert seed.peer.stats.uploads >= n  # every shard left the seed at least once
     finally:
@@ -258,6 +259,25 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
 
     with pytest.raises(PeerError, match="refused"):
         liar.fetch(node.peer_id, manifest.shards()[0])
+
+
+def test_only_a_bootstrap_peer_is_believed_when_it_claims_to_be_a_seed(tmp_path, published, swarm):
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    boot = swarm(seed=True)
+    boot.serve(manifest, origin_store)
+    impostor = swarm(boot.maddrs, seed=True)
+    impostor.serve(manifest, origin_store)
+    node = swarm(boot.maddrs)
+    source = node.source()
+
+    def both() -> list:
+        found = {s.peer_id: s for s in source.expand(manifest)} if node.holders(manifest, wait=True) else {}
+        return found if {boot.peer_id, impostor.peer_id} <= set(found) else []
+
+    found = wait_for(both, what="both seeds' records")
+    assert found[boot.peer_id].seed
+    assert not found[impostor.peer_id].seed and found[impostor.peer_id].max_in_flight == 1
 
 
 def test_slow_peer_is_dropped_and_the_shard_taken_elsewhere(tmp_path, published, coordinator, swarm):

@@ -45,6 +45,10 @@ class P2PConfig(BaseModel):
         4, ge=1, description="Shards downloaded from peers at once (each from a different peer): enough streams to "
         "fill a node's download link while each holder splits its upload among max_uploads askers."
     )
+    requests_per_peer: int = Field(
+        1, ge=1, description="Shard requests one node keeps open to one peer (2: the next waits in the peer's "
+        "upload queue and starts without a round trip when the current one ends)."
+    )
     origin_parallel: int = Field(
         1, ge=1, description="Shards downloaded at once from seeds (the coordinator's seed peer, the HTTP origin)."
     )

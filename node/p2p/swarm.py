@@ -12,7 +12,8 @@ thread of the calling process. It
   were too slow `max_peer_failures` times in a row: left alone for `drop_s`).
 
 `SwarmSource` plugs all this into `node.fetcher.CheckpointFetcher`: it expands into one `PeerSource` per
-holder. Holders flagged as seeds (the coordinator's seed peer) count as seeds for the scheduler.
+holder. A holder flagged as a seed counts as one for the scheduler only if it is a bootstrap peer (the
+coordinator's seed, from RunInfo.dht_peers): nobody else can claim the deference a seed gets.
 
 Wire protocol on stream `/swarmrl/shard/1`, one request per stream: an op byte, an 8-byte big-endian
 length, the payload. `G` + sha256 hex: the response is a status byte (0 ok, 1 not held, 2 refused,
@@ -20,8 +21,8 @@ length, the payload. `G` + sha256 hex: the response is a status byte (0 ok, 1 no
 `S` + manifest tag + bitfield of wanted shards: a status byte and, when ok, the 8-byte index of the shard
 the peer would rather send (seeds spread their uploads this way); status 3 means "none of these now: they
 are on their way to other peers, take them from those". Uploads pass through one token bucket
-(`upload_cap_mbps`); at most `max_uploads` run at once (`seed_max_uploads` for a seed, which queues
-rather than answering busy).
+(`upload_cap_mbps`); at most `max_uploads` run at once and `upload_queue` more wait, further requests are
+answered busy (a seed runs `seed_max_uploads` at once and queues everyone else).
 """
 
 from __future__ import annotations
@@ -146,6 +147,9 @@ class SwarmPeer:
         self.config = config
         self.run_id = run_id
         self.initial_peers = list(initial_peers if initial_peers is not None else config.initial_peers)
+        # Only a bootstrap peer (the coordinator hands these out) is believed when it says it is a seed: a seed
+        # gets the scheduler's deference (its hints, its LATER), which no stranger should be able to claim.
+        self.trusted_seeds = {a.rsplit("/p2p/", 1)[1] for a in self.initial_peers if "/p2p/" in a}
         self.banned: set[str] = set()
         self.stats = SwarmStats()
         self._strikes: dict[str, int] = {}
@@ -693,9 +697,9 @@ class PeerSource(ShardSource):
     def update(self, record: HolderRecord) -> None:
         self.record = record
         self.have = record.indices()
-        self.seed = record.seed
-        self.max_in_flight = self.peer.config.origin_parallel if record.seed else 1
-        self.name = f"{'seed' if record.seed else 'peer'}:{self.peer_id[-8:]}"
+        self.seed = record.seed and self.peer_id in self.peer.trusted_seeds
+        self.max_in_flight = self.peer.config.origin_parallel if self.seed else self.peer.config.requests_per_peer
+        self.name = f"{'seed' if self.seed else 'peer'}:{self.peer_id[-8:]}"
 
     @property
     def key(self) -> str:
