@@ -115,11 +115,11 @@ class Network:
             out[name] = total
         return out
 
-    def tx_bytes(self, name: str) -> int:
-        """Bytes sent so far on the host's link (its upload)."""
+    def tx_bytes(self, name: str, direction: str = "tx") -> int:
+        """Bytes sent so far on the host's link (its upload), or received with direction="rx"."""
         out = sh("ip", "-n", self.hosts[name], "-j", "-s", "link", "show", "eth0", check=False).stdout
         try:
-            return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+            return int(json.loads(out)[0]["stats64"][direction]["bytes"])
         except (ValueError, LookupError):
             return 0
 
@@ -449,6 +449,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
         samples: list[tuple[float, int]] = []
         node_samples: list[tuple[float, int]] = []
         per_node: list[list[int]] = []
+        rx_samples: list[tuple[float, int]] = []
         sampling = threading.Event()
 
         def sample_origin_link() -> None:
@@ -457,6 +458,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
                 if swarm:
                     per = [net.tx_bytes(f"node{i}") for i in range(args.nodes)]
                     per_node.append(per)
+                    rx_samples.append((time.time(), sum(net.tx_bytes(f"node{i}", "rx") for i in range(args.nodes))))
                     node_samples.append((time.time(), sum(per)))
                 sampling.wait(0.5)
 
@@ -491,6 +493,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             "last_shard_s": round(max(d["t_last_shard"] - t_go for d in done.values()), 2),
             "origin_link": origin_link_summary(samples, t_go, args.rate_mbit),
             "node_uplinks": origin_link_summary(node_samples, t_go, args.rate_mbit * args.nodes) if swarm else {},
+            "node_downlinks": origin_link_summary(rx_samples, t_go, args.rate_mbit * args.nodes) if swarm else {},
             "per_node_uplink_pct": [round(100 * (per_node[-1][i] - per_node[0][i]) * 8 /
                                           ((node_samples[-1][0] - node_samples[0][0]) * args.rate_mbit * 1e6))
                                     for i in range(args.nodes)] if swarm and len(per_node) > 1 else [],

@@ -17,7 +17,6 @@ original behaviour: shard after shard, sources tried in the order given.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import threading
@@ -251,7 +250,7 @@ class _Download:
             holders = [p for p in peers if p.key not in failed and p.holds(self.manifest, shard)]
             counts.append(len(holders))
             free = [p for p in holders if self._free(p)] if peer_room else []
-            score = (len(holders), rank) if not os.environ.get("SWARMRL_RANDOM_FIRST") else (random.random(), rank)
+            score = (len(holders), rank)
             if free and (best is None or score < best[0]):
                 pick = min(free, key=lambda p: (self.load.get(p.key, 0), random.random()))
                 best = (score, shard, pick)
