@@ -276,7 +276,7 @@ class _Download:
                 hint = seed.suggest(self.manifest, queue)
                 if hint is WAIT:
                     continue
-                return hint if isinstance(hint, ShardRef) else queue[0], seed
+                return (hint if isinstance(hint, ShardRef) and hint in queue else queue[0]), seed
         if not seeds and not self.in_flight and time.monotonic() - self.last_progress > self.f.stall_timeout_s:
             raise ManifestError(f"no source can provide the {len(self.pending)} missing shards")
         return None
