@@ -215,11 +215,13 @@ class Node:
         p2p = self.cfg.p2p
         bootstrap = p2p.initial_peers or reg.run.dht_peers
         if p2p.enabled and bootstrap:
-            from node.p2p.swarm import SwarmPeer  # hivemind starts a libp2p daemon: only when the pool has a swarm
+            from node.p2p import start_swarm  # hivemind starts a libp2p daemon: only when the pool has a swarm
 
-            self.swarm = SwarmPeer(p2p, reg.run.run_id, initial_peers=bootstrap).start()
-            sources.append(self.swarm.source())
-            log.info("joined the checkpoint swarm as %s", self.swarm.peer_id)
+            # None when the daemon or DHT cannot start: the node then works from the HTTP origin alone.
+            self.swarm = start_swarm(p2p, reg.run.run_id, reg.run.dht_peers)
+            if self.swarm is not None:
+                sources.append(self.swarm.source())
+                log.info("joined the checkpoint swarm as %s", self.swarm.peer_id)
         sources.append(HttpOrigin(self.client))
         self.fetcher = CheckpointFetcher(self.cfg.work_dir / "checkpoints", key, sources,
                                          keep_versions=self.cfg.keep_versions,
