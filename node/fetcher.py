@@ -169,7 +169,7 @@ class CheckpointFetcher:
             self.stats.shards_reused += len(manifest.shards()) - len(missing)
             if missing:
                 _Download(self, manifest, missing).run()
-            assemble_checkpoint(manifest, self.store.get, out)
+            assemble_checkpoint(manifest, self.store.get, out, shards_verified=True)
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "manifests" / f"{manifest.version:08d}.json").write_text(signed.model_dump_json())
         self._manifests[manifest.version] = manifest

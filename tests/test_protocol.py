@@ -127,6 +127,11 @@ def test_corrupt_shard_is_refused_everywhere(tmp_path):
     with pytest.raises(ManifestError, match="corrupt"):
         assemble_checkpoint(m, lying_get, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    # Trusting the store skips the per-shard hashes, not the file hash: a shard damaged on disk is still caught.
+    with pytest.raises(ManifestError, match="does not match its hash"):
+        assemble_checkpoint(m, lying_get, tmp_path / "out", shards_verified=True)
+    assert not (tmp_path / "out").exists()
+    assert assemble_checkpoint(m, store.get, tmp_path / "out", shards_verified=True).exists()
 
 
 def test_manifest_signature(tmp_path):

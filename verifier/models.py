@@ -71,7 +71,7 @@ class ModelCache:
             self._loaded.move_to_end(version)
             return self._loaded[version][0]
         manifest = self._fetch(version)
-        path = assemble_checkpoint(manifest, self.shards.get, self.work_dir / f"v{version:08d}")
+        path = assemble_checkpoint(manifest, self.shards.get, self.work_dir / f"v{version:08d}", shards_verified=True)
         policy = load_policy(path, version, self.dtype, self.device)
         self._loaded[version] = (policy, manifest)
         while len(self._loaded) > self.keep:
