@@ -1,7 +1,8 @@
 """The dashboard: one self-contained HTML page (no CDN) that polls /v1/status every 2 s.
 
-It shows the run, the current version, the nodes, the group counters, and line charts (inline SVG) of
-the trainer's accuracy and reward metrics over steps. Every value from the server is inserted as text,
+It shows the run, the current version, the nodes (with their self-reported idle and busy seconds), the
+group counters, and line charts (inline SVG) of the trainer's accuracy and reward metrics and of the nodes'
+idle share (`node_idle_frac`) over steps. Every value from the server is inserted as text,
 never as HTML: node names come from untrusted nodes.
 """
 
@@ -32,10 +33,13 @@ PAGE = """<!doctype html>
 </div>
 <h2>Training</h2>
 <div class="charts"><div><div id="acc-title">accuracy</div><svg id="acc" width="460" height="220"></svg></div>
-<div><div id="rew-title">reward</div><svg id="rew" width="460" height="220"></svg></div></div>
+<div><div id="rew-title">reward</div><svg id="rew" width="460" height="220"></svg></div>
+<div><div id="idle-title">node idle share since the previous step</div>
+<svg id="idle" width="460" height="220"></svg></div></div>
 <h2>Nodes</h2>
 <table><thead><tr><th>node</th><th>name</th><th>engine</th><th>version</th><th>accepted</th><th>rejected</th>
-<th>banned</th><th>last seen</th></tr></thead><tbody id="nodes"></tbody></table>
+<th>banned</th><th>idle s</th><th>busy s</th><th>idle %</th><th>last seen</th></tr></thead>
+<tbody id="nodes"></tbody></table>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -109,10 +113,14 @@ async function poll() {
       const tr = document.createElement("tr"); if (n.banned) tr.className = "banned";
       cell(tr, n.node_id.slice(0, 12)); cell(tr, n.name); cell(tr, n.engine); cell(tr, n.held_version, "num");
       cell(tr, n.groups_accepted, "num"); cell(tr, n.groups_rejected, "num"); cell(tr, n.banned ? "yes" : "");
+      const spent = n.idle_s + n.busy_s;
+      cell(tr, n.idle_s.toFixed(0), "num"); cell(tr, n.busy_s.toFixed(0), "num");
+      cell(tr, spent > 0 ? (100 * n.idle_s / spent).toFixed(0) : "", "num");
       cell(tr, ago(n.last_seen)); body.appendChild(tr);
     }
     chart($("acc"), seriesMatching(s.metrics, /acc/i));
     chart($("rew"), seriesMatching(s.metrics, /reward/i));
+    chart($("idle"), seriesMatching(s.metrics, /^node_idle_frac$/));
   } catch (e) {
     $("err").textContent = "cannot reach the coordinator: " + e.message;
   }

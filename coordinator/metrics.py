@@ -47,6 +47,12 @@ def render(status: RunStatus) -> str:
            [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', float(n.groups_accepted)) for n in status.nodes])
     metric("swarmrl_node_groups_rejected_total", "counter", "Groups of a node the verifier rejected.",
            [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', float(n.groups_rejected)) for n in status.nodes])
+    metric("swarmrl_node_idle_seconds_total", "counter",
+           "Seconds a node waited for work or weights since it started (its untrusted self-report).",
+           [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', n.idle_s) for n in status.nodes])
+    metric("swarmrl_node_busy_seconds_total", "counter",
+           "Seconds a node spent generating and submitting since it started (its untrusted self-report).",
+           [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', n.busy_s) for n in status.nodes])
     if status.metrics:
         last = status.metrics[-1]
         metric("swarmrl_trainer_step", "gauge", "Step of the last trainer metrics report.", [(base, float(last.step))])

@@ -34,6 +34,12 @@ T = TypeVar("T", bound=BaseModel)
 
 MAX_REASON_CHARS = 1000
 STATUS_METRICS_ROWS = 1000
+# A node's idle + busy seconds cannot grow faster than the wall time between its heartbeats; this much more is
+# allowed for network delay and clock rate differences before its counters are scaled down.
+COUNTER_SLACK_FRAC = 0.05
+COUNTER_SLACK_S = 10.0
+# Trainer metrics the coordinator sets itself (from the nodes' heartbeat counters) when it records a report.
+NODE_IDLE_METRICS = ("node_idle_s", "node_idle_frac")
 
 
 log = logging.getLogger("swarmrl.coordinator")
@@ -135,7 +141,8 @@ class Coordinator:
         nodes = [m.NodeStatus(node_id=n["id"], name=n["name"], engine=n["engine"], held_version=n["held_version"],
                               groups_accepted=n["groups_accepted"], groups_rejected=n["groups_rejected"],
                               banned=bool(n["banned"]), last_seen=n["last_seen"], checks_passed=n["checks_passed"],
-                              reputation=n["reputation"]) for n in self.store.list_nodes()]
+                              reputation=n["reputation"], idle_s=n["idle_s"], busy_s=n["busy_s"])
+                 for n in self.store.list_nodes()]
         metrics = [m.TrainerMetrics(step=r["step"], version=r["version"], metrics=r["data"])
                    for r in self.store.recent_metrics(STATUS_METRICS_ROWS)]
         return m.RunStatus(run=self.run_info(), nodes=nodes, groups_pending=counts["pending"] - held,
@@ -174,7 +181,29 @@ class Coordinator:
         return m.Registered(node_id=env.signer_id, run=self.run_info())
 
     def heartbeat(self, req: Signed) -> None:
-        self.store.touch_node(req.signer, self.clock(), req.payload.held_version)
+        """Note the node alive, its held version, and its self-reported idle and busy counters.
+
+        The counters are stored as reported and, as deltas, added to the node's coordinator-side totals that
+        the per-step `node_idle_*` metrics are computed from: a counter below its previous value means the node
+        restarted (its new values are the deltas); deltas that add up to more than the wall time since the
+        node's previous heartbeat (plus slack) are scaled down to it, so a lying node skews only its own share.
+        """
+        hb: m.Heartbeat = req.payload
+        now = self.clock()
+        with self.store.transaction():
+            node = self.store.get_node(req.signer)
+            if node is None:  # cannot happen for an authenticated node (nodes are never deleted)
+                raise Refused(403, "unknown node: register first")
+            d_idle, d_busy = hb.idle_s - node["idle_s"], hb.busy_s - node["busy_s"]
+            if d_idle < 0 or d_busy < 0:  # restarted: the counters began again from 0
+                d_idle, d_busy = hb.idle_s, hb.busy_s
+            since = node["counters_at"] if node["counters_at"] is not None else node["registered_at"]
+            allowed = max(now - since, 0.0) * (1 + COUNTER_SLACK_FRAC) + COUNTER_SLACK_S
+            if d_idle + d_busy > allowed:
+                scale = allowed / (d_idle + d_busy)
+                d_idle, d_busy = d_idle * scale, d_busy * scale
+            self.store.set_node_counters(req.signer, hb.idle_s, hb.busy_s, d_idle, d_busy, now)
+            self.store.touch_node(req.signer, now, hb.held_version)
 
     # -- leases and submissions -----------------------------------------------------------------------
 
@@ -396,7 +425,16 @@ class Coordinator:
         bad = [k for k, v in body.metrics.items() if not math.isfinite(v)]
         if bad:
             raise Refused(422, f"metric {bad[0]!r} is not finite")
-        self.store.insert_metrics(body.step, body.version, body.metrics, self.clock())
+        data = {k: v for k, v in body.metrics.items() if k not in NODE_IDLE_METRICS}
+        with self.store.transaction():
+            totals = self.store.node_time_totals()
+            prev = self.store.last_metrics_node_totals()
+            # Totals never decrease; max() only guards against float rounding.
+            d_idle, d_busy = max(totals[0] - prev[0], 0.0), max(totals[1] - prev[1], 0.0)
+            data["node_idle_s"] = d_idle
+            if d_idle + d_busy > 0:
+                data["node_idle_frac"] = d_idle / (d_idle + d_busy)
+            self.store.insert_metrics(body.step, body.version, data, self.clock(), node_totals=totals)
 
 
 def _is_sha256(s: str) -> bool:

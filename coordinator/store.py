@@ -39,7 +39,12 @@ CREATE TABLE IF NOT EXISTS nodes (
     groups_accepted BIGINT NOT NULL DEFAULT 0,
     groups_rejected BIGINT NOT NULL DEFAULT 0,
     reputation DOUBLE PRECISION NOT NULL DEFAULT 0.5,
-    checks_passed BIGINT NOT NULL DEFAULT 0
+    checks_passed BIGINT NOT NULL DEFAULT 0,
+    idle_s DOUBLE PRECISION NOT NULL DEFAULT 0,
+    busy_s DOUBLE PRECISION NOT NULL DEFAULT 0,
+    idle_total DOUBLE PRECISION NOT NULL DEFAULT 0,
+    busy_total DOUBLE PRECISION NOT NULL DEFAULT 0,
+    counters_at DOUBLE PRECISION
 );
 CREATE TABLE IF NOT EXISTS challenges (
     challenge TEXT PRIMARY KEY,
@@ -104,7 +109,9 @@ CREATE TABLE IF NOT EXISTS metrics (
     step BIGINT NOT NULL,
     version BIGINT NOT NULL,
     data TEXT NOT NULL,
-    ts DOUBLE PRECISION NOT NULL
+    ts DOUBLE PRECISION NOT NULL,
+    node_idle_total DOUBLE PRECISION NOT NULL DEFAULT 0,
+    node_busy_total DOUBLE PRECISION NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY,
@@ -138,7 +145,14 @@ class Store:
     def _migrate(self) -> None:
         """Add columns that databases made by earlier versions lack (SQLite keeps old tables as they were)."""
         for table, column, ddl in (("nodes", "checks_passed", "BIGINT NOT NULL DEFAULT 0"),
-                                   ("rollout_groups", "held", "INTEGER NOT NULL DEFAULT 0")):
+                                   ("rollout_groups", "held", "INTEGER NOT NULL DEFAULT 0"),
+                                   ("nodes", "idle_s", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+                                   ("nodes", "busy_s", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+                                   ("nodes", "idle_total", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+                                   ("nodes", "busy_total", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+                                   ("nodes", "counters_at", "DOUBLE PRECISION"),
+                                   ("metrics", "node_idle_total", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+                                   ("metrics", "node_busy_total", "DOUBLE PRECISION NOT NULL DEFAULT 0")):
             have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})").fetchall()}
             if column not in have:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
@@ -266,6 +280,19 @@ class Store:
     def count_node_check(self, node_id: str) -> None:
         """One more full check passed by the node."""
         self._exec("UPDATE nodes SET checks_passed = checks_passed + 1 WHERE id = ?", (node_id,))
+
+    def set_node_counters(self, node_id: str, idle_s: float, busy_s: float, add_idle: float, add_busy: float,
+                          now: float) -> None:
+        """Store a node's latest self-reported counters (`idle_s`, `busy_s`, as reported) and add to its
+        coordinator-side totals (`idle_total`, `busy_total`, which never decrease, whatever the node reports)."""
+        self._exec("UPDATE nodes SET idle_s = ?, busy_s = ?, idle_total = idle_total + ?, busy_total = busy_total + ?, "
+                   "counters_at = ? WHERE id = ?", (idle_s, busy_s, add_idle, add_busy, now, node_id))
+
+    def node_time_totals(self) -> tuple[float, float]:
+        """(idle, busy): the coordinator-side totals of every node, banned ones included, summed."""
+        row = self._one("SELECT COALESCE(SUM(idle_total), 0) AS idle, COALESCE(SUM(busy_total), 0) AS busy FROM nodes")
+        assert row is not None
+        return float(row["idle"]), float(row["busy"])
 
     def ban_node(self, node_id: str, reason: str) -> None:
         self._exec("UPDATE nodes SET banned = 1, ban_reason = ? WHERE id = ?", (reason, node_id))
@@ -446,9 +473,16 @@ class Store:
         return [json.loads(r["signed"]) for r in
                 self._all("SELECT signed FROM manifests ORDER BY version DESC LIMIT ?", (n,))]
 
-    def insert_metrics(self, step: int, version: int, data: dict[str, float], now: float) -> None:
-        self._exec("INSERT INTO metrics (step, version, data, ts) VALUES (?, ?, ?, ?)",
-                   (step, version, json.dumps(data), now))
+    def insert_metrics(self, step: int, version: int, data: dict[str, float], now: float,
+                       node_totals: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Store a metrics row with `node_totals`, the swarm's (idle, busy) totals when it was recorded."""
+        self._exec("INSERT INTO metrics (step, version, data, ts, node_idle_total, node_busy_total) "
+                   "VALUES (?, ?, ?, ?, ?, ?)", (step, version, json.dumps(data), now, *node_totals))
+
+    def last_metrics_node_totals(self) -> tuple[float, float]:
+        """The swarm's (idle, busy) totals stored with the newest metrics row; (0, 0) before the first."""
+        row = self._one("SELECT node_idle_total, node_busy_total FROM metrics ORDER BY id DESC LIMIT 1")
+        return (float(row["node_idle_total"]), float(row["node_busy_total"])) if row else (0.0, 0.0)
 
     def recent_metrics(self, n: int) -> list[Row]:
         """The last `n` metrics rows, oldest first."""

@@ -23,7 +23,7 @@ from node.fetcher import CheckpointFetcher, HttpOrigin, ShardSource
 from protocol.client import CoordinatorClient, CoordinatorError
 from protocol.identity import Identity
 from protocol.manifest import ManifestError
-from protocol.messages import Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
+from protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
 
 if TYPE_CHECKING:
     from node.p2p.swarm import SwarmPeer
@@ -38,7 +38,8 @@ class NodeStats:
     groups_refused: int = 0
     tokens: int = 0
     gen_seconds: float = 0.0
-    idle_seconds: float = 0.0
+    idle_seconds: float = 0.0  # waiting for work, or for weights recent enough for a lease
+    busy_seconds: float = 0.0  # generating and submitting
     held_version: int = -1
     last_error: str = ""
 
@@ -175,6 +176,7 @@ class Node:
             return False
         self.stats.leases += 1
         self._catch_up(lease, run.max_staleness, run.sampling.temperature)
+        t0 = time.perf_counter()
         submission = self._generate(lease)
         try:
             result = self.client.submit(submission)
@@ -183,6 +185,8 @@ class Node:
             self.stats.last_error = e.reason
             log.warning("submission refused: %s", e.reason)
             return True
+        finally:
+            self.stats.busy_seconds += time.perf_counter() - t0
         # The client retries a submit whose response was lost; the coordinator then answers "already
         # submitted" for groups the first attempt delivered. Those were taken, not refused.
         refused = {pid: r for pid, r in result.rejected.items() if r != "already submitted"}
@@ -249,9 +253,11 @@ class Node:
                     t0 = time.perf_counter()
                     self._stop.wait(self.cfg.poll_interval_s)
                     self.stats.idle_seconds += time.perf_counter() - t0
-                if time.time() - last_beat > 5:
+                if time.time() - last_beat > self.cfg.heartbeat_interval_s:
                     last_beat = time.time()
-                    self.client.heartbeat(self.stats.held_version, status="generating" if worked else "idle")
+                    self.client.heartbeat(self.stats.held_version, status="generating" if worked else "idle",
+                                          idle_s=min(self.stats.idle_seconds, MAX_NODE_SECONDS),
+                                          busy_s=min(self.stats.busy_seconds, MAX_NODE_SECONDS))
         finally:
             self._stop.set()
             fetch_thread.join(timeout=5)

@@ -26,6 +26,8 @@ class NodeConfig(BaseModel):
     join_timeout_s: float = Field(300.0, ge=0, description="Keep trying to reach the coordinator this long at start.")
     max_prompts: int = Field(8, ge=1, description="Prompts asked for per lease.")
     poll_interval_s: float = Field(0.5, gt=0, description="Wait between polls when there is no work or no new weights.")
+    heartbeat_interval_s: float = Field(5.0, gt=0, description="Send a heartbeat (held version, idle and busy "
+                                        "seconds) at most this often, between leases.")
     max_leases: int | None = Field(None, description="Stop after this many leases (for tests); None runs forever.")
     progress: bool = Field(True, description="Show a live status line (rich).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine settings.")

@@ -23,7 +23,7 @@ def render(node: Node) -> Table:
         f"leases {s.leases}",
         f"groups submitted [green]{s.groups_submitted}[/] refused [red]{s.groups_refused}[/]",
         f"{s.tokens_per_s:,.0f} tok/s",
-        f"idle {s.idle_seconds:.0f} s",
+        f"idle {s.idle_seconds:.0f} s busy {s.busy_seconds:.0f} s",
         f"[dim]{s.last_error[:60]}[/]",
     )
     return t

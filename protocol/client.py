@@ -127,8 +127,10 @@ class CoordinatorClient:
     def submit(self, submission: m.RolloutSubmission) -> m.SubmitResult:
         return self._signed("/v1/submit", m.KIND_SUBMIT, submission, m.SubmitResult)  # type: ignore[return-value]
 
-    def heartbeat(self, held_version: int, status: str = "") -> None:
-        self._signed("/v1/heartbeat", m.KIND_HEARTBEAT, m.Heartbeat(held_version=held_version, status=status), None)
+    def heartbeat(self, held_version: int, status: str = "", idle_s: float = 0.0, busy_s: float = 0.0) -> None:
+        """Say the node is alive, which version it holds, and its idle and busy seconds since it started."""
+        hb = m.Heartbeat(held_version=held_version, status=status, idle_s=idle_s, busy_s=busy_s)
+        self._signed("/v1/heartbeat", m.KIND_HEARTBEAT, hb, None)
 
     # -- verifier -------------------------------------------------------------------------------------
 

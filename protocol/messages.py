@@ -125,9 +125,26 @@ class SubmitResult(Strict):
     rejected: dict[str, str] = Field(description="Prompt id -> reason it was refused.")
 
 
+MAX_NODE_SECONDS = 1e9
+"""Bound on a node's self-reported time counters (about 31 years)."""
+
+
 class Heartbeat(Strict):
+    """A node's periodic sign of life, with its self-reported time counters.
+
+    `idle_s` and `busy_s` are cumulative since the node process started (so they fall back towards 0 when
+    it restarts). They are untrusted self-reports, used only for metrics (the swarm's idle share), never
+    for any decision about the node or its groups.
+    """
+
     held_version: int = -1
     status: str = Field("", max_length=64)
+    idle_s: float = Field(0.0, ge=0, le=MAX_NODE_SECONDS,
+                          description="Untrusted self-report: seconds the node has waited for work or for recent "
+                                      "enough weights since it started.")
+    busy_s: float = Field(0.0, ge=0, le=MAX_NODE_SECONDS,
+                          description="Untrusted self-report: seconds the node has spent generating and submitting "
+                                      "since it started.")
 
 
 class PendingRequest(Strict):
@@ -196,6 +213,10 @@ class PublishRequest(Strict):
 
 
 class TrainerMetrics(Strict):
+    """One trainer step's metrics. The coordinator adds, when it records them, the swarm's node idle time since
+    the previous report: `node_idle_s` (summed over nodes) and `node_idle_frac` (idle / (idle + busy), left out
+    when the nodes reported no time at all); both come from the nodes' untrusted heartbeat counters."""
+
     step: int
     version: int
     metrics: dict[str, float]
@@ -212,6 +233,8 @@ class NodeStatus(BaseModel):
     last_seen: float
     checks_passed: int = 0
     reputation: float = 0.5
+    idle_s: float = Field(0.0, description="The node's last self-reported idle seconds since it started (untrusted).")
+    busy_s: float = Field(0.0, description="The node's last self-reported busy seconds since it started (untrusted).")
 
 
 class RunStatus(BaseModel):

@@ -686,7 +686,8 @@ def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:
     assert again.accepted_state() == state
     assert again.op.info() == info
     assert again.op.latest_manifest() == published
-    assert again.op.status().metrics[0].metrics == {"reward": 0.5}
+    # node_idle_s is the coordinator's: no node reported any time, so 0 (and no node_idle_frac).
+    assert again.op.status().metrics[0].metrics == {"reward": 0.5, "node_idle_s": 0.0}
     node2 = CoordinatorClient(again.url, node.identity, retries=0)  # still registered: no new registration
     lease2 = node2.lease(2, 0)
     assert not {p.prompt_id for p in lease2.prompts} & {p.prompt_id for p in lease.prompts}
