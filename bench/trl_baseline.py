@@ -1,8 +1,8 @@
 """Baseline: TRL's GRPOTrainer on the swarm's model, task, reward and batch shape, for a fixed wall time.
 
-One process, one CPU thread, generation with plain `transformers.generate` (TRL's default, no vLLM
-server). Held-out greedy accuracy (trainer.evaluate.accuracy, the task's 500 problems) is measured every
-`eval_every_steps` optimizer steps; the clock that the budget applies to starts when training starts
+One process, one CPU thread by default (`threads`), generation with plain `transformers.generate` (TRL's
+default, no vLLM server). Held-out greedy accuracy (trainer.evaluate.accuracy, the task's 500 problems) is
+measured every `eval_every_steps` optimizer steps; the clock that the budget applies to starts when training starts
 (after imports and setup) and does not count evaluation time.
 
     python bench/trl_baseline.py --init runs/bench/init --budget 300
@@ -103,13 +103,15 @@ def run_trl(
     seed: int = 0,
     output_dir: Path | None = None,
     log: bool = True,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Train `init_checkpoint` with TRL's GRPOTrainer for `wall_budget_s` seconds of training (evals excluded).
 
     Matches the swarm's trainer where TRL allows: `batch_prompts` x `group_size` completions per optimizer
     step, one optimizer step per generation batch (on-policy), AdamW at a constant `lr`, grad clip 1.0, no
     KL (beta=0), advantage (r - mean) / (std + 1e-4) per group, token-mean loss ("dapo"), ratio clip
-    [0.8, 1.28], float32 on the CPU. Returns the settings, timings and accuracy points.
+    [0.8, 1.28], float32 on the CPU with `threads` intra-op threads. Returns the settings, timings and
+    accuracy points.
     """
     import torch
 
@@ -119,7 +121,7 @@ def run_trl(
 
     from trainer.model import load_checkpoint
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     t_setup = time.perf_counter()
     task = get_task(task_name)
     model, tokenizer = load_checkpoint(init_checkpoint)
@@ -180,6 +182,7 @@ def run_trl(
         "batch_prompts": batch_prompts,
         "group_size": group_size,
         "lr": lr,
+        "threads": threads,
         "wall_budget_s": wall_budget_s,
         "setup_s": round(setup_s, 1),
         "train_wall_s": round(clock.wall(), 1),
@@ -203,13 +206,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--eval-every", type=int, default=10, help="optimizer steps between held-out evaluations")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
     a = ap.parse_args()
     # Before torch starts: one thread, as every process of the local swarm.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = run_trl(a.init, a.budget, batch_prompts=a.batch_prompts, group_size=a.group_size, lr=a.lr,
-                     eval_every_steps=a.eval_every, seed=a.seed)
+                     eval_every_steps=a.eval_every, seed=a.seed, threads=a.threads)
     if a.out is not None:
         a.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
