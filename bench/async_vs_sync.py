@@ -89,12 +89,14 @@ class EvalWatcher(threading.Thread):
 
 def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Namespace) -> dict[str, Any]:
     """One demo run from the shared checkpoint; returns its report and timestamped evaluation points."""
+    from protocol.config import load_config
     from swarmrl.demo import DemoConfig, run_demo
 
     if run_dir.exists():
         shutil.rmtree(run_dir)
     shutil.copytree(init, run_dir / "init")  # run_demo skips its warm start when init/config.json exists
-    cfg = DemoConfig(
+    cfg = load_config(
+        DemoConfig, None, args.demo_set,
         run_dir=run_dir, nodes=args.nodes, engine=args.engine, max_staleness=max_staleness,
         target_accuracy=args.target, time_limit_s=args.time_limit, max_steps=args.max_steps,
         batch_groups=args.batch_prompts, group_size=args.group_size, lr=args.lr, eval_every=args.eval_every,
@@ -182,6 +184,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--demo-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra DemoConfig setting for both swarm runs, e.g. roles.trainer.threads=4 (repeatable)")
     ap.add_argument("--skip-trl", action="store_true", help="only the two swarm runs")
     ap.add_argument("--trl-threads", default="1", help="comma-separated torch thread counts to run TRL with; "
                     "on a machine with more cores than the swarm's processes, give TRL its best setting: the "

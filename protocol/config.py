@@ -49,30 +49,37 @@ def load_config(model: type[C], path: str | Path | None = None, overrides: list[
     data: dict[str, Any] = dict(defaults)
     if path is not None:
         with open(path, "rb") as f:
-            _deep_update(data, tomllib.load(f))
+            deep_update(data, tomllib.load(f))
     apply_overrides(data, overrides or [])
     return model.model_validate(data)
 
 
-def _deep_update(base: dict[str, Any], new: dict[str, Any]) -> None:
+def deep_update(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Merge `new` into `base` (in place; also returned): nested dicts merge, anything else replaces."""
     for k, v in new.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _deep_update(base[k], v)
+            deep_update(base[k], v)
         else:
             base[k] = v
+    return base
 
 
 def dump_toml(cfg: BaseModel) -> str:
-    """A TOML rendering of `cfg` (flat keys and one level of tables), for `--print-config`."""
-    data = cfg.model_dump(mode="json")
+    """A TOML rendering of `cfg` that `load_config` reads back: scalars and arrays as keys, nested models and
+    dicts as [tables] (dotted names for deeper levels); None values are left out (the default applies)."""
     lines: list[str] = []
-    tables: list[tuple[str, dict[str, Any]]] = []
-    for k, v in data.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        elif v is not None:
-            lines.append(f"{k} = {json.dumps(v)}")
-    for name, table in tables:
-        lines.append(f"\n[{name}]")
-        lines.extend(f"{k} = {json.dumps(v)}" for k, v in table.items() if v is not None)
-    return "\n".join(lines) + "\n"
+
+    def table(prefix: str, data: dict[str, Any]) -> None:
+        subtables = []
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for k, v in data.items():
+            if isinstance(v, dict):
+                subtables.append((f"{prefix}.{k}" if prefix else k, v))
+            elif v is not None:
+                lines.append(f"{k} = {json.dumps(v)}")
+        for name, sub in subtables:
+            table(name, sub)
+
+    table("", cfg.model_dump(mode="json"))
+    return "\n".join(lines).lstrip("\n") + "\n"

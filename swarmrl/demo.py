@@ -8,6 +8,7 @@ published checkpoint itself on the held-out set, draws a plot and (with --report
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.config import dump_toml
+from protocol.config import deep_update, dump_toml
 from protocol.identity import Identity
 from protocol.messages import RunStatus
 
@@ -51,6 +52,9 @@ class DemoConfig(BaseModel):
     seed: int = Field(0, description="Seed of the model's initial weights and warm start.")
     p2p: bool = Field(True, description="Share checkpoints between nodes over libp2p (the coordinator seeds the DHT).")
     report: Path | None = Field(None, description="Write the JSON report here.")
+    roles: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Extra settings per role (coordinator, node, verifier, trainer), merged "
+        "over the ones the demo writes, e.g. --set roles.trainer.threads=4.")
 
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
@@ -65,15 +69,16 @@ def _free_port() -> int:
 class Swarm:
     """The demo's child processes, each with its own config file and log."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None):
         self.run_dir = run_dir
+        self.overrides = overrides or {}
         self.procs: dict[str, subprocess.Popen] = {}
         (run_dir / "config").mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, role: str, cfg: dict[str, Any], model: type[BaseModel]) -> None:
         path = self.run_dir / "config" / f"{name}.toml"
-        path.write_text(dump_toml(model.model_validate(cfg)))
+        path.write_text(dump_toml(model.model_validate(deep_update(cfg, copy.deepcopy(self.overrides.get(role, {}))))))
         log = open(self.run_dir / "logs" / f"{name}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "COLUMNS": "160"}
@@ -207,7 +212,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     run_id = f"demo-{int(t_start)}"
-    swarm = Swarm(run_dir)
+    unknown = set(cfg.roles) - {"coordinator", "node", "verifier", "trainer"}
+    if unknown:
+        raise ValueError(f"roles: unknown role(s) {sorted(unknown)}")
+    swarm = Swarm(run_dir, cfg.roles)
     try:
         swarm.start("coordinator", "coordinator", {
             "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"), "run_id": run_id,

@@ -7,7 +7,7 @@ import random
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from protocol.config import load_config
+from protocol.config import deep_update, dump_toml, load_config
 from protocol.identity import Identity, IdentityError, node_id_from_public_key
 from protocol.manifest import (
     CheckpointManifest,
@@ -187,6 +187,20 @@ def test_config_toml_and_overrides(tmp_path):
     assert (cfg.name, cfg.rate, cfg.inner.k) == ("b", 0.5, 3)
     with pytest.raises(ValueError):
         load_config(Cfg, None, ["novalue"])
+
+
+def test_dump_toml_reads_back_nested_tables(tmp_path):
+    from swarmrl.demo import DemoConfig
+
+    cfg = load_config(DemoConfig, None, ["roles.trainer.threads=4", "roles.node.engine.kind=torch", "nodes=3"])
+    f = tmp_path / "demo.toml"
+    f.write_text(dump_toml(cfg))
+    again = load_config(DemoConfig, f)
+    assert again == cfg
+    assert again.roles == {"trainer": {"threads": 4}, "node": {"engine": {"kind": "torch"}}}
+    # A role's extra settings merge into the demo's own, nested sections included.
+    assert deep_update({"engine": {"kind": "auto", "dtype": "float32"}, "name": "n0"}, again.roles["node"]) == {
+        "engine": {"kind": "torch", "dtype": "float32"}, "name": "n0"}
 
 
 def test_addition_task():
