@@ -75,6 +75,9 @@ class Coordinator:
         self.shards = ShardStore(config.data_dir / "shards")
         self._operators = frozenset(k.lower() for k in config.operator_keys)
         self._publish_lock = threading.Lock()
+        # Long polls (verifier `pending`, trainer `training_batch`) sleep on this until the store changes.
+        self._changed = threading.Condition()
+        self._generation = 0
         self._last_prune = 0.0
 
     def close(self) -> None:
@@ -284,14 +287,45 @@ class Coordinator:
                 accepted.append(group.prompt_id)
             self.store.close_lease_if_complete(sub.lease_id)
             self.store.touch_node(req.signer, now)
+        if accepted:
+            self._notify()
         return m.SubmitResult(accepted=accepted, rejected=rejected)
 
     # -- verifier -------------------------------------------------------------------------------------
 
+    def _notify(self) -> None:
+        """Wake the long polls: groups were submitted or decided."""
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    def _long_poll(self, fetch: Callable[[], list[Row]], wait_s: float) -> list[Row]:
+        """`fetch()` now; while it is empty, again after each change of the store, until `wait_s` has passed.
+
+        The generation counter is read before each fetch, so a change between the fetch and the wait is
+        never missed. Only operator roles (verifiers, the trainer) long-poll: each wait holds one of the
+        server's worker threads, so nodes, which may be thousands, never do.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._changed:
+                seen = self._generation
+            rows = fetch()
+            remaining = deadline - time.monotonic()
+            if rows or remaining <= 0:
+                return rows
+            with self._changed:
+                self._changed.wait_for(lambda seen=seen: self._generation != seen, timeout=remaining)
+
     def pending(self, req: Signed) -> list[m.PendingGroup]:
-        """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s."""
-        now = self.clock()
-        rows = self.store.claim_pending(req.signer, req.payload.limit, now, now + self.config.claim_ttl_s)
+        """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s (waiting up to `wait_s`
+        for one when there is none)."""
+
+        def claim() -> list[Row]:
+            now = self.clock()
+            return self.store.claim_pending(req.signer, req.payload.limit, now, now + self.config.claim_ttl_s)
+
+        rows = self._long_poll(claim, req.payload.wait_s)
         return [m.PendingGroup(group_id=r["id"], node_id=r["node_id"], prompt_text=r["prompt_text"],
                                answer=r["answer"], lease_version=r["lease_version"],
                                sampling=m.SamplingSpec.model_validate(r["sampling"]), seeds=r["seeds"],
@@ -338,16 +372,18 @@ class Coordinator:
                     self.store.ban_node(node_id, reason)
                     dropped = self.store.reject_pending_of_node(node_id, "node banned", now)
                     self.store.count_node_verdict(node_id, rejected=dropped)
+        self._notify()
 
     # -- trainer --------------------------------------------------------------------------------------
 
     def training_batch(self, req: Signed) -> m.TrainingBatch:
-        """Accepted groups after the trainer's cursor, in cursor order; group_id is the cursor value."""
+        """Accepted groups after the trainer's cursor, in cursor order; group_id is the cursor value. With
+        `wait_s`, waits up to that long for one when there is none yet."""
         body: m.BatchRequest = req.payload
         if body.after_id > self.store.get_int("trainer_cursor", 0):
             self.store.set_int("trainer_cursor", body.after_id)
         groups = []
-        for r in self.store.accepted_after(body.after_id, body.limit):
+        for r in self._long_poll(lambda: self.store.accepted_after(body.after_id, body.limit), body.wait_s):
             rollouts = r["payload"]["rollouts"]
             groups.append(m.TrainingGroup(
                 group_id=r["accepted_seq"], policy_version=r["policy_version"], prompt_ids=r["payload"]["prompt_ids"],

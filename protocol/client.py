@@ -134,9 +134,10 @@ class CoordinatorClient:
 
     # -- verifier -------------------------------------------------------------------------------------
 
-    def pending(self, limit: int = 64) -> list[m.PendingGroup]:
-        resp = self._signed("/v1/verifier/pending", m.KIND_VERIFIER_PENDING, m.PendingRequest(limit=limit),
-                            _PendingList)
+    def pending(self, limit: int = 64, wait_s: float = 0.0) -> list[m.PendingGroup]:
+        """Claim up to `limit` pending groups; with `wait_s`, the coordinator waits that long for one to arrive."""
+        resp = self._signed("/v1/verifier/pending", m.KIND_VERIFIER_PENDING,
+                            m.PendingRequest(limit=limit, wait_s=wait_s), _PendingList)
         return resp.groups if resp else []
 
     def verdicts(self, verdicts: list[m.Verdict]) -> None:
@@ -144,8 +145,9 @@ class CoordinatorClient:
 
     # -- trainer --------------------------------------------------------------------------------------
 
-    def training_batch(self, after_id: int, limit: int) -> m.TrainingBatch:
-        req = m.BatchRequest(after_id=after_id, limit=limit)
+    def training_batch(self, after_id: int, limit: int, wait_s: float = 0.0) -> m.TrainingBatch:
+        """Accepted groups after `after_id`; with `wait_s`, the coordinator waits that long for one to arrive."""
+        req = m.BatchRequest(after_id=after_id, limit=limit, wait_s=wait_s)
         return self._signed("/v1/trainer/batch", m.KIND_TRAINER_BATCH, req, m.TrainingBatch)  # type: ignore[return-value]
 
     def upload_shard(self, sha256: str, data: bytes) -> None:

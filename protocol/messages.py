@@ -147,8 +147,14 @@ class Heartbeat(Strict):
                                       "since it started.")
 
 
+MAX_WAIT_S = 10.0
+"""Longest long poll an operator's request may ask for (it holds one of the coordinator's worker threads)."""
+
+
 class PendingRequest(Strict):
     limit: int = Field(64, ge=1, le=1024)
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="Long poll: when nothing is pending, wait up to "
+                          "this long for a submission before answering (empty).")
 
 
 class PendingGroup(Strict):
@@ -186,6 +192,8 @@ class VerdictBatch(Strict):
 class BatchRequest(Strict):
     after_id: int = Field(0, description="Return accepted groups with a larger id (the trainer's cursor).")
     limit: int = Field(64, ge=1, le=4096)
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="Long poll: when no accepted group is after "
+                          "after_id, wait up to this long for one before answering (empty).")
 
 
 class TrainingGroup(Strict):

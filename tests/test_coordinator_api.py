@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -486,6 +487,41 @@ def test_operator_endpoints_refuse_node_keys(run: Run) -> None:
 
 
 # -- verifier and trainer -----------------------------------------------------------------------------
+
+
+def test_long_polls_answer_when_work_arrives(run: Run) -> None:
+    """An empty verifier or trainer poll with wait_s is held until a group arrives, then answered with it."""
+    verifier = CoordinatorClient(run.url, run.op.identity, retries=0)
+    trainer = CoordinatorClient(run.url, run.op.identity, retries=0)
+    got: dict[str, object] = {}
+    polls = {
+        "pending": threading.Thread(target=lambda: got.update(pending=verifier.pending(10, wait_s=8.0))),
+        "batch": threading.Thread(target=lambda: got.update(batch=trainer.training_batch(0, 10, wait_s=8.0))),
+    }
+    polls["pending"].start()
+    time.sleep(0.3)
+    assert polls["pending"].is_alive()  # held, not answered empty
+    node = run.node()
+    node.submit(submission(node.lease(3, 0)))
+    polls["pending"].join(timeout=8.0)
+    assert not polls["pending"].is_alive() and len(got["pending"]) == 3  # type: ignore[arg-type]
+
+    polls["batch"].start()
+    time.sleep(0.3)
+    assert polls["batch"].is_alive()
+    g = got["pending"][0]  # type: ignore[index]
+    run.op.verdicts([m.Verdict(group_id=g.group_id, accepted=True, rewards=[1.0, 0.0, 0.5])])
+    polls["batch"].join(timeout=8.0)
+    assert not polls["batch"].is_alive()
+    assert [x.rewards for x in got["batch"].groups] == [[1.0, 0.0, 0.5]]  # type: ignore[attr-defined]
+
+    # Nothing arrives: the poll is answered empty once its wait is over; longer waits are refused.
+    assert trainer.training_batch(after_id=1, limit=10, wait_s=0.2).groups == []
+    assert verifier.pending(10, wait_s=0.2) == []
+    with pytest.raises(ValueError):
+        m.BatchRequest(after_id=0, limit=1, wait_s=m.MAX_WAIT_S + 1)
+    for c in (verifier, trainer):
+        c.close()
 
 
 def test_verifier_flow_and_trainer_cursor(run: Run) -> None:

@@ -77,7 +77,7 @@ class FakeCoordinator:
             logprobs=[[-2.4 + 0.1 * self.rng.random() for _ in c] for c in comps],
             finish_reasons=["stop"] * len(comps), rewards=[self.task.reward(t, p.answer) for t in texts])
 
-    def training_batch(self, after_id: int, limit: int) -> TrainingBatch:
+    def training_batch(self, after_id: int, limit: int, wait_s: float = 0.0) -> TrainingBatch:
         with self.lock:
             assert after_id <= self.next_id
             self.next_id = max(self.next_id, after_id)  # groups up to the cursor were consumed already

@@ -72,7 +72,10 @@ class TrainerConfig(BaseModel):
         25, ge=0, description="Greedy exact match on the task's held-out set every N steps (and at step 0); 0 = never."
     )
     eval_size: int = Field(500, ge=1, description="How many held-out problems to evaluate (the task has 500).")
-    poll_interval_s: float = Field(0.5, gt=0, description="Sleep between coordinator polls when no group is ready.")
+    poll_interval_s: float = Field(0.5, gt=0, description="Sleep between coordinator polls when no group is ready "
+                                   "and the coordinator did not wait (long_poll_s = 0, or an error).")
+    long_poll_s: float = Field(2.0, ge=0, le=10, description="Ask the coordinator to hold a poll that finds no new "
+                               "group this long until one is accepted, so a step starts as soon as its batch is in.")
     publish_in_background: bool = Field(
         True, description="Upload and publish checkpoints on a background thread while training goes on."
     )

@@ -68,7 +68,7 @@ class TrainerClient(Protocol):
 
     def info(self) -> RunInfo: ...
 
-    def training_batch(self, after_id: int, limit: int) -> TrainingBatch: ...
+    def training_batch(self, after_id: int, limit: int, wait_s: float = 0.0) -> TrainingBatch: ...
 
     def upload_shard(self, sha256: str, data: bytes) -> None: ...
 
@@ -113,8 +113,8 @@ def collect_groups(
     A group is fresh when its policy_version >= version - max_staleness (with max_staleness 0: only
     groups sampled by the current weights). Of the fresh groups, the zero-advantage (and malformed) ones
     are filtered out of `groups`; with `fill_with_informative` they do not count towards the batch
-    either, so the step always gets `batch_groups` trainable groups. Waits `poll_interval_s` between
-    polls that found nothing new; rides out coordinator restarts.
+    either, so the step always gets `batch_groups` trainable groups. A poll that finds nothing new is held by
+    the coordinator for up to `long_poll_s`; rides out coordinator restarts.
     """
     t0 = time.monotonic()
     out = Collected(groups=[], fresh=[], cursor=cursor)
@@ -127,8 +127,9 @@ def collect_groups(
         if stop is not None and stop.is_set():
             return None
         want = cfg.batch_groups - have()
+        t_poll = time.monotonic()
         try:
-            batch = client.training_batch(after_id=out.cursor, limit=want)
+            batch = client.training_batch(after_id=out.cursor, limit=want, wait_s=cfg.long_poll_s)
         except (httpx.TransportError, CoordinatorError) as e:
             if not _transient(e):
                 raise
@@ -149,10 +150,12 @@ def collect_groups(
         if len(batch.groups) < want and have() < cfg.batch_groups:
             if on_wait is not None:
                 on_wait(have())
-            if stop is not None:
-                stop.wait(cfg.poll_interval_s)
-            else:
-                time.sleep(cfg.poll_interval_s)
+            if not batch.groups and time.monotonic() - t_poll < cfg.poll_interval_s:
+                # The coordinator answered at once with nothing (no long poll, or an error): do not spin.
+                if stop is not None:
+                    stop.wait(cfg.poll_interval_s)
+                else:
+                    time.sleep(cfg.poll_interval_s)
     out.idle_s = time.monotonic() - t0
     return out
 

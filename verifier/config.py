@@ -73,7 +73,10 @@ class VerifierConfig(BaseModel):
     work_dir: Path = Field(Path("verifier-data"), description="Checkpoints fetched for checking are kept here.")
     task: str = Field("addition3", description="Task whose reward is recomputed.")
     batch: int = Field(64, ge=1, description="Pending groups claimed per poll.")
-    poll_interval_s: float = Field(0.2, gt=0, description="Wait between polls when nothing is pending.")
+    poll_interval_s: float = Field(0.2, gt=0, description="Wait between polls when nothing is pending and the "
+                                   "coordinator did not wait (long_poll_s = 0, or an error).")
+    long_poll_s: float = Field(2.0, ge=0, le=10, description="Ask the coordinator to hold an empty poll this long "
+                               "until a group is submitted, so a group is checked as soon as it arrives.")
     keep_versions: int = Field(3, ge=1, description="Policy versions kept loaded (>= the pool's max_staleness + 1).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the recomputation.")
     device: str = Field("cpu", description="Device of the recomputation (cpu, cuda).")

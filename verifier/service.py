@@ -148,7 +148,7 @@ class Verifier:
 
     def poll_once(self) -> int:
         """Claim, verify and post one batch of pending groups; returns how many were decided."""
-        groups = self.client.pending(self.cfg.batch)
+        groups = self.client.pending(self.cfg.batch, wait_s=self.cfg.long_poll_s)
         if not groups:
             return 0
         verdicts = self.verify(groups)
@@ -167,10 +167,11 @@ class Verifier:
         weights are logged and retried: claimed groups left without a verdict are claimed again later."""
         t0 = time.time()
         while stop_after_s is None or time.time() - t0 < stop_after_s:
+            t_poll = time.monotonic()
             try:
                 worked = self.poll_once()
             except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
                 log.error("poll failed: %s", e)
                 worked = 0
-            if worked == 0:
-                time.sleep(self.cfg.poll_interval_s)
+            if worked == 0 and time.monotonic() - t_poll < self.cfg.poll_interval_s:
+                time.sleep(self.cfg.poll_interval_s)  # the coordinator did not hold the poll: do not spin
