@@ -7,12 +7,15 @@ from the same weights:
    nodes, batch, seed and machine, each until the trainer's held-out greedy accuracy reaches the target
    (or a time limit); the wall time to the target is read off the trainer's evaluations;
 2. TRL's GRPOTrainer (bench/trl_baseline.py) on the same checkpoint, task, reward and batch shape, for as
-   long as the asynchronous run took, and its held-out accuracy at that wall time.
+   long as the asynchronous run took (once per `--trl-threads` setting; its best is compared), and its
+   held-out accuracy at that time.
 
-Clocks. Swarm: seconds since the trainer process was launched (its imports, model load and evaluations
-included; nodes are already importing vLLM by then), taken when the coordinator's /v1/status first shows
-an evaluation, polled every 0.5 s, or the trainer's own `elapsed_s` metric where it posts one. TRL:
-seconds since training began, its setup and evaluations excluded. Both choices favour TRL.
+Clocks. Launch clock (swarm): seconds since the trainer process was launched (imports, model load and
+evaluations included; the trainer's `elapsed_s`). Training clock: seconds since setup ended, evaluations
+excluded: how bench/trl_baseline.py times TRL, and the swarm trainer's `train_clock_s` (which starts before
+it publishes its initial weights, so the swarm's pipeline fill counts). sync_s/async_s use the launch
+clock; the comparison with TRL (equal_wall_s, trl_accuracy, swarmrl_accuracy) uses the training clock for
+both, and the JSON also gives TRL's accuracy at the swarm's launch-clock time (trl_accuracy_at_launch_s).
 
     python bench/async_vs_sync.py                 # full run: 15-25 min on 2 CPU cores, k=0 the longest
     python bench/async_vs_sync.py --quick         # smoke run: low target, short limits
@@ -82,8 +85,10 @@ class EvalWatcher(threading.Thread):
                     if "eval_accuracy" in m.metrics and m.step not in seen:
                         seen.add(m.step)
                         wall = m.metrics.get("elapsed_s", now - self.t_trainer)
-                        self.points.append({"wall_s": round(wall, 2), "step": m.step,
-                                            "accuracy": m.metrics["eval_accuracy"]})
+                        point = {"wall_s": round(wall, 2), "step": m.step, "accuracy": m.metrics["eval_accuracy"]}
+                        if "train_clock_s" in m.metrics:  # TRL's clock: setup and evaluations excluded
+                            point["train_s"] = round(m.metrics["train_clock_s"], 2)
+                        self.points.append(point)
                 self.done.wait(self.poll_s)
 
 
@@ -133,6 +138,12 @@ def time_to_target(points: list[Point], target: float) -> tuple[float | None, fl
             frac = (target - prev["accuracy"]) / (p["accuracy"] - prev["accuracy"])
             return round(prev["wall_s"] + frac * (p["wall_s"] - prev["wall_s"]), 2), p["wall_s"]
     return None, None
+
+
+def accuracy_at(points: list[Point], t: float) -> float | None:
+    """The accuracy of the last evaluation at or before `t` seconds (TRL's clock)."""
+    seen = [p["accuracy"] for p in points if p["wall_s"] <= t + 1e-6]
+    return seen[-1] if seen else None
 
 
 def plot(runs: dict[str, list[Point]], ends: dict[str, Point | None], target: float, equal_wall_s: float,
@@ -186,6 +197,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--demo-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra DemoConfig setting for both swarm runs, e.g. roles.trainer.threads=4 (repeatable)")
+    ap.add_argument("--skip-sync", action="store_true", help="only the asynchronous swarm run (and TRL)")
     ap.add_argument("--skip-trl", action="store_true", help="only the two swarm runs")
     ap.add_argument("--trl-threads", default="1", help="comma-separated torch thread counts to run TRL with; "
                     "on a machine with more cores than the swarm's processes, give TRL its best setting: the "
@@ -210,19 +222,22 @@ def main() -> None:
         build_and_warm(init, target_accuracy=args.warmup_accuracy, seed=args.seed)
     initial = json.loads((init / "swarmrl.json").read_text()).get("warmup_accuracy")
 
-    swarm = {k: run_swarm(init, out / f"k{k}", k, args) for k in (0, 2)}
-    sync_s, sync_seen = time_to_target(swarm[0]["points"], args.target)
+    swarm = {k: run_swarm(init, out / f"k{k}", k, args) for k in ((2,) if args.skip_sync else (0, 2))}
+    sync_s, sync_seen = time_to_target(swarm[0]["points"], args.target) if 0 in swarm else (None, None)
     async_s, async_seen = time_to_target(swarm[2]["points"], args.target)
     speedup, lower_bound = None, False
     if sync_s and async_s:
         speedup = round(sync_s / async_s, 2)
-    elif async_s and swarm[0].get("report", {}).get("stop_reason") == "time limit":
+    elif async_s and 0 in swarm and swarm[0].get("report", {}).get("stop_reason") == "time limit":
         # k = 0 ran its whole time limit without reaching the target: it would have taken longer than that.
         speedup, lower_bound = round(swarm[0]["report"]["rl_seconds"] / async_s, 2), True
 
-    # Equal wall time: where the asynchronous run's last evaluation stood (the one that reached the target).
+    # Equal time: where the asynchronous run's last evaluation stood (the one that reached the target), on two
+    # clocks. The training clock is TRL's own (setup and evaluations excluded) and so the like-for-like one;
+    # the launch clock (everything from the trainer's launch on) is the swarm's whole cost, reported beside it.
     async_pts = swarm[2]["points"]
-    equal_wall_s = async_pts[-1]["wall_s"] if async_pts else args.time_limit
+    equal_launch_s = async_pts[-1]["wall_s"] if async_pts else args.time_limit
+    equal_train_s = async_pts[-1].get("train_s", equal_launch_s) if async_pts else args.time_limit
     swarmrl_accuracy = async_pts[-1]["accuracy"] if async_pts else None
 
     trl: dict[str, Any] = {}
@@ -231,21 +246,31 @@ def main() -> None:
         from trl_baseline import run_trl
 
         for threads in (int(t) for t in str(args.trl_threads).split(",")):
-            trl_runs.append(run_trl(init, equal_wall_s, batch_prompts=args.batch_prompts,
-                                    group_size=args.group_size, lr=args.lr, eval_every_steps=args.eval_every,
-                                    seed=args.seed, output_dir=out / f"trl-{threads}t", threads=threads))
-        trl = max(trl_runs, key=lambda r: r["final_accuracy"])
-    trl_accuracy = trl["final_accuracy"] if trl else None
+            run = run_trl(init, equal_launch_s, batch_prompts=args.batch_prompts, group_size=args.group_size,
+                          lr=args.lr, eval_every_steps=args.eval_every, seed=args.seed,
+                          output_dir=out / f"trl-{threads}t", threads=threads)
+            run["accuracy_at_train_s"] = accuracy_at(run["points"], equal_train_s)
+            trl_runs.append(run)
+        trl = max(trl_runs, key=lambda r: r["accuracy_at_train_s"])
+    trl_accuracy = trl["accuracy_at_train_s"] if trl else None
+    equal_wall_s = equal_train_s
 
-    labels = {"swarm k=0 (sync)": swarm[0], "swarm k=2 (async)": swarm[2]}
-    plot({**{lb: r["points"] for lb, r in labels.items()}, "TRL GRPOTrainer": trl.get("points", [])},
-         {lb: r.get("end_point") for lb, r in labels.items()}, args.target, equal_wall_s, out / "async_vs_sync.png")
+    labels = {"swarm k=0 (sync)": swarm.get(0), "swarm k=2 (async)": swarm[2]}
+    labels = {lb: r for lb, r in labels.items() if r is not None}
+    curves = {f"{lb}, launch clock": r["points"] for lb, r in labels.items()}
+    curves["swarm k=2 (async), training clock"] = [{**p, "wall_s": p["train_s"]} for p in async_pts if "train_s" in p]
+    curves["TRL GRPOTrainer (training clock)"] = trl.get("points", [])
+    plot(curves, {f"{lb}, launch clock": r.get("end_point") for lb, r in labels.items()}, args.target, equal_wall_s,
+         out / "async_vs_sync.png")
     summary = {
         "sync_s": sync_s, "async_s": async_s, "speedup": speedup, "trl_accuracy": trl_accuracy,
         "swarmrl_accuracy": swarmrl_accuracy, "equal_wall_s": equal_wall_s,
     }
     details = {
-        **summary, "speedup_is_lower_bound": lower_bound, "sync_first_eval_at_target_s": sync_seen,
+        **summary, "clock": "equal_wall_s and trl_accuracy: training clock (setup and evaluations excluded, as "
+        "TRL's); sync_s/async_s: launch clock", "equal_launch_s": equal_launch_s,
+        "trl_accuracy_at_launch_s": accuracy_at(trl.get("points", []), equal_launch_s) if trl else None,
+        "speedup_is_lower_bound": lower_bound, "sync_first_eval_at_target_s": sync_seen,
         "async_first_eval_at_target_s": async_seen, "target": args.target, "initial_accuracy": initial,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "swarm": {f"k{k}": v for k, v in swarm.items()}, "trl": trl, "trl_runs": trl_runs,

@@ -38,6 +38,7 @@ class DemoConfig(BaseModel):
 
     run_dir: Path | None = Field(None, description="Where keys, data, logs and results go (default runs/demo-<time>).")
     nodes: int = Field(2, ge=1, description="Worker nodes to start.")
+    verifiers: int = Field(1, ge=1, description="Verifier processes (each claims its own share of the pending groups).")
     engine: str = Field("auto", description="Node inference engine: auto (vLLM if installed), vllm or torch.")
     warmup_accuracy: float = Field(0.25, description="The supervised warm start stops at this greedy accuracy.")
     max_steps: int = Field(150, description="Trainer steps at most.")
@@ -207,8 +208,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     run_dir = (cfg.run_dir or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]swarmrl demo[/] in {run_dir}")
-    keys = {name: Identity.load_or_create(run_dir / "keys" / f"{name}.key") for name in ["coordinator", "trainer",
-                                                                                        "verifier"]}
+    verifier_names = ["verifier"] + [f"verifier{i}" for i in range(1, cfg.verifiers)]
+    keys = {name: Identity.load_or_create(run_dir / "keys" / f"{name}.key")
+            for name in ["coordinator", "trainer", *verifier_names]}
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     run_id = f"demo-{int(t_start)}"
@@ -222,9 +224,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "task": "addition3", "key_path": str(run_dir / "keys" / "coordinator.key"),
             "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size},
             "max_staleness": cfg.max_staleness,
-            "max_buffered_groups": cfg.batch_groups * (cfg.max_staleness + 1),
+            "max_buffered_groups": cfg.batch_groups * max(cfg.max_staleness, 1),
             "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
-            "operator_keys": [keys["trainer"].public_key_hex, keys["verifier"].public_key_hex],
+            "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
         }, CoordinatorConfig)
         _wait_until_up(CoordinatorClient(url, retries=0), swarm)
         # Nodes start now: importing vLLM and registering overlaps the warm start below.
@@ -236,10 +238,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 "engine": {"kind": cfg.engine},
                 "p2p": {"enabled": cfg.p2p, "host_maddrs": LOOPBACK_MADDRS},
             }, NodeConfig)
-        swarm.start("verifier", "verifier", {
-            "coordinator_url": url, "key_path": str(run_dir / "keys" / "verifier.key"),
-            "work_dir": str(run_dir / "verifier"), "task": "addition3",
-        }, VerifierConfig)
+        for name in verifier_names:
+            swarm.start(name, "verifier", {
+                "coordinator_url": url, "key_path": str(run_dir / "keys" / f"{name}.key"),
+                "work_dir": str(run_dir / name), "task": "addition3",
+            }, VerifierConfig)
 
         init_dir = run_dir / "init"
         if not (init_dir / "config.json").exists():
@@ -271,7 +274,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                     stop_reason = "trainer finished" if swarm.procs["trainer"].returncode == 0 else "trainer died"
                     break
                 # A node may die or be banned; the swarm goes on while any node lives, as a real pool would.
-                essential = [n for n in dead if n in ("coordinator", "verifier")]
+                essential = [n for n in dead if n == "coordinator" or n.startswith("verifier")]
                 nodes_alive = [n for n in swarm.procs if n.startswith("node") and n not in dead]
                 if essential or not nodes_alive:
                     stop_reason = f"{essential[0]} died" if essential else "every node died"

@@ -192,6 +192,10 @@ def test_run_trainer_resumes_with_monotonic_versions(tmp_path, init_ckpt):
     assert sum(by_step[s]["groups_stale"] for s in (1, 2)) > 0  # offset-3 groups are beyond k = 2
     assert sum(by_step[s]["groups_filtered"] for s in (1, 2)) > 0
     assert 0 < m["clip_fraction"] <= 1  # the fake's sampler logprobs are not the model's
+    # The training clock (TRL's: setup and evaluations excluded) runs forward and behind the process clock.
+    clocks = [by_step[s]["train_clock_s"] for s in (0, 1, 2)]
+    assert 0 <= clocks[0] < clocks[1] < clocks[2] < m["elapsed_s"] - m["eval_total_s"]
+    assert 0 < by_step[0]["eval_total_s"] < by_step[2]["eval_total_s"]  # two evaluations by step 2
 
     # "Kill" and restart with a larger budget: it resumes at step 2 and publishes 3, 4 only.
     s2 = run_trainer(cfg.model_copy(update={"max_steps": 4}), client=fake)

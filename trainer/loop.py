@@ -215,6 +215,8 @@ class _Run:
         self.cfg, self.env, self.client, self.stop = cfg, env, client, stop
         self.state_dir = Path(cfg.state_dir)
         self.history: list[dict[str, float]] = []
+        self.t_ready = time.monotonic()
+        self.eval_total_s = 0.0  # seconds spent in held-out evaluations
 
         # The run: rank 0 asks, everyone hears.
         info: RunInfo = broadcast_object(client.info() if env.is_main else None, env)  # type: ignore[union-attr]
@@ -292,15 +294,21 @@ class _Run:
     def evaluate(self) -> float:
         """Greedy exact match on the task's held-out problems, as `trainer.evaluate.accuracy` measures it
         (FSDP: each rank a share, summed)."""
+        t0 = time.monotonic()
         problems = list(self.task.eval_set[: self.cfg.eval_size])
         mine = problems[self.env.rank :: self.env.world_size]
         correct = correct_count(self.model, self.tokenizer, mine, self.task, synced_gpus=self.env.distributed)
-        return all_reduce_int(correct, self.env) / max(len(problems), 1)
+        acc = all_reduce_int(correct, self.env) / max(len(problems), 1)
+        self.eval_total_s += time.monotonic() - t0
+        return acc
 
     # -- rank 0 only ---------------------------------------------------------------------------------
 
     def report(self, metrics: dict[str, float]) -> None:
-        metrics = {**metrics, "elapsed_s": elapsed_s()}
+        # train_clock_s: seconds since setup ended, evaluations excluded (how bench/trl_baseline.py times TRL).
+        train_clock_s = time.monotonic() - self.t_ready - self.eval_total_s
+        metrics = {**metrics, "elapsed_s": elapsed_s(), "train_clock_s": train_clock_s,
+                   "eval_total_s": self.eval_total_s}
         record = {"step": float(self.ts.step), "version": float(self.ts.version), **metrics}
         self.history.append(record)
         try:
@@ -326,6 +334,8 @@ class _Run:
         cfg, env = self.cfg, self.env
         try:
             # Identical on every rank (all saw the same info), so the collectives inside match up.
+            # The training clock starts here, setup done (the initial publish counts: nodes wait for it).
+            self.t_ready = time.monotonic()
             needs_publish = self.info.current_version < self.ts.version or self.info.current_version < 0
             if needs_publish:
                 self.ensure_published()
