@@ -69,16 +69,22 @@ def _refusals(node: ScriptedNode) -> list[str]:
     return out
 
 
-def _node_attack(make: Callable[[Pool, int], ScriptedNode]) -> Callable[[Pool, int], Attempt]:
-    """An attack carried out by a fresh malicious node's ordinary `step()`."""
+def _node_attack(make: Callable[[Pool, int], ScriptedNode], tries: int = 1) -> Callable[[Pool, int], Attempt]:
+    """An attack carried out by a fresh malicious node's ordinary `step()`. A node that reports
+    `deviated = False` sent nothing dishonest (its deviation happened to change no token); with `tries` > 1 a
+    fresh node tries again, and only the last one is judged."""
     def run(pool: Pool, i: int) -> Attempt:
-        before = _last_id(pool)
-        node = make(pool, i)
-        try:
-            node.step()
-        finally:
-            if node.engine is not None:
-                node.engine.close()
+        for _ in range(tries):
+            pool.verify_all()
+            before = _last_id(pool)
+            node = make(pool, i)
+            try:
+                node.step()
+            finally:
+                if node.engine is not None:
+                    node.engine.close()
+            if getattr(node, "deviated", True) is not False:
+                break
         return _outcome(pool, [node.node_id], before, _refusals(node))
     return run
 
@@ -223,7 +229,8 @@ ATTACKS: dict[str, Callable[[Pool, int], Attempt]] = {
     "edited_last_token": _node_attack(_edit(bad.edit_last_token)),
     "made_up_completion": _node_attack(_edit(bad.made_up_completion)),
     "faked_logprobs": _node_attack(_edit(bad.faked_logprobs)),
-    "temperature_1.5x": _node_attack(lambda p, i: p.node(bad.TemperatureNode, name=f"hot{i}", clever=i % 2 == 0)),
+    "temperature_1.5x": _node_attack(lambda p, i: p.node(bad.TemperatureNode, name=f"hot{i}", clever=i % 2 == 0),
+                                     tries=3),
     "inflated_claimed_reward": _node_attack(lambda p, i: p.node(bad.ClaimNode, name=f"claim{i}")),
     "bad_activation_proof": _node_attack(lambda p, i: p.node(bad.ProofForgerNode, name=f"proof{i}", seed=i)),
     "replayed_group": replayed_group,

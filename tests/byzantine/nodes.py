@@ -21,6 +21,7 @@ from tests.byzantine.harness import ScriptedNode, perturb_checkpoint
 from trainer.model import save_checkpoint
 from verifier.logprobs import policy_logprobs
 from verifier.prefill import recompute
+from verifier.replay import replay
 
 
 class Truth:
@@ -69,15 +70,22 @@ class TemperatureNode(ScriptedNode):
     def __init__(self, cfg: NodeConfig, factor: float = 1.5, clever: bool = True):
         super().__init__(cfg)
         self.factor, self.clever = factor, clever
+        self.deviated: bool | None = None
+        """Whether any token differs from what the leased temperature gives: a confident model can sample the
+        very same tokens at both temperatures, and then (clever variant) this node sent an honest group."""
 
     def engine_temperature(self, leased: float) -> float:
         return leased * self.factor
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        if not self.clever:
-            return submission
         truth = Truth(self.true_checkpoint)
         T = lease.sampling.temperature
+        self.deviated = any(
+            replay(recompute(truth.model, [(g.prompt_ids, r.completion_ids)], pad_id=0)[0].logits,
+                   r.completion_ids, r.seed, T).mismatches > 0
+            for g in submission.groups for r in g.rollouts)
+        if not self.clever:
+            return submission
         groups = [g.model_copy(update={"rollouts": [
             _reannotate(r, truth, g.prompt_ids, r.completion_ids, T) for r in g.rollouts]}) for g in submission.groups]
         return submission.model_copy(update={"groups": groups})
