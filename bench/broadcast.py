@@ -234,7 +234,7 @@ def worker_origin(cfg: dict[str, Any]) -> None:
     bootstrap: list[str] = []
     if cfg["swarm"]:
         from coordinator.dht_seed import DhtSeed
-        from node.p2p.config import P2PConfig
+        from protocol.p2p.config import P2PConfig
 
         signed = SignedManifest.model_validate_json(Path(cfg["manifest"]).read_text())
         pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/{SEED_PORT}"], **cfg.get("p2p", {}))
@@ -272,8 +272,8 @@ def worker_node(cfg: dict[str, Any]) -> None:
 
     peer = None
     if cfg["swarm"]:
-        from node.p2p.config import P2PConfig
-        from node.p2p.swarm import SwarmPeer
+        from protocol.p2p.config import P2PConfig
+        from protocol.p2p.swarm import SwarmPeer
 
         pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/0"], initial_peers=cfg["bootstrap"], **cfg.get("p2p", {}))
         peer = SwarmPeer(pcfg, RUN_ID).start()

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from node.p2p.config import P2PConfig
 from protocol.identity import Identity
 from protocol.messages import SamplingSpec
+from protocol.p2p.config import P2PConfig
 from protocol.tasks import get_task
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")

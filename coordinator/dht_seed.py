@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 
-from node.p2p.config import P2PConfig
-from node.p2p.swarm import SwarmPeer
 from protocol.manifest import CheckpointManifest, ShardStore
+from protocol.p2p.config import P2PConfig
+from protocol.p2p.swarm import SwarmPeer
 
 log = logging.getLogger(__name__)
 

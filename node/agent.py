@@ -26,7 +26,7 @@ from protocol.manifest import ManifestError
 from protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
 
 if TYPE_CHECKING:
-    from node.p2p.swarm import SwarmPeer
+    from protocol.p2p.swarm import SwarmPeer
 
 log = logging.getLogger("swarmrl.node")
 
@@ -219,7 +219,7 @@ class Node:
         p2p = self.cfg.p2p
         bootstrap = p2p.initial_peers or reg.run.dht_peers
         if p2p.enabled and bootstrap:
-            from node.p2p import start_swarm  # hivemind starts a libp2p daemon: only when the pool has a swarm
+            from protocol.p2p import start_swarm  # hivemind starts a libp2p daemon: only when the pool has a swarm
 
             # None when the daemon or DHT cannot start: the node then works from the HTTP origin alone.
             self.swarm = start_swarm(p2p, reg.run.run_id, reg.run.dht_peers)

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from node.engine import EngineConfig
-from node.p2p.config import P2PConfig
+from protocol.p2p.config import P2PConfig
 
 
 class NodeConfig(BaseModel):

@@ -120,8 +120,8 @@ class SlowStore(ShardStore):
 @pytest.fixture()
 def swarm() -> Iterator[Callable[..., object]]:
     """Start SwarmPeers on 127.0.0.1; all are closed at the end of the test."""
-    from node.p2p.config import P2PConfig
-    from node.p2p.swarm import SwarmPeer
+    from protocol.p2p.config import P2PConfig
+    from protocol.p2p.swarm import SwarmPeer
 
     peers: list[SwarmPeer] = []
 
@@ -141,7 +141,7 @@ def swarm() -> Iterator[Callable[..., object]]:
 def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_path, published, swarm):
     from hivemind.utils.timed_storage import get_dht_time
 
-    from node.p2p.dht import HolderRecord, holders_key, make_bitfield, manifest_tag
+    from protocol.p2p.dht import HolderRecord, holders_key, make_bitfield, manifest_tag
 
     signed, origin, _ = published
     manifest = signed.manifest
@@ -189,7 +189,7 @@ def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_pa
 
 def test_swarm_fetch_takes_shards_from_peers_and_seed_each_verified(tmp_path, published, coordinator, swarm):
     from coordinator.dht_seed import DhtSeed
-    from node.p2p.config import P2PConfig
+    from protocol.p2p.config import P2PConfig
 
     signed, origin_store, weights = published
     seed = DhtSeed(P2PConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), "test", origin_store).start()
@@ -255,7 +255,7 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
     assert f.store.get(bad_sha) == origin_store.get(bad_sha)
     assert liar.peer_id not in node.holders(manifest)
     # The banned peer is refused service by the node from now on.
-    from node.p2p.swarm import PeerError
+    from protocol.p2p.swarm import PeerError
 
     with pytest.raises(PeerError, match="refused"):
         liar.fetch(node.peer_id, manifest.shards()[0])
@@ -301,7 +301,7 @@ def test_slow_peer_is_dropped_and_the_shard_taken_elsewhere(tmp_path, published,
 
 
 def test_upload_cap_token_bucket_paces_bytes():
-    from node.p2p.swarm import TokenBucket
+    from protocol.p2p.swarm import TokenBucket
 
     now = [0.0]
 
@@ -318,9 +318,9 @@ def test_upload_cap_token_bucket_paces_bytes():
 
 
 def test_seed_suggestions_hand_every_shard_out_once_before_any_twice(published):
-    from node.p2p.config import P2PConfig
-    from node.p2p.dht import make_bitfield, manifest_tag
-    from node.p2p.swarm import LATER, SwarmPeer
+    from protocol.p2p.config import P2PConfig
+    from protocol.p2p.dht import make_bitfield, manifest_tag
+    from protocol.p2p.swarm import LATER, SwarmPeer
 
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -501,7 +501,7 @@ def test_wait_hint_holds_a_shard_back_from_the_seed(tmp_path, published, coordin
 
 
 def test_start_swarm_degrades_to_the_origin_when_disabled_or_unreachable():
-    from node.p2p import P2PConfig, start_swarm
+    from protocol.p2p import P2PConfig, start_swarm
 
     assert start_swarm(P2PConfig(enabled=False), "test", []) is None
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"  # nobody listens there

@@ -2,7 +2,7 @@
 
 A node process:
 
-    from node.p2p import P2PConfig, start_swarm
+    from protocol.p2p import P2PConfig, start_swarm
     peer = start_swarm(cfg.p2p, run_info.run_id, run_info.dht_peers)   # None: disabled or failed to start
     sources = ([peer.source()] if peer else []) + [HttpOrigin(client)]
     fetcher = CheckpointFetcher(root, key, sources, keep_versions, **(peer.fetcher_options() if peer else {}))
@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from node.p2p.config import P2PConfig
+from protocol.p2p.config import P2PConfig
 
 if TYPE_CHECKING:
-    from node.p2p.swarm import SwarmPeer
+    from protocol.p2p.swarm import SwarmPeer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def start_swarm(config: P2PConfig, run_id: str, dht_peers: list[str] | None = No
     the node fetches from the HTTP origin alone."""
     if not config.enabled:
         return None
-    from node.p2p.swarm import SwarmPeer
+    from protocol.p2p.swarm import SwarmPeer
 
     peers = config.initial_peers or list(dht_peers or [])
     try:

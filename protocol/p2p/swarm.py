@@ -43,9 +43,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.fetcher import WAIT, BadShardBytes, ShardSource, SourceBusy
-from node.p2p.config import P2PConfig
-from node.p2p.dht import (
+from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
+from protocol.p2p.config import P2PConfig
+from protocol.p2p.dht import (
     CachingSignatureValidator,
     HolderRecord,
     HolderRecordValidator,
@@ -58,7 +58,7 @@ from node.p2p.dht import (
     manifest_tag,
     parse_holders,
 )
-from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
+from protocol.shards import WAIT, BadShardBytes, ShardSource, SourceBusy
 
 log = logging.getLogger(__name__)
 
