@@ -59,6 +59,8 @@ class FetchStats:
     bad_shards: int = 0
     failures: int = 0
     busy: int = 0
+    duplicates: int = 0  # end-game requests for a shard already in flight from another source
+    late_copies: int = 0  # end-game copies that arrived after the shard was stored (bytes_fetched counts them)
     idle_s: float = 0.0  # worker-seconds spent waiting for a shard and a source with room for it
     by_source: dict[str, int] = field(default_factory=dict)
 
@@ -70,11 +72,15 @@ class CheckpointFetcher:
     `max_in_flight` allows it); at most `max_peer_parallel` of them from non-seed sources, so that the rest
     stay free for the seeds. `stall_timeout_s`: give up when no source can make progress for this long
     (only when no seed source is configured; with seeds a shard fails once every seed failed it).
+    `endgame`: once every missing shard is in flight, idle workers ask a second free source for a shard
+    still in flight (at most two requests per shard); the first copy to arrive wins and `fetch` returns
+    without waiting for the other, so one slow holder cannot hold up the last shards.
     """
 
     def __init__(self, root: str | Path, coordinator_key: str, sources: list[ShardSource], keep_versions: int = 2,
                  on_bad_shard: Callable[[ShardSource, ShardRef], None] | None = None, *, max_parallel: int = 1,
-                 max_peer_parallel: int | None = None, poll_s: float = 0.2, stall_timeout_s: float = 120.0):
+                 max_peer_parallel: int | None = None, poll_s: float = 0.2, stall_timeout_s: float = 120.0,
+                 endgame: bool = True):
         self.root = Path(root)
         self.store = ShardStore(self.root / "shards")
         self.coordinator_key = coordinator_key
@@ -85,6 +91,7 @@ class CheckpointFetcher:
         self.max_peer_parallel = self.max_parallel if max_peer_parallel is None else max(1, max_peer_parallel)
         self.poll_s = poll_s
         self.stall_timeout_s = stall_timeout_s
+        self.endgame = endgame
         self.stats = FetchStats()
         self._manifests: dict[int, CheckpointManifest] = {}
 
@@ -138,7 +145,8 @@ class _Download:
         # Rotation: every fetch starts at its own random place in the shard list (see the module docstring).
         k = random.randrange(len(missing)) if fetcher.max_parallel > 1 else 0
         self.pending: list[ShardRef] = missing[k:] + missing[:k]
-        self.in_flight: set[str] = set()
+        self.remaining: set[str] = {s.sha256 for s in missing}  # not yet stored
+        self.in_flight: dict[str, set[str]] = {}  # shard sha -> keys of the sources fetching it now
         self.failed: dict[str, set[str]] = {}  # shard sha -> keys of sources that failed it
         self.errors: dict[str, list[str]] = {}
         self.load: dict[str, int] = {}
@@ -156,8 +164,11 @@ class _Download:
             threads = [threading.Thread(target=self._work, name=f"fetch-{i}", daemon=True) for i in range(n)]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            # Done when every shard is stored: an end-game duplicate still downloading finishes in the
+            # background (its copy is stored or dropped like any other) instead of holding up the checkpoint.
+            with self.cond:
+                while self.remaining and self.error is None and any(t.is_alive() for t in threads):
+                    self.cond.wait(0.5)
         if self.error is not None:
             raise self.error
 
@@ -176,6 +187,8 @@ class _Download:
         return self.load.get(s.key, 0) < s.max_in_flight and self.busy_until.get(s.key, 0.0) <= time.monotonic()
 
     def _pick(self) -> tuple[ShardRef, ShardSource] | None:
+        if not self.pending:
+            return self._pick_duplicate() if self.f.endgame else None
         sources = self._sources()
         peers = [s for s in sources if not s.seed]
         seeds = [s for s in sources if s.seed]
@@ -218,17 +231,38 @@ class _Download:
             raise ManifestError(f"no source can provide the {len(self.pending)} missing shards")
         return None
 
+    def _pick_duplicate(self) -> tuple[ShardRef, ShardSource] | None:
+        """End game: a shard in flight from exactly one source, and a second free source holding it (peers
+        first, the least loaded), or None. Of the seeds only the first is asked, and only for a shard in
+        flight from a peer: seeds share one link, so a second seed is a fallback, never extra capacity."""
+        refs = {s.sha256: s for s in self.manifest.shards()}
+        single = [sha for sha, keys in self.in_flight.items() if len(keys) == 1 and sha in self.remaining]
+        if not single:
+            return None
+        sources = self._sources()
+        seeds = [s for s in sources if s.seed]
+        seed_keys = {s.key for s in seeds}
+        peer_room = self.peer_in_flight < self.f.max_peer_parallel
+        for sha in single:
+            shard, busy, failed = refs[sha], self.in_flight[sha], self.failed.get(sha, ())
+            seed_ok = not (busy & seed_keys)
+            free = [s for s in sources if s.key not in busy and s.key not in failed and self._free(s)
+                    and ((s is seeds[0] and seed_ok) if s.seed else peer_room) and s.holds(self.manifest, shard)]
+            if free:
+                return shard, min(free, key=lambda s: (s.seed, self.load.get(s.key, 0), random.random()))
+        return None
+
     # -- the workers -----------------------------------------------------------------------------------
 
     def _work(self) -> None:
         while True:
             with self.cond:
                 while True:
-                    if self.error is not None or (not self.pending and not self.in_flight):
+                    if self.error is not None or not self.remaining:
                         self.cond.notify_all()
                         return
                     try:
-                        picked = self._pick() if self.pending else None
+                        picked = self._pick()
                     except BaseException as e:  # noqa: BLE001 (reported to the caller of fetch)
                         self.error = e
                         continue
@@ -238,8 +272,11 @@ class _Download:
                     self.cond.wait(self.f.poll_s)
                     self.f.stats.idle_s += time.monotonic() - t
                 shard, source = picked
-                self.pending.remove(shard)
-                self.in_flight.add(shard.sha256)
+                if shard in self.pending:
+                    self.pending.remove(shard)
+                else:
+                    self.f.stats.duplicates += 1
+                self.in_flight.setdefault(shard.sha256, set()).add(source.key)
                 self.load[source.key] = self.load.get(source.key, 0) + 1
                 self.peer_in_flight += not source.seed
             ok = False
@@ -252,10 +289,14 @@ class _Download:
                 with self.cond:
                     self.load[source.key] -= 1
                     self.peer_in_flight -= not source.seed
-                    self.in_flight.discard(shard.sha256)
+                    fetching = self.in_flight.get(shard.sha256, set())
+                    fetching.discard(source.key)
+                    if not fetching:
+                        self.in_flight.pop(shard.sha256, None)
                     if ok:
+                        self.remaining.discard(shard.sha256)
                         self.last_progress = time.monotonic()
-                    elif self.error is None:
+                    elif self.error is None and shard.sha256 in self.remaining and not fetching:
                         self.pending.insert(0, shard)
                     self.cond.notify_all()
 
@@ -279,9 +320,13 @@ class _Download:
             error = f"{type(e).__name__}: {e}"
         if not error:
             with self.cond:
-                stats.shards_fetched += 1
                 stats.bytes_fetched += shard.size
-                stats.by_source[source.name] = stats.by_source.get(source.name, 0) + 1
+                if shard.sha256 in self.remaining:
+                    self.remaining.discard(shard.sha256)  # here, under the lock: the other copy sees it
+                    stats.shards_fetched += 1
+                    stats.by_source[source.name] = stats.by_source.get(source.name, 0) + 1
+                else:  # the other end-game copy arrived first
+                    stats.late_copies += 1
             source.on_success(self.manifest, shard)
             for top in f.sources:
                 top.stored(self.manifest, shard)

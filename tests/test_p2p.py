@@ -244,6 +244,8 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
                           **node.fetcher_options(),
                           on_bad_shard=lambda src, shard: bad_reports.append((src.name, shard.sha256)))
     _, out = f.fetch(signed)
+    # With the end game, fetch may return on the origin's copy while the liar's answer is still on its way.
+    wait_for(lambda: f.stats.bad_shards, what="the liar's bytes checked")
 
     assert (out / "model.safetensors").read_bytes() == weights  # nothing corrupt was assembled
     assert f.stats.bad_shards == 1 and len(bad_reports) == 1  # caught once, then never asked again
@@ -294,6 +296,8 @@ def test_slow_peer_is_dropped_and_the_shard_taken_elsewhere(tmp_path, published,
     f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [node.source(), origin],
                           **node.fetcher_options())
     _, out = f.fetch(signed)
+    # With the end game, fetch may return on the origin's copy before the slow peer's request has timed out.
+    wait_for(lambda: f.stats.failures, what="the slow peer's timeout")
     assert (out / "model.safetensors").read_bytes() == weights
     assert f.stats.bad_shards == 0 and f.stats.failures == 1  # one timeout, then the peer was dropped
     assert not node.usable(slow.peer_id) and slow.peer_id not in node.banned
@@ -370,6 +374,35 @@ def test_rarest_shards_first_and_seeds_only_for_what_no_peer_holds(tmp_path, pub
     assert [sha for _, sha in log] == [shards[2], shards[1], shards[0]]  # rarest first
     assert set(origin.calls) == set(shards[3:]) and len(origin.calls) == len(shards) - 3
     assert f.stats.by_source["origin"] == len(shards) - 3 and f.stats.shards_fetched == len(shards)
+
+
+def test_end_game_takes_a_stuck_shard_from_a_second_holder(tmp_path, published, coordinator):
+    """Once every shard is in flight, a shard stuck at one holder is asked of another; fetch returns with the
+    first copy and does not wait for the stuck one."""
+    signed, origin_store, weights = published
+    everything = {s.sha256 for s in signed.manifest.shards()}
+    release = threading.Event()
+
+    class StuckPeer(FakePeer):
+        def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+            self.log.append((self.name, shard.sha256))
+            release.wait(60)
+            return self.store.get(shard.sha256)
+
+    log: list[tuple[str, str]] = []
+    stuck, fast = StuckPeer("stuck", origin_store, everything, log), FakePeer("fast", origin_store, everything, log)
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [stuck, fast], max_parallel=2)
+    result: dict[str, tuple] = {}
+    done = threading.Event()
+    threading.Thread(target=lambda: (result.update(out=f.fetch(signed)), done.set()), daemon=True).start()
+    try:
+        assert done.wait(30), "fetch waited for the stuck holder"
+        assert not release.is_set() and [name for name, _ in log].count("stuck") == 1
+        _, path = result["out"]
+        assert (path / "model.safetensors").read_bytes() == weights
+        assert f.stats.duplicates == 1 and f.stats.by_source == {"fast": len(everything)}
+    finally:
+        release.set()
 
 
 def test_plain_sources_keep_their_order_and_a_bad_one_is_reported(tmp_path, published, coordinator):

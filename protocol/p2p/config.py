@@ -49,6 +49,10 @@ class P2PConfig(BaseModel):
         1, ge=1, description="Shard requests one node keeps open to one peer (2: the next waits in the peer's "
         "upload queue and starts without a round trip when the current one ends)."
     )
+    endgame: bool = Field(
+        True, description="Once every missing shard is in flight, ask a second holder for shards still in flight; "
+        "the first copy wins (BitTorrent's end game), so one slow holder cannot hold up the checkpoint."
+    )
     origin_parallel: int = Field(
         1, ge=1, description="Shards downloaded at once from seeds (the coordinator's seed peer, the HTTP origin)."
     )

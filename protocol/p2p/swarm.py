@@ -211,10 +211,11 @@ class SwarmPeer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def fetcher_options(self) -> dict[str, int]:
-        """Keyword arguments for CheckpointFetcher: peer slots plus seed slots, the peers kept to theirs."""
+    def fetcher_options(self) -> dict[str, int | bool]:
+        """Keyword arguments for CheckpointFetcher: peer slots plus seed slots, the peers kept to theirs, and
+        whether to play the end game."""
         return {"max_parallel": self.config.max_parallel_peers + self.config.origin_parallel,
-                "max_peer_parallel": self.config.max_parallel_peers}
+                "max_peer_parallel": self.config.max_parallel_peers, "endgame": self.config.endgame}
 
     def source(self) -> SwarmSource:
         return SwarmSource(self)
