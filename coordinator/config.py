@@ -70,6 +70,9 @@ class CoordinatorConfig(BaseModel):
         0, description="Prompts are drawn deterministically from this seed and a persistent lease counter."
     )
     challenge_ttl_s: float = Field(60.0, gt=0, description="Seconds a registration challenge stays valid.")
+    max_long_polls: int = Field(
+        8, ge=0, description="Operator requests (verifiers, the trainer) that may wait for work at once; each holds "
+        "one of the server's worker threads, so more answer at once instead, leaving threads for the nodes.")
     claim_ttl_s: float = Field(
         120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
     )

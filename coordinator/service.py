@@ -78,6 +78,7 @@ class Coordinator:
         # Long polls (verifier `pending`, trainer `training_batch`) sleep on this until the store changes.
         self._changed = threading.Condition()
         self._generation = 0
+        self._long_poll_slots = threading.BoundedSemaphore(config.max_long_polls) if config.max_long_polls else None
         self._last_prune = 0.0
 
     def close(self) -> None:
@@ -304,18 +305,25 @@ class Coordinator:
 
         The generation counter is read before each fetch, so a change between the fetch and the wait is
         never missed. Only operator roles (verifiers, the trainer) long-poll: each wait holds one of the
-        server's worker threads, so nodes, which may be thousands, never do.
+        server's worker threads, so nodes, which may be thousands, never do, and at most `max_long_polls`
+        wait at once (the others are answered at once).
         """
-        deadline = time.monotonic() + wait_s
-        while True:
-            with self._changed:
-                seen = self._generation
-            rows = fetch()
-            remaining = deadline - time.monotonic()
-            if rows or remaining <= 0:
-                return rows
-            with self._changed:
-                self._changed.wait_for(lambda seen=seen: self._generation != seen, timeout=remaining)
+        slots = self._long_poll_slots
+        if wait_s <= 0 or slots is None or not slots.acquire(blocking=False):
+            return fetch()
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:
+                with self._changed:
+                    seen = self._generation
+                rows = fetch()
+                remaining = deadline - time.monotonic()
+                if rows or remaining <= 0:
+                    return rows
+                with self._changed:
+                    self._changed.wait_for(lambda seen=seen: self._generation != seen, timeout=remaining)
+        finally:
+            slots.release()
 
     def pending(self, req: Signed) -> list[m.PendingGroup]:
         """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s (waiting up to `wait_s`

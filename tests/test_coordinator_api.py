@@ -489,6 +489,25 @@ def test_operator_endpoints_refuse_node_keys(run: Run) -> None:
 # -- verifier and trainer -----------------------------------------------------------------------------
 
 
+def test_long_polls_beyond_max_long_polls_are_answered_at_once(run_factory) -> None:
+    """Waiting requests hold server threads: past `max_long_polls` of them, a poll is answered at once."""
+    run = run_factory(max_long_polls=1)
+    run.publish(0)
+    first = CoordinatorClient(run.url, run.op.identity, retries=0)
+    got: dict[str, list] = {}
+    held = threading.Thread(target=lambda: got.update(first=first.pending(10, wait_s=8.0)))
+    held.start()
+    time.sleep(0.3)
+    assert held.is_alive()
+    assert run.op.pending(10, wait_s=8.0) == []  # the one slot is taken: no wait
+    assert held.is_alive()
+    node = run.node()
+    node.submit(submission(node.lease(3, 0)))
+    held.join(timeout=8.0)
+    assert not held.is_alive() and len(got["first"]) == 3
+    first.close()
+
+
 def test_long_polls_answer_when_work_arrives(run: Run) -> None:
     """An empty verifier or trainer poll with wait_s is held until a group arrives, then answered with it."""
     verifier = CoordinatorClient(run.url, run.op.identity, retries=0)
