@@ -266,9 +266,10 @@ class LyingStore:
 
 def worker_node(cfg: dict[str, Any]) -> None:
     """An honest node (swarm or origin-only), or with cfg['malicious'] a peer serving corrupted shards."""
-    from node.fetcher import CheckpointFetcher, HttpOrigin, ShardSource
+    from node.fetcher import CheckpointFetcher, HttpOrigin
     from protocol.client import CoordinatorClient
     from protocol.manifest import SignedManifest
+    from protocol.shards import ShardSource
 
     peer = None
     if cfg["swarm"]:

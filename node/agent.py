@@ -19,11 +19,12 @@ from transformers import PreTrainedTokenizerFast
 
 from node.config import NodeConfig
 from node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
-from node.fetcher import CheckpointFetcher, HttpOrigin, ShardSource
+from node.fetcher import CheckpointFetcher, HttpOrigin
 from protocol.client import CoordinatorClient, CoordinatorError
 from protocol.identity import Identity
 from protocol.manifest import ManifestError
 from protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
+from protocol.shards import ShardSource
 
 if TYPE_CHECKING:
     from protocol.p2p.swarm import SwarmPeer

@@ -36,7 +36,6 @@ from protocol.manifest import (
 )
 from protocol.shards import WAIT, BadShardBytes, ShardSource, SourceBusy
 
-__all__ = ["WAIT", "BadShardBytes", "CheckpointFetcher", "HttpOrigin", "ShardSource", "SourceBusy"]
 
 class HttpOrigin(ShardSource):
     """The coordinator's HTTP origin."""
@@ -145,7 +144,8 @@ class _Download:
         # Rotation: every fetch starts at its own random place in the shard list (see the module docstring).
         k = random.randrange(len(missing)) if fetcher.max_parallel > 1 else 0
         self.pending: list[ShardRef] = missing[k:] + missing[:k]
-        self.remaining: set[str] = {s.sha256 for s in missing}  # not yet stored
+        self.refs: dict[str, ShardRef] = {s.sha256: s for s in missing}
+        self.remaining: set[str] = set(self.refs)  # not yet stored
         self.in_flight: dict[str, set[str]] = {}  # shard sha -> keys of the sources fetching it now
         self.failed: dict[str, set[str]] = {}  # shard sha -> keys of sources that failed it
         self.errors: dict[str, list[str]] = {}
@@ -235,7 +235,6 @@ class _Download:
         """End game: a shard in flight from exactly one source, and a second free source holding it (peers
         first, the least loaded), or None. Of the seeds only the first is asked, and only for a shard in
         flight from a peer: seeds share one link, so a second seed is a fallback, never extra capacity."""
-        refs = {s.sha256: s for s in self.manifest.shards()}
         single = [sha for sha, keys in self.in_flight.items() if len(keys) == 1 and sha in self.remaining]
         if not single:
             return None
@@ -244,7 +243,7 @@ class _Download:
         seed_keys = {s.key for s in seeds}
         peer_room = self.peer_in_flight < self.f.max_peer_parallel
         for sha in single:
-            shard, busy, failed = refs[sha], self.in_flight[sha], self.failed.get(sha, ())
+            shard, busy, failed = self.refs[sha], self.in_flight[sha], self.failed.get(sha, ())
             seed_ok = not (busy & seed_keys)
             free = [s for s in sources if s.key not in busy and s.key not in failed and self._free(s)
                     and ((s is seeds[0] and seed_ok) if s.seed else peer_room) and s.holds(self.manifest, shard)]
@@ -293,8 +292,7 @@ class _Download:
                     fetching.discard(source.key)
                     if not fetching:
                         self.in_flight.pop(shard.sha256, None)
-                    if ok:
-                        self.remaining.discard(shard.sha256)
+                    if ok:  # `_fetch_one` took it off `remaining`, under the lock
                         self.last_progress = time.monotonic()
                     elif self.error is None and shard.sha256 in self.remaining and not fetching:
                         self.pending.insert(0, shard)

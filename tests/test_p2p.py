@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from node.fetcher import WAIT, CheckpointFetcher, ShardSource
+from node.fetcher import CheckpointFetcher
 from protocol.identity import Identity
 from protocol.manifest import (
     CheckpointManifest,
@@ -29,6 +29,7 @@ from protocol.manifest import (
     SignedManifest,
     cut_checkpoint,
 )
+from protocol.shards import WAIT, ShardSource
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -439,8 +440,9 @@ def test_resume_after_a_killed_download(tmp_path, published, coordinator):
     child = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from node.fetcher import CheckpointFetcher, ShardSource
+        from node.fetcher import CheckpointFetcher
         from protocol.manifest import ShardStore, SignedManifest
+        from protocol.shards import ShardSource
         class Slow(ShardSource):
             def get(self, manifest, shard):
                 time.sleep(0.3)
