@@ -112,11 +112,13 @@ class Node:
                 log.exception("checkpoint fetch crashed")
             self._stop.wait(self.cfg.poll_interval_s)
 
-    def _swap_in_weights(self, temperature: float) -> None:
+    def _swap_in_weights(self, temperature: float, max_version: int | None = None) -> None:
+        """Load the newest fetched checkpoint, if there is one (and, with `max_version`, if it is no newer)."""
         with self._ready_lock:
-            ready, self._ready = self._ready, None
-        if ready is None:
-            return
+            ready = self._ready
+            if ready is None or (max_version is not None and ready[0] > max_version):
+                return
+            self._ready = None
         version, path = ready
         if self.engine is None or self.engine.temperature != temperature:
             if self.engine is not None:
@@ -132,15 +134,20 @@ class Node:
         """Wait (up to the lease's expiry) for weights recent enough that the lease's groups will be accepted.
 
         Groups from a policy more than `max_staleness` versions behind the lease's are refused, so
-        generating them would only waste the node's time.
+        generating them would only waste the node's time. Weights newer than the lease's version are never
+        loaded for it (the verifier bans a node that generates with them); when only such weights are
+        coming, the node gives up waiting: its stale submission is refused, which frees the lease.
         """
         while self.stats.held_version < lease.policy_version - max_staleness and not self._stop.is_set():
             if time.time() > lease.expires_at:
                 return
+            with self._ready_lock:
+                if self._ready is not None and self._ready[0] > lease.policy_version:
+                    return
             t0 = time.perf_counter()
             self._stop.wait(0.05)
             self.stats.idle_seconds += time.perf_counter() - t0
-            self._swap_in_weights(temperature)
+            self._swap_in_weights(temperature, max_version=lease.policy_version)
 
     # -- work -----------------------------------------------------------------------------------------
 

@@ -108,8 +108,8 @@ class ScriptedNode(Node):
 
     # -- the agent's steps, with the hooks applied --------------------------------------------------------------
 
-    def _swap_in_weights(self, temperature: float) -> None:
-        super()._swap_in_weights(self.engine_temperature(temperature))
+    def _swap_in_weights(self, temperature: float, max_version: int | None = None) -> None:
+        super()._swap_in_weights(self.engine_temperature(temperature), max_version)
 
     def _catch_up(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
         # No fetch thread here: fetch now if the lease needs newer weights than this node holds.
