@@ -40,4 +40,5 @@ def test_vllm_node_passes_and_vllm_wrong_model_is_caught(tmp_path):
         pool.verify_all()
         (g,) = pool.groups(cheat.node_id)
         assert g["status"] == "rejected" and pool.node_row(cheat.node_id).banned
-        assert "logprobs" in g["reason"]
+        # Either check sees the other weights; which fails first depends on the CPU's float kernels.
+        assert g["reason"].startswith(("logprobs", "activation proof")), g["reason"]
