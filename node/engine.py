@@ -127,15 +127,16 @@ class InferenceEngine(ABC):
         self.close()
 
     @staticmethod
-    def _proof(states, n_tokens: int) -> str:
-        """The proof for one completion from its captured states [n_tokens, hidden]; raises when capture failed,
+    def _proofs(states: list, n_tokens: list[int]) -> list[str]:
+        """The proofs of completions from their captured states [n_tokens, hidden]; raises when capture failed,
         since a completion without a valid proof would be rejected anyway."""
-        from node.proof import build_proof
+        from node.proof import build_proofs
 
-        if states is None or states.shape[0] != n_tokens:
-            got = None if states is None else tuple(states.shape)
-            raise RuntimeError(f"hidden-state capture incomplete: got {got} for {n_tokens} tokens")
-        return build_proof(states)
+        for s, n in zip(states, n_tokens, strict=True):
+            if s is None or s.shape[0] != n:
+                got = None if s is None else tuple(s.shape)
+                raise RuntimeError(f"hidden-state capture incomplete: got {got} for {n} tokens")
+        return build_proofs(states)
 
     def _token_budget(self, request: GenerationRequest, max_tokens: int) -> int:
         """Completion tokens this request may take: max_tokens, capped so the total fits max_model_len.
@@ -149,17 +150,6 @@ class InferenceEngine(ABC):
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens leaves no room in max_model_len "
                              f"{self.max_model_len}")
         return min(max_tokens, room)
-
-
-# config.json keys that may change between checkpoints of one model without changing its architecture.
-_NON_ARCH_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype"}
-
-
-def architecture_config(ckpt_dir: Path) -> dict:
-    """A checkpoint's config.json without the keys that may differ between checkpoints of one architecture:
-    equal dicts mean new weights can be loaded in place."""
-    config = json.loads((Path(ckpt_dir) / "config.json").read_text())
-    return {k: v for k, v in config.items() if k not in _NON_ARCH_KEYS}
 
 
 def read_checkpoint_meta(ckpt_dir: Path) -> tuple[int, int]:

@@ -11,29 +11,17 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file
 
 from node.engine import (
     Completion,
     EngineConfig,
     GenerationRequest,
     InferenceEngine,
-    architecture_config,
     read_checkpoint_meta,
     resolve_device,
 )
 from protocol import sampling
-
-
-def _load_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint (single file or shards)."""
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {ckpt_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+from protocol.weights import architecture_config, load_weights_in_place
 
 
 class TorchEngine(InferenceEngine):
@@ -70,16 +58,7 @@ class TorchEngine(InferenceEngine):
             return
         if arch != self._arch:
             raise ValueError(f"{ckpt_dir} has a different architecture than the loaded model; build a new engine")
-        state = _load_state_dict(ckpt_dir)
-        with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-        # A tied lm_head is not stored in the checkpoint: it is the embedding Parameter, already updated.
-        # (transformers 5 keeps `_tied_weights_keys` as a dict target -> source, 4.x as a list.)
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
-        real_missing = [k for k in missing if k not in tied]
-        if real_missing or unexpected:
-            raise ValueError(f"checkpoint {ckpt_dir} does not fit the model: missing {real_missing}, "
-                             f"unexpected {unexpected}")
+        load_weights_in_place(self.model, ckpt_dir)
 
     def _build(self, ckpt_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
@@ -188,6 +167,7 @@ class TorchEngine(InferenceEngine):
             next_pos = next_pos + 1
         out = [Completion(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i]) for i in range(n)]
         if self.cfg.proofs:
-            for c, rows in zip(out, states, strict=True):
-                c.proof = self._proof(torch.stack(rows), len(c.token_ids))
+            built = self._proofs([torch.stack(rows) for rows in states], [len(c.token_ids) for c in out])
+            for c, proof in zip(out, built, strict=True):
+                c.proof = proof
         return out

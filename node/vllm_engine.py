@@ -27,10 +27,10 @@ from node.engine import (
     EngineConfig,
     GenerationRequest,
     InferenceEngine,
-    architecture_config,
     read_checkpoint_meta,
     resolve_device,
 )
+from protocol.weights import architecture_config
 
 _GIB = 1 << 30
 
@@ -193,8 +193,9 @@ class VLLMEngine(InferenceEngine):
         completions = [self._completion(o.outputs[0]) for o in outputs]
         if self.cfg.proofs:
             states = self.llm.apply_model(functools.partial(take_captured, keys))[0]
-            for key, c in zip(keys, completions, strict=True):
-                c.proof = self._proof(states.get(key), len(c.token_ids))
+            built = self._proofs([states.get(key) for key in keys], [len(c.token_ids) for c in completions])
+            for c, proof in zip(completions, built, strict=True):
+                c.proof = proof
         return completions
 
     def _completion(self, out) -> Completion:

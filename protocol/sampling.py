@@ -62,9 +62,12 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 
 
 def perturbed_scores(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
-    """logits / T + Gumbel noise, in float64. Its argmax over the last dim is the sampled token."""
+                     temperature: float | torch.Tensor) -> torch.Tensor:
+    """logits / T + Gumbel noise, in float64. Its argmax over the last dim is the sampled token. `temperature`
+    is one number, or one per row ([B], as float64) when rows of several requests are scored together."""
     noise = gumbel_noise(seeds, positions, logits.shape[-1]).to(logits.device)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(device=logits.device, dtype=torch.float64).reshape(-1, 1)
     return logits.to(torch.float64) / temperature + noise
 
 

@@ -237,6 +237,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 "work_dir": str(run_dir / f"node{i}"), "max_prompts": cfg.prompts_per_lease, "progress": False,
                 "engine": {"kind": cfg.engine},
                 "p2p": {"enabled": cfg.p2p, "host_maddrs": LOOPBACK_MADDRS},
+                # On loopback a poll costs next to nothing, and a node held back by backpressure should start
+                # again as soon as the trainer takes a batch (at the default 0.5 s, the trainer waited for it).
+                "poll_interval_s": 0.1,
             }, NodeConfig)
         for name in verifier_names:
             swarm.start(name, "verifier", {

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from node.proof import build_proof
-from protocol import proofs
-from verifier.proofs import header_problem, proof_errors
+from node.proof import build_proof, build_proofs
+from protocol import proofs, sampling
+from verifier.logprobs import compare_logprobs, compare_logprobs_many, policy_logprobs
+from verifier.proofs import header_problem, proof_errors, proof_errors_many
+from verifier.replay import replay, replay_many
 
 H = 128
 
@@ -129,3 +131,34 @@ def test_malformed_proofs_raise_proof_error_only():
         proofs.decode(None)  # type: ignore[arg-type]
     with pytest.raises(proofs.ProofError):
         proofs.decode("")
+
+
+def test_batched_proofs_and_checks_equal_one_at_a_time():
+    """Nodes build, and the verifier checks, all of a batch's proofs at once; every result must be the one that
+    rollout gets alone (mixed lengths, chunk counts and hidden sizes; one foreign rollout among honest ones)."""
+    shapes = [(6, H), (1, H), (33, H), (6, H), (70, H), (5, 64)]
+    batch = [states(n, seed=i, hidden=h) for i, (n, h) in enumerate(shapes)]
+    texts = build_proofs(batch)
+    assert texts == [build_proof(s) for s in batch]
+    decoded = [proofs.decode(t) for t in texts]
+    mine = [s + 1e-6 * torch.randn(s.shape, generator=torch.Generator().manual_seed(9)) for s in batch]
+    mine[3] = states(6, seed=99)  # rollout 3's proof does not match these states
+    together = proof_errors_many(decoded, mine, 1e-3)
+    assert together == [proof_errors(p, s, 1e-3) for p, s in zip(decoded, mine, strict=True)]
+    assert together[3].max_err > 1.0 and max(s.max_err for i, s in enumerate(together) if i != 3) <= 0.51
+
+
+def test_batched_replay_and_logprobs_equal_one_at_a_time():
+    g = torch.Generator().manual_seed(0)
+    lens, temps, seeds = [6, 1, 9, 6], [1.0, 0.7, 1.3, 1.0], [11, 12, 13, 14]
+    logits = [torch.randn(n, 16, generator=g) * 3 for n in lens]
+    tokens = [torch.randint(0, 16, (n,), generator=g).tolist() for n in lens]
+    tokens[0] = sampling.sample(logits[0], torch.full((6,), 11), torch.arange(6), 1.0).tolist()  # replays exactly
+    claimed = [policy_logprobs(lg, t, T).tolist() for lg, t, T in zip(logits, tokens, temps, strict=True)]
+    claimed[2][4] -= 0.5
+    rp = replay_many(logits, tokens, seeds, temps)
+    assert rp == [replay(*a) for a in zip(logits, tokens, seeds, temps, strict=True)]
+    assert rp[0].max_gap == 0.0 and rp[0].mismatches == 0 and rp[2].max_gap > 0
+    lp = compare_logprobs_many(logits, tokens, claimed, temps)
+    assert lp == [compare_logprobs(*a) for a in zip(logits, tokens, claimed, temps, strict=True)]
+    assert lp[2].worst_position == 4 and abs(lp[2].max_abs_diff - 0.5) < 1e-9 and lp[0].max_abs_diff < 1e-12

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from protocol import proofs as wire
 from protocol.messages import PendingGroup
 from verifier.config import Tolerances
-from verifier.logprobs import compare_logprobs
+from verifier.logprobs import LogprobResult, compare_logprobs_many
 from verifier.models import PolicyModel
 from verifier.prefill import recompute
-from verifier.proofs import proof_errors
-from verifier.replay import replay
+from verifier.proofs import ProofStats, proof_errors_many
+from verifier.replay import ReplayResult, replay_many
 
 
 @dataclass
@@ -41,34 +41,44 @@ def full_check(groups: list[PendingGroup], policy: PolicyModel, tol: Tolerances,
     """One report per group, in order."""
     seqs = [(g.group.prompt_ids, r.completion_ids) for g in groups for r in g.group.rollouts]
     recomputed = recompute(policy.model, seqs, policy.pad_id, max_batch_tokens)
+    # Replay, logprobs and proofs of every rollout in one vectorised pass each; then judged group by group.
+    rollouts = [(g, r) for g in groups for r in g.group.rollouts]
+    logits = [rc.logits for rc in recomputed]
+    tokens = [r.completion_ids for _, r in rollouts]
+    temps = [g.sampling.temperature for g, _ in rollouts]
+    replays = replay_many(logits, tokens, [r.seed for _, r in rollouts], temps)
+    logprobs = compare_logprobs_many(logits, tokens, [r.logprobs for _, r in rollouts], temps)
+    with_proof = [i for i, (_, r) in enumerate(rollouts) if r.proof is not None]
+    stats = proof_errors_many([wire.decode(rollouts[i][1].proof) for i in with_proof],  # type: ignore[arg-type]
+                              [recomputed[i].states for i in with_proof], tol.proof_boundary_rel)
+    proof_stats: list[ProofStats | None] = [None] * len(rollouts)
+    for i, ps in zip(with_proof, stats, strict=True):
+        proof_stats[i] = ps
     reports = []
     k = 0
     for g in groups:
         n = len(g.group.rollouts)
-        reports.append(_check_group(g, recomputed[k:k + n], tol))
+        reports.append(_check_group(g, replays[k:k + n], logprobs[k:k + n], proof_stats[k:k + n], tol))
         k += n
     return reports
 
 
-def _check_group(g: PendingGroup, recomputed: list, tol: Tolerances) -> GroupReport:
+def _check_group(g: PendingGroup, replays: list[ReplayResult], logprobs: list[LogprobResult],
+                 proof_stats: list[ProofStats | None], tol: Tolerances) -> GroupReport:
     rep = GroupReport()
-    temperature = g.sampling.temperature
     err_sum, checked = 0.0, 0
-    for i, (r, rc) in enumerate(zip(g.group.rollouts, recomputed, strict=True)):
+    for i, (r, rp, lp, ps) in enumerate(zip(g.group.rollouts, replays, logprobs, proof_stats, strict=True)):
         rep.tokens += len(r.completion_ids)
-        rp = replay(rc.logits, r.completion_ids, r.seed, temperature)
         rep.max_replay_gap = max(rep.max_replay_gap, rp.max_gap)
         rep.replay_mismatches += rp.mismatches
         if rp.max_gap > tol.tie_margin:
             rep.failures.append(f"replay: rollout {i} token {rp.worst_position} is not the token the seeded sampling "
                                 f"rule picks (score gap {rp.max_gap:.3g} > tie margin {tol.tie_margin:g})")
-        lp = compare_logprobs(rc.logits, r.completion_ids, r.logprobs, temperature)
         rep.max_logprob_diff = max(rep.max_logprob_diff, lp.max_abs_diff)
         if lp.max_abs_diff > tol.logprob_abs:
             rep.failures.append(f"logprobs: rollout {i} token {lp.worst_position} differs from the policy's by "
                                 f"{lp.max_abs_diff:.3g} > {tol.logprob_abs:g}")
-        if r.proof is not None:
-            ps = proof_errors(wire.decode(r.proof), rc.states, tol.proof_boundary_rel)
+        if ps is not None:
             err_sum += ps.err_sum
             checked += ps.checked
             rep.proof_max_ulp = max(rep.proof_max_ulp, ps.max_err)

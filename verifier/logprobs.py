@@ -18,8 +18,10 @@ class LogprobResult:
     worst_position: int
 
 
-def policy_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) at each sampled token, float64 [n]."""
+def policy_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float | torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T)[token] at each sampled token, float64 [n] (T one number, or one per row)."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(torch.float64).reshape(-1, 1)
     logp = torch.log_softmax(logits.double() / temperature, dim=-1)
     return logp.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0]
 
@@ -27,8 +29,23 @@ def policy_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float)
 def compare_logprobs(logits: torch.Tensor, tokens: list[int], claimed: list[float],
                      temperature: float) -> LogprobResult:
     """Largest |claimed - recomputed| over one rollout (NaN or inf claims count as infinitely far)."""
-    ref = policy_logprobs(logits, tokens, temperature)
-    diff = (torch.tensor(claimed, dtype=torch.float64) - ref).abs()
-    diff = torch.nan_to_num(diff, nan=float("inf"))
-    worst = int(diff.argmax())
-    return LogprobResult(max_abs_diff=float(diff[worst]), worst_position=worst)
+    return compare_logprobs_many([logits], [tokens], [claimed], [temperature])[0]
+
+
+def compare_logprobs_many(logits: list[torch.Tensor], tokens: list[list[int]], claimed: list[list[float]],
+                          temperatures: list[float]) -> list[LogprobResult]:
+    """`compare_logprobs` of many rollouts (each non-empty) at once."""
+    lens = [len(t) for t in tokens]
+    if [len(c) for c in claimed] != lens:
+        raise ValueError("every rollout needs one claimed logprob per token")
+    temps = torch.repeat_interleave(torch.tensor(temperatures, dtype=torch.float64), torch.tensor(lens))
+    ref = policy_logprobs(torch.cat(logits), [t for ts in tokens for t in ts], temps)
+    diff = (torch.tensor([c for cs in claimed for c in cs], dtype=torch.float64) - ref).abs()
+    diff = torch.nan_to_num(diff, nan=float("inf")).tolist()
+    out, start = [], 0
+    for n in lens:
+        d = diff[start:start + n]
+        worst = max(range(n), key=d.__getitem__)
+        out.append(LogprobResult(max_abs_diff=d[worst], worst_position=worst))
+        start += n
+    return out

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from protocol.client import CoordinatorClient, CoordinatorError
 from protocol.manifest import CheckpointManifest, ShardStore, assemble_checkpoint
+from protocol.weights import load_weights_in_place
 
 log = logging.getLogger("swarmrl.verifier")
 
@@ -38,16 +39,30 @@ class PolicyModel:
     max_positions: int
 
 
-def load_policy(path: Path, version: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PolicyModel:
-    """A checkpoint directory as the verifier uses it (eval mode, no grad)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    tok = PreTrainedTokenizerFast.from_pretrained(path)
+def load_policy(path: Path, version: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                reuse: PolicyModel | None = None) -> PolicyModel:
+    """A checkpoint directory as the verifier uses it (eval mode, no grad). With `reuse` (a policy no longer
+    needed, whose checkpoint has the same config and tokenizer files), its model takes the new weights in place
+    and its tokenizer is kept: a new version then costs a file read, not a model construction."""
+    if reuse is not None:
+        load_weights_in_place(reuse.model, path)
+        model, tok = reuse.model, reuse.tokenizer
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        model.requires_grad_(False)
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
     cfg = model.config
     eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
     return PolicyModel(version=version, path=path, model=model, tokenizer=tok, eos_id=int(eos), pad_id=int(pad),
                        hidden_size=int(cfg.hidden_size), max_positions=int(cfg.max_position_embeddings))
+
+
+def _same_except_weights(a: CheckpointManifest, b: CheckpointManifest) -> bool:
+    """Whether two checkpoints have identical files (config, tokenizer) apart from their safetensors weights."""
+    def rest(m: CheckpointManifest) -> dict[str, str]:
+        return {f.path: f.sha256 for f in m.files if not f.path.endswith(".safetensors")}
+    return rest(a) == rest(b)
 
 
 class ModelCache:
@@ -72,12 +87,15 @@ class ModelCache:
             return self._loaded[version][0]
         manifest = self._fetch(version)
         path = assemble_checkpoint(manifest, self.shards.get, self.work_dir / f"v{version:08d}", shards_verified=True)
-        policy = load_policy(path, version, self.dtype, self.device)
-        self._loaded[version] = (policy, manifest)
-        while len(self._loaded) > self.keep:
-            old, (old_policy, _) = self._loaded.popitem(last=False)
+        reuse = None
+        while len(self._loaded) >= self.keep:
+            old, (old_policy, old_manifest) = self._loaded.popitem(last=False)
             shutil.rmtree(old_policy.path, ignore_errors=True)
             log.info("unloaded policy version %d", old)
+            if _same_except_weights(old_manifest, manifest):
+                reuse = old_policy
+        policy = load_policy(path, version, self.dtype, self.device, reuse=reuse)
+        self._loaded[version] = (policy, manifest)
         self.shards.remove_unreferenced([m for _, m in self._loaded.values()])
         log.info("loaded policy version %d from %s", version, path)
         return policy

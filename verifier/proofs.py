@@ -47,9 +47,20 @@ def fp16_ulp(values: np.ndarray) -> np.ndarray:
 def proof_errors(proof: proofs.Proof, states: torch.Tensor, boundary_rel: float) -> ProofStats:
     """Compare a decoded proof with the verifier's states [n_tokens, hidden]; the caller has checked the
     proof's header against the states' shape."""
-    k = proof.topk
-    s = states.detach().float().cpu()
-    hidden = s.shape[1]
+    return proof_errors_many([proof], [states], boundary_rel)[0]
+
+
+def proof_errors_many(proof_list: list[proofs.Proof], states: list[torch.Tensor], boundary_rel: float
+                      ) -> list[ProofStats]:
+    """`proof_errors` of many rollouts at once: one top-k over all their states (when they share a hidden size
+    and top-k), and the chunk polynomials of equal size and modulus evaluated together."""
+    shapes = {(s.shape[1], p.topk) for p, s in zip(proof_list, states, strict=True)}
+    if len(shapes) > 1:
+        return [proof_errors_many([p], [s], boundary_rel)[0] for p, s in zip(proof_list, states, strict=True)]
+    if not proof_list:
+        return []
+    ((hidden, k),) = shapes
+    s = torch.cat([x.detach().float().cpu() for x in states])
     top = s.abs().topk(min(k + 1, hidden), dim=-1)
     idx = top.indices[:, :k].numpy().astype(np.int64)
     mags = top.values[:, :k].numpy().astype(np.float64)
@@ -59,20 +70,31 @@ def proof_errors(proof: proofs.Proof, states: torch.Tensor, boundary_rel: float)
     else:
         inside = np.ones_like(mags, dtype=bool)
     own = np.clip(s.gather(-1, top.indices[:, :k]).numpy().astype(np.float64), -proofs.FP16_MAX, proofs.FP16_MAX)
-    errs = np.zeros_like(own)
-    for j, (p, coeffs) in enumerate(proof.chunks):
-        start, end = proof.chunk_bounds(j)
-        t = np.repeat(np.arange(end - start), k)
-        xs = proofs.point_index(t, idx[start:end].reshape(-1), hidden)
-        committed = proofs.fp16_values(proofs.evaluate(coeffs, xs, p)).astype(np.float64)
-        mine = own[start:end].reshape(-1)
-        err = np.abs(committed - mine) / fp16_ulp(mine)
-        errs[start:end] = np.nan_to_num(err, nan=np.inf).reshape(end - start, k)
+    # Every chunk as (first row in `own`, rows, xs); chunks of one (size, modulus) are evaluated together.
+    offsets = np.cumsum([0] + [x.shape[0] for x in states])
+    kinds: dict[tuple[int, int], list[tuple[int, int, np.ndarray, np.ndarray]]] = {}
+    for proof, base in zip(proof_list, offsets[:-1], strict=True):
+        for j, (p, coeffs) in enumerate(proof.chunks):
+            start, end = proof.chunk_bounds(j)
+            t = np.repeat(np.arange(end - start), k)
+            xs = proofs.point_index(t, idx[base + start:base + end].reshape(-1), hidden)
+            kinds.setdefault((len(coeffs), p), []).append((base + start, end - start, xs, coeffs))
+    committed = np.zeros_like(own)
+    for (_, p), chunks in kinds.items():
+        values = proofs.fp16_values(proofs.evaluate_many(np.stack([c[3] for c in chunks]),
+                                                         np.stack([c[2] for c in chunks]), p))
+        for (row, n, _, _), v in zip(chunks, values, strict=True):
+            committed[row:row + n] = v.reshape(n, k)
+    errs = np.nan_to_num(np.abs(committed - own) / fp16_ulp(own), nan=np.inf)
     checked = np.where(inside, errs, 0.0)
     per_token = checked.max(axis=1)
-    worst = int(per_token.argmax())
-    return ProofStats(checked=int(inside.sum()), skipped=int((~inside).sum()), err_sum=float(checked.sum()),
-                      max_err=float(per_token[worst]), worst_token=worst)
+    out = []
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        worst = int(per_token[a:b].argmax())
+        out.append(ProofStats(checked=int(inside[a:b].sum()), skipped=int((~inside[a:b]).sum()),
+                              err_sum=float(checked[a:b].sum()), max_err=float(per_token[a + worst]),
+                              worst_token=worst))
+    return out
 
 
 def header_problem(proof: proofs.Proof, n_tokens: int, hidden_size: int, chunk_tokens: int, topk: int) -> str | None:

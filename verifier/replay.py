@@ -26,10 +26,23 @@ class ReplayResult:
 
 def replay(logits: torch.Tensor, tokens: list[int], seed: int, temperature: float) -> ReplayResult:
     """Replay one rollout: `logits` [n, vocab] recomputed by the verifier, `tokens` the n sampled ids."""
-    n = len(tokens)
-    scores = sampling.perturbed_scores(logits, torch.full((n,), seed, dtype=torch.int64), torch.arange(n),
-                                       temperature)
-    picked = scores.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0]
-    gaps = scores.max(dim=-1).values - picked
-    worst = int(gaps.argmax())
-    return ReplayResult(max_gap=float(gaps[worst]), worst_position=worst, mismatches=int((gaps > 0).sum()))
+    return replay_many([logits], [tokens], [seed], [temperature])[0]
+
+
+def replay_many(logits: list[torch.Tensor], tokens: list[list[int]], seeds: list[int],
+                temperatures: list[float]) -> list[ReplayResult]:
+    """`replay` of many rollouts (each non-empty) at once: one noise computation over all their tokens."""
+    lens = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(tokens)), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    positions = torch.arange(int(lens.sum())) - starts[rows]
+    scores = sampling.perturbed_scores(torch.cat(logits), torch.tensor(seeds, dtype=torch.int64)[rows], positions,
+                                       torch.tensor(temperatures, dtype=torch.float64)[rows])
+    taken = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
+    gaps = (scores.max(dim=-1).values - scores.gather(-1, taken[:, None])[:, 0]).tolist()
+    out = []
+    for start, n in zip(starts.tolist(), lens.tolist(), strict=True):
+        g = gaps[start:start + n]
+        worst = max(range(n), key=g.__getitem__)
+        out.append(ReplayResult(max_gap=g[worst], worst_position=worst, mismatches=sum(x > 0 for x in g)))
+    return out
