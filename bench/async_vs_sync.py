@@ -12,8 +12,9 @@ from the same weights:
 
 Clocks. Launch clock (swarm): seconds since the trainer process was launched (imports, model load and
 evaluations included; the trainer's `elapsed_s`). Training clock: seconds since setup ended, evaluations
-excluded: how bench/trl_baseline.py times TRL, and the swarm trainer's `train_clock_s` (which starts before
-it publishes its initial weights, so the swarm's pipeline fill counts). sync_s/async_s use the launch
+excluded: how bench/trl_baseline.py times TRL; for the swarm, the trainer's `train_clock_s` less the
+nodes' setup (the part of it before the coordinator granted the first lease, `nodes_setup_s`), so the
+pipeline fill (first rollouts, first verification) still counts. sync_s/async_s use the launch
 clock; the comparison with TRL (equal_wall_s, trl_accuracy, swarmrl_accuracy) uses the training clock for
 both, and the JSON also gives TRL's accuracy at the swarm's launch-clock time (trl_accuracy_at_launch_s).
 
@@ -120,10 +121,36 @@ def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Name
         watcher.done.set()
         watcher.join(timeout=10)
     result["points"] = sorted(watcher.points, key=lambda p: p["step"])
+    setup_s = nodes_setup_s(run_dir)
+    if setup_s is not None:
+        # The swarm's training clock, like TRL's, starts once the setup is done: here once a node has its
+        # engine up and the coordinator grants the first lease (before that no rollout can be generated).
+        result["nodes_setup_s"] = round(setup_s, 2)
+        for p in result["points"]:
+            if "train_s" in p:
+                p["train_s_from_launch"] = p["train_s"]
+                p["train_s"] = round(max(0.0, p["train_s"] - setup_s), 2)
     if "report" in result:  # the demo's own check of the newest published checkpoint, when the run stopped
         r = result["report"]
         result["end_point"] = {"wall_s": r["rl_seconds"], "step": r["steps"], "accuracy": r["final_accuracy"]}
     return result
+
+
+def nodes_setup_s(run_dir: Path) -> float | None:
+    """Seconds of the trainer's training clock that passed before the coordinator granted its first lease (the
+    nodes' setup: engine start, first weights), read from the run's coordinator database; None if unknown."""
+    import sqlite3
+
+    db_path = run_dir / "coordinator" / "coordinator.sqlite"
+    if not db_path.exists():
+        return None
+    with sqlite3.connect(db_path) as db:
+        (first_lease,) = db.execute("SELECT MIN(issued_at) FROM leases").fetchone()
+        first_metric = db.execute("SELECT ts, data FROM metrics ORDER BY id LIMIT 1").fetchone()
+    if first_lease is None or first_metric is None or "train_clock_s" not in json.loads(first_metric[1]):
+        return None
+    clock_zero = first_metric[0] - json.loads(first_metric[1])["train_clock_s"]  # coordinator's wall clock
+    return max(0.0, first_lease - clock_zero)
 
 
 def time_to_target(points: list[Point], target: float) -> tuple[float | None, float | None]:
@@ -270,6 +297,9 @@ def main() -> None:
         **summary, "clock": "equal_wall_s and trl_accuracy: training clock (setup and evaluations excluded, as "
         "TRL's); sync_s/async_s: launch clock", "equal_launch_s": equal_launch_s,
         "trl_accuracy_at_launch_s": accuracy_at(trl.get("points", []), equal_launch_s) if trl else None,
+        "trl_s": time_to_target(trl.get("points", []), args.target)[0] if trl else None,
+        "swarm_train_s_to_target": time_to_target([{**p, "wall_s": p["train_s"]} for p in async_pts
+                                                   if "train_s" in p], args.target)[0],
         "speedup_is_lower_bound": lower_bound, "sync_first_eval_at_target_s": sync_seen,
         "async_first_eval_at_target_s": async_seen, "target": args.target, "initial_accuracy": initial,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
