@@ -338,9 +338,13 @@ def test_seed_suggestions_hand_every_shard_out_once_before_any_twice(published):
     assert seed._suggest_for(want_one) == LATER  # handed out once; others have never-handed shards to get
     picks = [seed._suggest_for(want_all) for _ in range(n - 1)]
     assert sorted(picks) == [i for i in range(n) if i != 3]  # n - 1 askers, n - 1 different shards
+    seed._serving = seed.config.seed_max_uploads  # the seed's link is full
     assert seed._suggest_for(want_all) == LATER  # all handed out, all still on their way: take them from peers
     seed._handouts[manifest.shards()[5].sha256].quiet_at = 0.0  # shard 5's copy landed long ago
     assert seed._suggest_for(want_all) == 5  # now the seed may help with a second copy
+    seed._serving = seed.config.seed_max_uploads - 1  # room on the seed's link: rather a copy still on its way
+    second = seed._suggest_for(want_all)  # than idling; the least handed out first (shard 5 has two now)
+    assert isinstance(second, int) and second != 5
     assert seed._suggest_for(b"0" * 16 + make_bitfield(n, [3])) is None  # unknown manifest: no opinion
 
 

@@ -168,6 +168,7 @@ class SwarmPeer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._upload_sem: asyncio.Semaphore | None = None
         self._upload_waiting = 0
+        self._serving = 0  # uploads in progress or waiting for a slot (guarded by _lock)
         self._ramp: asyncio.Condition | None = None  # a seed's ramp-up (see _ramp_up)
         self._ramp_active = 0
         self._ramp_done = 0
@@ -422,6 +423,7 @@ class SwarmPeer:
             if h.active == 0 and time.monotonic() >= h.quiet_at:
                 h.given += 1  # not announced by a suggestion
             h.active += 1
+            self._serving += 1
         try:
             self._upload_waiting += 1
             try:
@@ -453,6 +455,7 @@ class SwarmPeer:
         finally:
             with self._lock:
                 h.active -= 1
+                self._serving -= 1
                 h.quiet_at = time.monotonic() + self.config.seed_grace_s
 
     async def _ramp_up(self) -> None:
@@ -492,8 +495,9 @@ class SwarmPeer:
         twice, and lets the copies spread peer to peer: it suggests a wanted shard it has never handed
         out; if there is none but other peers still have never-handed shards to get, the answer is LATER
         (take these from the peers). Once every shard has been handed out, it helps with the least handed
-        out wanted shard, except one still on its way to some peer (an upload in progress, or ended less
-        than `seed_grace_s` ago: the time its receiver needs to announce it). A suggestion counts as a
+        out wanted shard, preferring one not still on its way to some peer (an upload in progress, or ended
+        less than `seed_grace_s` ago: the time its receiver needs to announce it); it suggests one on its way
+        too while it serves fewer than `seed_max_uploads`, since its link would otherwise idle. A suggestion counts as a
         hand-out, which keeps concurrent askers apart. Returns an index, None (no opinion) or LATER.
         """
         tag, bits = payload[:16].decode("ascii", "replace"), payload[16:]
@@ -523,7 +527,11 @@ class SwarmPeer:
             else:
                 ready = [i for i in wanted if not in_transit(i)]
                 if not ready:
-                    return LATER
+                    if self._serving >= self.config.seed_max_uploads:
+                        return LATER
+                    # The seed's link has room: a second copy now beats an idle link while the last shards
+                    # crawl from the few peers that hold them (the end of a broadcast).
+                    ready = sorted(wanted)
                 best = min(ready, key=lambda i: (given(i), random.random()))
             h = self._handout(shards[best].sha256)
             h.given += 1
