@@ -519,6 +519,11 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
         byes = wait_all(workers, "bye", 60)
         if swarm:
             result["busy_answers"] = sum(b.get("swarm_stats", {}).get("busy", 0) for b in byes.values())
+            # Of the time peer downloads were open, the share spent before the holder answered (its upload
+            # queue, the round trip, its disk read) rather than moving bytes.
+            waited = sum(b.get("swarm_stats", {}).get("wait_s", 0.0) for b in byes.values())
+            moved = sum(b.get("swarm_stats", {}).get("transfer_s", 0.0) for b in byes.values())
+            result["peer_download_wait_pct"] = round(100 * waited / max(1e-9, waited + moved))
             seed = byes["origin"]["seed_stats"]
             result["seed_uploaded_mb"] = round(seed.get("bytes_uploaded", 0) / 1e6, 1)
             result["seed_done_s"] = round(seed.get("last_upload_at", t_go) - t_go, 2)

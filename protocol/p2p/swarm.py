@@ -131,6 +131,8 @@ class SwarmStats:
     peer_failures: int = 0
     announces: int = 0
     busy: int = 0  # requests answered "busy" (all upload slots taken)
+    wait_s: float = 0.0  # downloads: seconds from sending a request to the holder's answer (queue, RTT, disk)
+    transfer_s: float = 0.0  # downloads: seconds from the answer to the last byte
     last_upload_at: float = 0.0  # wall clock (time.time()) when the latest upload ended
 
 
@@ -673,8 +675,11 @@ class SwarmPeer:
     async def _fetch(self, peer_id: str, shard: ShardRef) -> bytes:
         reader, writer = await self._open(peer_id)
         try:
+            t0 = time.monotonic()
             await self._request(writer, OP_GET, shard.sha256.encode())
             status = await reader.readexactly(1)
+            t1 = time.monotonic()
+            self.stats.wait_s += t1 - t0
             if status == BUSY:
                 raise SourceBusy(f"peer {peer_id[-8:]} is busy", self.config.busy_retry_s)
             if status == NOT_HELD:
@@ -685,6 +690,7 @@ class SwarmPeer:
             if n != shard.size:
                 raise BadShardBytes(f"peer {peer_id[-8:]} announced {n} bytes for a {shard.size}-byte shard")
             data = await reader.readexactly(n)
+            self.stats.transfer_s += time.monotonic() - t1
         except asyncio.IncompleteReadError as e:
             raise PeerError(f"peer {peer_id[-8:]} closed the stream early") from e
         finally:
