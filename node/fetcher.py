@@ -332,10 +332,11 @@ class _Download:
         with self.cond:
             self.failed.setdefault(shard.sha256, set()).add(source.key)
             self.errors.setdefault(shard.sha256, []).append(f"{source.name}: {error}")
-            stats.failures += 1
-            if bad:
-                stats.bad_shards += 1
         source.on_failure(self.manifest, shard, error, bad)
         if bad and f.on_bad_shard is not None:
             f.on_bad_shard(source, shard)
+        with self.cond:  # counted once handled: a bad shard in the stats means its source is already banned
+            stats.failures += 1
+            if bad:
+                stats.bad_shards += 1
         return False
