@@ -524,6 +524,9 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             waited = sum(b.get("swarm_stats", {}).get("wait_s", 0.0) for b in byes.values())
             moved = sum(b.get("swarm_stats", {}).get("transfer_s", 0.0) for b in byes.values())
             result["peer_download_wait_pct"] = round(100 * waited / max(1e-9, waited + moved))
+            downloads = sum(b.get("swarm_stats", {}).get("downloads", 0) for b in byes.values())
+            result["peer_download_wait_ms"] = round(1000 * waited / max(1, downloads), 1)
+            result["peer_download_transfer_ms"] = round(1000 * moved / max(1, downloads), 1)
             seed = byes["origin"]["seed_stats"]
             result["seed_uploaded_mb"] = round(seed.get("bytes_uploaded", 0) / 1e6, 1)
             result["seed_done_s"] = round(seed.get("last_upload_at", t_go) - t_go, 2)
