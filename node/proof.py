@@ -31,8 +31,8 @@ def build_proofs(states: list[torch.Tensor], chunk_tokens: int = proofs.CHUNK_TO
     for s in states:
         if s.ndim != 2 or s.shape[0] == 0:
             raise proofs.ProofError(f"expected states [n_tokens >= 1, hidden], got {tuple(s.shape)}")
-    # Every chunk of every completion as (completion, chunk index, xs, ys); then one interpolation per kind.
-    points: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+    # Every chunk of every completion as (completion, xs, ys), in order; then one interpolation per kind.
+    points: list[tuple[int, np.ndarray, np.ndarray]] = []
     if len({s.shape[1] for s in states}) == 1:  # the usual case: one top-k over every state at once
         all_idx, all_vals = select_topk(torch.cat(states), topk)
         all_bits = proofs.fp16_bits(all_vals)
@@ -42,23 +42,22 @@ def build_proofs(states: list[torch.Tensor], chunk_tokens: int = proofs.CHUNK_TO
         selected = [(idx, proofs.fp16_bits(vals)) for idx, vals in (select_topk(s, topk) for s in states)]
     for r, (s, (idx, bits)) in enumerate(zip(states, selected, strict=True)):
         n, hidden = s.shape
-        for j, start in enumerate(range(0, n, chunk_tokens)):
+        for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             t = np.repeat(np.arange(end - start), topk)
-            points.append((r, j, proofs.point_index(t, idx[start:end].reshape(-1), hidden),
-                           bits[start:end].reshape(-1)))
+            points.append((r, proofs.point_index(t, idx[start:end].reshape(-1), hidden), bits[start:end].reshape(-1)))
     kinds: dict[tuple[int, int], list[int]] = {}
-    for i, (_, _, xs, _) in enumerate(points):
+    for i, (_, xs, _) in enumerate(points):
         kinds.setdefault((len(xs), proofs.choose_prime(xs)), []).append(i)
     coeffs: list[tuple[int, np.ndarray]] = [(0, np.empty(0))] * len(points)
     for (_, p), members in kinds.items():
-        solved = proofs.interpolate_many(np.stack([points[i][2] for i in members]),
-                                         np.stack([points[i][3] for i in members]), p)
+        solved = proofs.interpolate_many(np.stack([points[i][1] for i in members]),
+                                         np.stack([points[i][2] for i in members]), p)
         for i, c in zip(members, solved, strict=True):
             coeffs[i] = (p, c)
     chunks: list[list[tuple[int, np.ndarray]]] = [[] for _ in states]
-    for (r, _, _, _), c in zip(points, coeffs, strict=True):
-        chunks[r].append(c)  # points are in (completion, chunk) order
+    for (r, _, _), c in zip(points, coeffs, strict=True):
+        chunks[r].append(c)
     return [proofs.encode(proofs.Proof(chunk_tokens=chunk_tokens, topk=topk, hidden_size=s.shape[1],
                                        n_tokens=s.shape[0], chunks=tuple(c)))
             for s, c in zip(states, chunks, strict=True)]

@@ -533,7 +533,7 @@ class SwarmPeer:
                         return LATER
                     # The seed's link has room: a second copy now beats an idle link while the last shards
                     # crawl from the few peers that hold them (the end of a broadcast).
-                    ready = sorted(wanted)
+                    ready = list(wanted)
                 best = min(ready, key=lambda i: (given(i), random.random()))
             h = self._handout(shards[best].sha256)
             h.given += 1
