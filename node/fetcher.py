@@ -68,9 +68,10 @@ class CheckpointFetcher:
     """Keeps verified checkpoint versions under `root`/v{version}, at most `keep_versions` of them.
 
     `max_parallel`: shards in flight at once (from different sources, or several to a source whose
-    `max_in_flight` allows it); at most `max_peer_parallel` of them from non-seed sources, so that the rest
-    stay free for the seeds. `stall_timeout_s`: give up when no source can make progress for this long
-    (only when no seed source is configured; with seeds a shard fails once every seed failed it).
+    `max_in_flight` allows it: the next request then waits at the source and starts without a round trip);
+    at most `max_peer_parallel` non-seed sources are asked at once, so that the rest stay free for the seeds.
+    `stall_timeout_s`: give up when no source can make progress for this long (only when no seed source is
+    configured; with seeds a shard fails once every seed failed it).
     `endgame`: once every missing shard is in flight, idle workers ask a second free source for a shard
     still in flight (at most two requests per shard); the first copy to arrive wins and `fetch` returns
     without waiting for the other, so one slow holder cannot hold up the last shards.
@@ -150,7 +151,7 @@ class _Download:
         self.failed: dict[str, set[str]] = {}  # shard sha -> keys of sources that failed it
         self.errors: dict[str, list[str]] = {}
         self.load: dict[str, int] = {}
-        self.peer_in_flight = 0  # downloads from non-seed sources
+        self.peer_in_flight = 0  # non-seed sources with a download in flight
         self.busy_until: dict[str, float] = {}  # source key -> monotonic time it said it would be free again
         self.error: BaseException | None = None
         self.cond = threading.Condition()
@@ -199,7 +200,7 @@ class _Download:
             failed = self.failed.get(shard.sha256, ())
             holders = [p for p in peers if p.key not in failed and p.holds(self.manifest, shard)]
             counts.append(len(holders))
-            free = [p for p in holders if self._free(p)] if peer_room else []
+            free = [p for p in holders if self._free(p) and (peer_room or self.load.get(p.key, 0))]
             score = (len(holders), rank)
             if free and (best is None or score < best[0]):
                 pick = min(free, key=lambda p: (self.load.get(p.key, 0), random.random()))
@@ -246,7 +247,8 @@ class _Download:
             shard, busy, failed = self.refs[sha], self.in_flight[sha], self.failed.get(sha, ())
             seed_ok = not (busy & seed_keys)
             free = [s for s in sources if s.key not in busy and s.key not in failed and self._free(s)
-                    and ((s is seeds[0] and seed_ok) if s.seed else peer_room) and s.holds(self.manifest, shard)]
+                    and ((s is seeds[0] and seed_ok) if s.seed else peer_room or self.load.get(s.key, 0))
+                    and s.holds(self.manifest, shard)]
             if free:
                 return shard, min(free, key=lambda s: (s.seed, self.load.get(s.key, 0), random.random()))
         return None
@@ -277,7 +279,7 @@ class _Download:
                     self.f.stats.duplicates += 1
                 self.in_flight.setdefault(shard.sha256, set()).add(source.key)
                 self.load[source.key] = self.load.get(source.key, 0) + 1
-                self.peer_in_flight += not source.seed
+                self.peer_in_flight += not source.seed and self.load[source.key] == 1
             ok = False
             try:
                 ok = self._fetch_one(shard, source)
@@ -287,7 +289,7 @@ class _Download:
             finally:
                 with self.cond:
                     self.load[source.key] -= 1
-                    self.peer_in_flight -= not source.seed
+                    self.peer_in_flight -= not source.seed and self.load[source.key] == 0
                     fetching = self.in_flight.get(shard.sha256, set())
                     fetching.discard(source.key)
                     if not fetching:

@@ -305,6 +305,35 @@ def test_slow_peer_is_dropped_and_the_shard_taken_elsewhere(tmp_path, published,
     assert len(origin.calls) == len(manifest.shards())
 
 
+def test_a_pipelined_request_waits_in_its_askers_upload_slot_not_in_the_queue(tmp_path, published, swarm):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from protocol.shards import SourceBusy
+
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    shards = manifest.shards()
+    store = SlowStore(tmp_path / "holder", delay=1.0)
+    for s in shards:
+        store.put(s.sha256, origin_store.get(s.sha256))
+    holder = swarm(max_uploads=1, upload_queue=0)  # one upload at a time, nobody queues for it
+    holder.serve(manifest, store)
+    a, b = swarm(holder.maddrs), swarm(holder.maddrs)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(a.fetch, holder.peer_id, shards[0])
+        time.sleep(0.2)
+        second = pool.submit(a.fetch, holder.peer_id, shards[1])  # pipelined behind the first
+        time.sleep(0.2)
+        with pytest.raises(SourceBusy):  # another asker finds the one slot taken
+            b.fetch(holder.peer_id, shards[2])
+        assert first.result() == origin_store.get(shards[0].sha256)
+        assert second.result() == origin_store.get(shards[1].sha256)
+    assert holder.stats.uploads == 2 and holder.stats.busy == 1
+    # The asker's last request ended, so its slot is free again.
+    assert b.fetch(holder.peer_id, shards[2]) == origin_store.get(shards[2].sha256)
+    assert not holder._askers
+
+
 def test_upload_cap_token_bucket_paces_bytes():
     from protocol.p2p.swarm import TokenBucket
 
@@ -379,6 +408,35 @@ def test_rarest_shards_first_and_seeds_only_for_what_no_peer_holds(tmp_path, pub
     assert [sha for _, sha in log] == [shards[2], shards[1], shards[0]]  # rarest first
     assert set(origin.calls) == set(shards[3:]) and len(origin.calls) == len(shards) - 3
     assert f.stats.by_source["origin"] == len(shards) - 3 and f.stats.shards_fetched == len(shards)
+
+
+def test_max_peer_parallel_counts_peers_and_a_busy_peer_gets_its_second_request(tmp_path, published, coordinator):
+    """Two requests in flight to one peer (its max_in_flight) use one of the max_peer_parallel peer places."""
+    signed, origin_store, _ = published
+    shards = {s.sha256 for s in signed.manifest.shards()}
+    lock, active, most = threading.Lock(), {"p1": 0, "p2": 0}, {"peers": 0, "p1": 0, "p2": 0}
+
+    class CountingPeer(FakePeer):
+        max_in_flight = 2
+
+        def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+            with lock:
+                active[self.name] += 1
+                most[self.name] = max(most[self.name], active[self.name])
+                most["peers"] = max(most["peers"], sum(1 for v in active.values() if v))
+            time.sleep(0.05)
+            with lock:
+                active[self.name] -= 1
+            return super().get(manifest, shard)
+
+    log: list[tuple[str, str]] = []
+    peers = [CountingPeer("p1", origin_store, shards, log), CountingPeer("p2", origin_store, shards, log)]
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, peers, max_parallel=4,
+                          max_peer_parallel=1, endgame=False)
+    f.fetch(signed)
+    assert most["peers"] == 1  # one peer at a time...
+    assert max(most["p1"], most["p2"]) == 2  # ...with two requests open to it
+    assert len(log) == len(shards)
 
 
 def test_end_game_takes_a_stuck_shard_from_a_second_holder(tmp_path, published, coordinator):

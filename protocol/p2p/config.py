@@ -46,8 +46,9 @@ class P2PConfig(BaseModel):
         "fill a node's download link while each holder splits its upload among max_uploads askers."
     )
     requests_per_peer: int = Field(
-        1, ge=1, description="Shard requests one node keeps open to one peer (2: the next waits in the peer's "
-        "upload queue and starts without a round trip when the current one ends)."
+        1, ge=1, description="Shard requests one node keeps open to one peer. 2 pipelines them: the peer serves a "
+        "node's requests one after another in one upload slot, so the next starts without a round trip when the "
+        "current one ends. The peer counts once against max_parallel_peers."
     )
     endgame: bool = Field(
         True, description="Once every missing shard is in flight, ask a second holder for shards still in flight; "

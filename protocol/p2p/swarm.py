@@ -22,7 +22,9 @@ length, the payload. `G` + sha256 hex: the response is a status byte (0 ok, 1 no
 the peer would rather send (seeds spread their uploads this way); status 3 means "none of these now: they
 are on their way to other peers, take them from those". Uploads pass through one token bucket
 (`upload_cap_mbps`); at most `max_uploads` run at once and `upload_queue` more wait, further requests are
-answered busy (a seed runs `seed_max_uploads` at once and queues everyone else).
+answered busy (a seed runs `seed_max_uploads` at once and queues everyone else). One peer's requests are
+served one at a time in one slot: a request from a peer that already has an upload here waits behind it
+(pipelining; at most MAX_PIPELINED) and never counts as busy.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ OP_GET, OP_SUGGEST = b"G", b"S"
 MAX_REQUEST = 16 + (1 << 17)  # a manifest tag and a bitfield of up to 2**20 shards
 CHUNK = 1 << 16
 WAIT_MEMO_S = 0.3
+MAX_PIPELINED = 4  # requests one peer may have waiting behind its upload in progress; more are answered busy
 _HEX64 = re.compile(rb"^[0-9a-f]{64}$")
 
 
@@ -112,6 +115,15 @@ class _Handout:
     given: int = 0  # uploads started or promised by a suggestion
     active: int = 0  # uploads in progress
     quiet_at: float = 0.0  # before this (monotonic) time the last copy is presumed still on its way
+
+
+@dataclass
+class _Asker:
+    """A peer this peer is uploading to: its requests are served one at a time, in one upload slot."""
+
+    lock: asyncio.Lock
+    requests: int = 0  # its requests in progress or waiting here
+    has_slot: bool = False  # one of the max_uploads slots is held for it
 
 
 @dataclass
@@ -169,7 +181,8 @@ class SwarmPeer:
         self._announce_event: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._upload_sem: asyncio.Semaphore | None = None
-        self._upload_waiting = 0
+        self._upload_waiting = 0  # requests waiting for an upload slot (not those pipelined behind their asker's)
+        self._askers: dict[str, _Asker] = {}  # peer id -> its uploads here
         self._serving = 0  # uploads in progress or waiting for a slot (guarded by _lock)
         self._ramp: asyncio.Condition | None = None  # a seed's ramp-up (see _ramp_up)
         self._ramp_active = 0
@@ -217,8 +230,9 @@ class SwarmPeer:
     def fetcher_options(self) -> dict[str, int | bool]:
         """Keyword arguments for CheckpointFetcher: peer slots plus seed slots, the peers kept to theirs, and
         whether to play the end game."""
-        return {"max_parallel": self.config.max_parallel_peers + self.config.origin_parallel,
-                "max_peer_parallel": self.config.max_parallel_peers, "endgame": self.config.endgame}
+        cfg = self.config
+        return {"max_parallel": cfg.max_parallel_peers * cfg.requests_per_peer + cfg.origin_parallel,
+                "max_peer_parallel": cfg.max_parallel_peers, "endgame": cfg.endgame}
 
     def source(self) -> SwarmSource:
         return SwarmSource(self)
@@ -397,7 +411,7 @@ class SwarmPeer:
                 self.stats.refused += 1
                 writer.write(REFUSED)
             elif op == OP_GET and _HEX64.match(payload):
-                await self._send_shard(payload.decode(), writer)
+                await self._send_shard(payload.decode(), writer, remote)
             elif op == OP_SUGGEST:
                 idx = self._suggest_for(payload)
                 if isinstance(idx, int):
@@ -412,9 +426,21 @@ class SwarmPeer:
         finally:
             writer.close()
 
-    async def _send_shard(self, sha: str, writer: asyncio.StreamWriter) -> None:
+    async def _send_shard(self, sha: str, writer: asyncio.StreamWriter, remote: str) -> None:
         assert self._upload_sem is not None
-        if self._upload_sem.locked() and self._upload_waiting >= self.config.upload_queue and not self.config.seed:
+        asker = self._askers.get(remote)
+        if asker is None:
+            asker = self._askers[remote] = _Asker(asyncio.Lock())
+        # A request from a peer that already has an upload here (in progress or waiting) is pipelined: it waits
+        # behind that one, in the same upload slot, and starts the moment it ends, without the round trip a
+        # request sent only then would cost. Such requests never count against the busy rule.
+        follows = asker.requests > 0
+        if follows and asker.requests > MAX_PIPELINED:
+            self.stats.busy += 1
+            writer.write(BUSY)
+            return
+        if (not follows and self._upload_sem.locked() and self._upload_waiting >= self.config.upload_queue
+                and not self.config.seed):
             # Every upload slot is taken and enough askers wait for one: say so at once, and the asker takes
             # this shard (or another) from a less loaded holder meanwhile. Seeds queue everyone instead.
             self.stats.busy += 1
@@ -426,39 +452,52 @@ class SwarmPeer:
                 h.given += 1  # not announced by a suggestion
             h.active += 1
             self._serving += 1
+        asker.requests += 1
         try:
-            self._upload_waiting += 1
-            try:
-                await self._upload_sem.acquire()
-                if self.config.seed:
-                    await self._ramp_up()
-            finally:
-                self._upload_waiting -= 1
-            try:
-                data = await asyncio.get_running_loop().run_in_executor(None, self._load_shard, sha)
-                if data is None:
-                    writer.write(NOT_HELD)
-                    return
-                writer.write(OK + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
-                view = memoryview(data)
-                for off in range(0, len(view), CHUNK):
-                    piece = view[off : off + CHUNK]
-                    if self._bucket is not None:
-                        await self._bucket.take(len(piece))
-                    writer.write(piece)
-                    await writer.drain()
-                self.stats.uploads += 1
-                self.stats.bytes_uploaded += len(data)
-                self.stats.last_upload_at = time.time()
-            finally:
-                self._upload_sem.release()
-                if self.config.seed:
-                    self._ramp_release()
+            async with asker.lock:  # one upload per asker at a time, in request order
+                if not asker.has_slot:
+                    self._upload_waiting += 1
+                    try:
+                        await self._upload_sem.acquire()
+                    finally:
+                        self._upload_waiting -= 1
+                    asker.has_slot = True
+                await self._upload(sha, writer)
         finally:
+            asker.requests -= 1
+            if asker.requests == 0:  # the asker's last request here: its slot goes to the next asker
+                if asker.has_slot:
+                    asker.has_slot = False
+                    self._upload_sem.release()
+                self._askers.pop(remote, None)
             with self._lock:
                 h.active -= 1
                 self._serving -= 1
                 h.quiet_at = time.monotonic() + self.config.seed_grace_s
+
+    async def _upload(self, sha: str, writer: asyncio.StreamWriter) -> None:
+        """Send one shard (status, length, bytes) through the upload cap; the caller holds an upload slot."""
+        if self.config.seed:
+            await self._ramp_up()
+        try:
+            data = await asyncio.get_running_loop().run_in_executor(None, self._load_shard, sha)
+            if data is None:
+                writer.write(NOT_HELD)
+                return
+            writer.write(OK + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            view = memoryview(data)
+            for off in range(0, len(view), CHUNK):
+                piece = view[off : off + CHUNK]
+                if self._bucket is not None:
+                    await self._bucket.take(len(piece))
+                writer.write(piece)
+                await writer.drain()
+            self.stats.uploads += 1
+            self.stats.bytes_uploaded += len(data)
+            self.stats.last_upload_at = time.time()
+        finally:
+            if self.config.seed:
+                self._ramp_release()
 
     async def _ramp_up(self) -> None:
         """A seed starts a new version with one upload at a time and adds one per upload that ends.
