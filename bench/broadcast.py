@@ -64,9 +64,10 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 class Network:
     """A bridge in its own namespace, and hosts (one namespace each) attached to it with shaped links."""
 
-    def __init__(self, rate_mbit: float, prefix: str, queue_ms: float = 50.0):
+    def __init__(self, rate_mbit: float, prefix: str, queue_ms: float = 50.0, sysctls: list[str] | None = None):
         self.rate = rate_mbit
         self.queue_ms = queue_ms
+        self.sysctls = list(sysctls or [])  # KEY=VALUE, set in every host's namespace (e.g. TCP buffer sizes)
         self.prefix = prefix
         self.switch = f"{prefix}sw"
         self.hosts: dict[str, str] = {}  # host name -> namespace
@@ -93,6 +94,8 @@ class Network:
         sh("ip", "-n", self.switch, "link", "set", port, "up")
         sh("ip", "-n", ns, "addr", "add", f"{ip}/16", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        for kv in self.sysctls:
+            sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", kv)
         # tbf both ways: the host's egress (its upload) and the switch port's egress (its download).
         shape = ["root", "tbf", "rate", f"{self.rate}mbit", "burst", "128kb", "latency", f"{self.queue_ms:g}ms"]
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *shape)
@@ -553,6 +556,8 @@ def main() -> None:
     ap.add_argument("--rate-mbit", type=float, default=100.0, help="every link, each way (origin's too)")
     ap.add_argument("--size-mb", type=float, default=200.0, help="checkpoint size, MB (1e6 bytes)")
     ap.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue of every link, in ms at its rate")
+    ap.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kernel setting for every host's namespace, e.g. net.ipv4.tcp_notsent_lowat=16384")
     ap.add_argument("--shard-mb", type=float, default=4.0, help="shard size, MiB (protocol default: 4)")
     ap.add_argument("--malicious", type=int, default=1, help="peers serving corrupted shards in the swarm run")
     ap.add_argument("--p2p", action="append", default=[], metavar="FIELD=VALUE",
@@ -575,7 +580,8 @@ def main() -> None:
     base = args.workdir or ("/dev/shm" if shutil.disk_usage("/dev/shm").free > (args.nodes + 3) * 2.2 *
                             args.size_mb * 1e6 else None)
     work = Path(tempfile.mkdtemp(prefix="swarmrl-bench-", dir=base))
-    net = Network(args.rate_mbit, prefix=f"srlb{os.getpid() % 100000}-", queue_ms=args.queue_ms)
+    net = Network(args.rate_mbit, prefix=f"srlb{os.getpid() % 100000}-", queue_ms=args.queue_ms,
+                  sysctls=args.sysctl)
     cleaned = False
 
     def cleanup(*_: Any) -> None:
