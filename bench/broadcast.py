@@ -522,6 +522,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
         byes = wait_all(workers, "bye", 60)
         if swarm:
             result["busy_answers"] = sum(b.get("swarm_stats", {}).get("busy", 0) for b in byes.values())
+            result["have_messages"] = sum(b.get("swarm_stats", {}).get("haves", 0) for b in byes.values())
             # Of the time peer downloads were open, the share spent before the holder answered (its upload
             # queue, the round trip, its disk read) rather than moving bytes.
             waited = sum(b.get("swarm_stats", {}).get("wait_s", 0.0) for b in byes.values())

@@ -10,9 +10,10 @@ per peer that the DHT says holds shards of this version) and may hold only some 
 with `seed = True` (the HTTP origin, the coordinator's seed peer: holders of everything, but one shared
 link) are used for shards that no peer holds, rarest first; peers are used for every shard they hold,
 rarest first (fewest peer holders), ties broken by a per-fetch rotation of the shard list so that nodes
-starting together take different shards from the seed. Up to `max_parallel` shards are in flight, at
-most `max_in_flight` to any one source. With the defaults (`max_parallel=1`, plain sources) this is the
-original behaviour: shard after shard, sources tried in the order given.
+starting together take different shards from the seed; with `spread_holders` the peer is chosen first.
+Up to `max_parallel` shards are in flight, at most `max_in_flight` to any one source. With the defaults
+(`max_parallel=1`, plain sources) this is the original behaviour: shard after shard, sources tried in the
+order given.
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ class CheckpointFetcher:
     `endgame`: once every missing shard is in flight, idle workers ask a second free source for a shard
     still in flight (at most two requests per shard); the first copy to arrive wins and `fetch` returns
     without waiting for the other, so one slow holder cannot hold up the last shards.
+    `spread_holders`: pick the peer first (the free one this fetch uses least, at random among equals), then
+    the rarest shard it holds, rather than the rarest shard first and then a free peer holding it. Rarest
+    first sends every asker to the few holders of the newest shards while other holders' uplinks idle; this
+    spreads the asks over all holders and keeps rarest first within each.
     """
 
     def __init__(self, root: str | Path, coordinator_key: str, sources: list[ShardSource], keep_versions: int = 2,
                  on_bad_shard: Callable[[ShardSource, ShardRef], None] | None = None, *, max_parallel: int = 1,
                  max_peer_parallel: int | None = None, poll_s: float = 0.2, stall_timeout_s: float = 120.0,
-                 endgame: bool = True):
+                 endgame: bool = True, spread_holders: bool = False):
         self.root = Path(root)
         self.store = ShardStore(self.root / "shards")
         self.coordinator_key = coordinator_key
@@ -92,6 +97,7 @@ class CheckpointFetcher:
         self.poll_s = poll_s
         self.stall_timeout_s = stall_timeout_s
         self.endgame = endgame
+        self.spread_holders = spread_holders
         self.stats = FetchStats()
         self._manifests: dict[int, CheckpointManifest] = {}
 
@@ -195,6 +201,7 @@ class _Download:
         seeds = [s for s in sources if s.seed]
         best: tuple[tuple[int, int], ShardRef, ShardSource] | None = None
         counts: list[int] = []
+        per_peer: dict[str, tuple[tuple[int, int], ShardRef, ShardSource]] = {}
         peer_room = self.peer_in_flight < self.f.max_peer_parallel
         for rank, shard in enumerate(self.pending):
             failed = self.failed.get(shard.sha256, ())
@@ -202,9 +209,16 @@ class _Download:
             counts.append(len(holders))
             free = [p for p in holders if self._free(p) and (peer_room or self.load.get(p.key, 0))]
             score = (len(holders), rank)
+            for p in free:
+                b = per_peer.get(p.key)
+                if b is None or score < b[0]:
+                    per_peer[p.key] = (score, shard, p)
             if free and (best is None or score < best[0]):
                 pick = min(free, key=lambda p: (self.load.get(p.key, 0), random.random()))
                 best = (score, shard, pick)
+        if self.f.spread_holders and per_peer:  # the least-used free peer, then the rarest shard it holds
+            choice = min(per_peer.values(), key=lambda b: (self.load.get(b[2].key, 0), random.random()))
+            return choice[1], choice[2]
         if best is not None:
             return best[1], best[2]
         # Seeds: each shard goes to the first seed (in the order given) that has not failed it; the next

@@ -264,6 +264,35 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
         liar.fetch(node.peer_id, manifest.shards()[0])
 
 
+@pytest.mark.parametrize("watch_peers", [0, 32])
+def test_a_watch_stream_reports_new_shards_before_the_dht_does(tmp_path, published, swarm, watch_peers):
+    from protocol.p2p.dht import manifest_info
+
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    shards = manifest.shards()
+    store = ShardStore(tmp_path / "holder")
+    store.put(shards[0].sha256, origin_store.get(shards[0].sha256))
+    holder = swarm()
+    holder.serve(manifest, store)
+    # The node reads the DHT once and then not for ten minutes: only a watch can tell it more.
+    node = swarm(holder.maddrs, poll_interval_s=600, watch_peers=watch_peers)
+    wait_for(lambda: holder.peer_id in node.holders(manifest, wait=True), what="the holder's DHT record")
+    last = manifest_info(manifest).index[shards[-1].sha256][0]
+    assert last not in node.holders(manifest)[holder.peer_id].indices()
+    if watch_peers:  # the node's watch is open at the holder (so the shard below comes as a HAVE message)
+        wait_for(lambda: any(s.watchers for s in holder._served.values()), what="the node's watch")
+    store.put(shards[-1].sha256, origin_store.get(shards[-1].sha256))
+    holder.mark_held(manifest, shards[-1])
+    if watch_peers:
+        wait_for(lambda: last in node.holders(manifest)[holder.peer_id].indices(), what="the watch's report")
+        assert node.stats.haves >= 1
+    else:
+        time.sleep(2.0)
+        assert last not in node.holders(manifest)[holder.peer_id].indices()
+        assert node.stats.haves == 0
+
+
 def test_only_a_bootstrap_peer_is_believed_when_it_claims_to_be_a_seed(tmp_path, published, swarm):
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -436,6 +465,39 @@ def test_max_peer_parallel_counts_peers_and_a_busy_peer_gets_its_second_request(
     f.fetch(signed)
     assert most["peers"] == 1  # one peer at a time...
     assert max(most["p1"], most["p2"]) == 2  # ...with two requests open to it
+    assert len(log) == len(shards)
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_spread_holders_asks_the_least_used_peer_first(tmp_path, published, coordinator, spread):
+    """p1 alone holds the two rarest shards. Rarest first asks p1 for both at once; spreading asks p1 for one
+    and p2 (idle otherwise) for the rarest shard it holds."""
+    signed, origin_store, _ = published
+    shards = [s.sha256 for s in signed.manifest.shards()]
+    both_started = threading.Barrier(2, timeout=10)
+    first_two: list[tuple[str, str]] = []
+
+    class PipelinedPeer(FakePeer):
+        max_in_flight = 2
+
+        def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+            if len(first_two) < 2:
+                first_two.append((self.name, shard.sha256))
+                both_started.wait()  # both requests are out before either ends
+            return super().get(manifest, shard)
+
+    log: list[tuple[str, str]] = []
+    p1 = PipelinedPeer("p1", origin_store, set(shards), log)
+    p2 = PipelinedPeer("p2", origin_store, set(shards[2:]), log)
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [p1, p2], max_parallel=2,
+                          endgame=False, spread_holders=spread)
+    f.fetch(signed)
+    peers = sorted(name for name, _ in first_two)
+    if spread:
+        assert peers == ["p1", "p2"]
+        assert dict(first_two)["p1"] in shards[:2]  # p1's rarest shard
+    else:
+        assert peers == ["p1", "p1"] and {sha for _, sha in first_two} == set(shards[:2])
     assert len(log) == len(shards)
 
 

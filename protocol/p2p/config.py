@@ -42,13 +42,19 @@ class P2PConfig(BaseModel):
     )
     busy_retry_s: float = Field(0.25, gt=0, description="A peer that answered 'busy' is asked again after this long.")
     max_parallel_peers: int = Field(
-        4, ge=1, description="Shards downloaded from peers at once (each from a different peer): enough streams to "
-        "fill a node's download link while each holder splits its upload among max_uploads askers."
+        5, ge=1, description="Peers downloaded from at once (see requests_per_peer for the requests to each): "
+        "enough streams to fill a node's download link while each holder splits its upload among max_uploads "
+        "askers (N=8, 25 Mbit/s: 4 took 87 s, 5 took 83 s; bench/RESULTS.md)."
     )
     requests_per_peer: int = Field(
         1, ge=1, description="Shard requests one node keeps open to one peer. 2 pipelines them: the peer serves a "
         "node's requests one after another in one upload slot, so the next starts without a round trip when the "
         "current one ends. The peer counts once against max_parallel_peers."
+    )
+    spread_holders: bool = Field(
+        True, description="Choose the peer first (the free one least used by this download), then the rarest shard "
+        "it holds. False: the rarest shard first, then a free holder of it, which sends every node to the few "
+        "holders of the newest shards while other holders' uplinks idle."
     )
     endgame: bool = Field(
         True, description="Once every missing shard is in flight, ask a second holder for shards still in flight; "
@@ -69,6 +75,11 @@ class P2PConfig(BaseModel):
     )
     announce_delay_s: float = Field(
         0.1, ge=0, description="Newly stored shards are announced within this many seconds (batched)."
+    )
+    watch_peers: int = Field(
+        32, ge=0, description="Peers per checkpoint version whose new shards this peer hears of at once over a "
+        "watch stream (HAVE messages), besides their DHT records, which lag seconds behind under load. 0: the "
+        "DHT only."
     )
     poll_interval_s: float = Field(
         0.25, gt=0, description="While downloading, who-holds-what is re-read from the DHT this often."

@@ -11,16 +11,23 @@ thread of the calling process. It
   (peers that served bad bytes: never asked again, nor served) and the drop list (peers that failed or
   were too slow `max_peer_failures` times in a row: left alone for `drop_s`).
 
-`SwarmSource` plugs all this into `node.fetcher.CheckpointFetcher`: it expands into one `PeerSource` per
-holder. A holder flagged as a seed counts as one for the scheduler only if it is a bootstrap peer (the
-coordinator's seed, from RunInfo.dht_peers): nobody else can claim the deference a seed gets.
+`source()` plugs all this into `node.fetcher.CheckpointFetcher` (see `sources.py`).
 
 Wire protocol on stream `/swarmrl/shard/1`, one request per stream: an op byte, an 8-byte big-endian
-length, the payload. `G` + sha256 hex: the response is a status byte (0 ok, 1 not held, 2 refused,
-4 busy: all upload slots taken, ask again shortly) and, when ok, an 8-byte length and the shard bytes.
-`S` + manifest tag + bitfield of wanted shards: a status byte and, when ok, the 8-byte index of the shard
-the peer would rather send (seeds spread their uploads this way); status 3 means "none of these now: they
-are on their way to other peers, take them from those". Uploads pass through one token bucket
+length, the payload.
+
+- `G` + sha256 hex: the response is a status byte (0 ok, 1 not held, 2 refused, 4 busy: all upload slots
+  taken, ask again shortly) and, when ok, an 8-byte length and the shard bytes.
+- `S` + manifest tag + bitfield of wanted shards: a status byte and, when ok, the 8-byte index of the shard
+  the peer would rather send (seeds spread their uploads this way); status 3 means "none of these now: they
+  are on their way to other peers, take them from those".
+- `W` + manifest tag: a watch. The status byte, then (when ok) an 8-byte length and the peer's bitfield of
+  held shards, then a 4-byte index for every shard it stores from then on (BitTorrent's HAVE messages); the
+  peer ends the stream once it holds every shard or stops serving the version. Watches carry fresh
+  holdings: under load a DHT store took 2 s and a DHT read 1 s, so a new copy showed up in the DHT about 4 s
+  after it was stored.
+
+Uploads pass through one token bucket
 (`upload_cap_mbps`); at most `max_uploads` run at once and `upload_queue` more wait, further requests are
 answered busy (a seed runs `seed_max_uploads` at once and queues everyone else). One peer's requests are
 served one at a time in one slot: a request from a peer that already has an upload here waits behind it
@@ -36,7 +43,7 @@ import random
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hivemind.dht.node import DHTNode
@@ -60,22 +67,21 @@ from protocol.p2p.dht import (
     manifest_tag,
     parse_holders,
 )
-from protocol.shards import WAIT, BadShardBytes, ShardSource, SourceBusy
+from protocol.p2p.sources import PeerError, SwarmSource
+from protocol.shards import WAIT, BadShardBytes, SourceBusy
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/swarmrl/shard/1"
 OK, NOT_HELD, REFUSED, LATER, BUSY = b"\x00", b"\x01", b"\x02", b"\x03", b"\x04"
-OP_GET, OP_SUGGEST = b"G", b"S"
+OP_GET, OP_SUGGEST, OP_WATCH = b"G", b"S", b"W"
 MAX_REQUEST = 16 + (1 << 17)  # a manifest tag and a bitfield of up to 2**20 shards
 CHUNK = 1 << 16
-WAIT_MEMO_S = 0.3
+MAX_WATCHERS = 256  # watch streams one peer serves per version
+WATCH_RETRY_S = 5.0  # a watch that failed is tried again after this long
+LIVE_VERSIONS = 4  # checkpoint versions whose watches are kept (the newest)
 MAX_PIPELINED = 4  # requests one peer may have waiting behind its upload in progress; more are answered busy
 _HEX64 = re.compile(rb"^[0-9a-f]{64}$")
-
-
-class PeerError(Exception):
-    """A peer could not or would not deliver a shard (not held, refused, connection trouble, timeout)."""
 
 
 class TokenBucket:
@@ -108,6 +114,7 @@ class _Served:
     announced: bytes | None = None
     announced_at: float = 0.0
     retired: bool = False
+    watchers: set[asyncio.Queue[int]] = field(default_factory=set)  # open watch streams (see _serve_watch)
 
 
 @dataclass
@@ -143,6 +150,7 @@ class SwarmStats:
     peer_failures: int = 0
     announces: int = 0
     busy: int = 0  # requests answered "busy" (all upload slots taken)
+    haves: int = 0  # shards that watched peers reported holding after their watch began
     wait_s: float = 0.0  # downloads: seconds from sending a request to the holder's answer (queue, RTT, disk)
     transfer_s: float = 0.0  # downloads: seconds from the answer to the last byte
     last_upload_at: float = 0.0  # wall clock (time.time()) when the latest upload ended
@@ -170,6 +178,11 @@ class SwarmPeer:
         self._dropped_until: dict[str, float] = {}
         self._served: dict[str, _Served] = {}
         self._holders: dict[str, _Holders] = {}
+        self._live: dict[str, dict[str, set[int]]] = {}  # manifest tag -> peer id -> indices its watch reported
+        # (tag, peer id) -> when a new watch may be opened: never while one is open or after the peer ended it
+        # (it holds everything, or dropped the version); a while after a failure.
+        self._watching: dict[tuple[str, str], float] = {}
+        self._watch_tasks: set[asyncio.Task[None]] = set()
         self._addrs: dict[str, tuple[str, ...]] = {}
         self._handouts: dict[str, _Handout] = {}  # shard sha -> how this peer has handed it out
         self._lock = threading.Lock()
@@ -228,13 +241,15 @@ class SwarmPeer:
         self.close()
 
     def fetcher_options(self) -> dict[str, int | bool]:
-        """Keyword arguments for CheckpointFetcher: peer slots plus seed slots, the peers kept to theirs, and
-        whether to play the end game."""
+        """Keyword arguments for CheckpointFetcher: peer slots plus seed slots, the peers kept to theirs,
+        whether to play the end game, and how to choose peers."""
         cfg = self.config
         return {"max_parallel": cfg.max_parallel_peers * cfg.requests_per_peer + cfg.origin_parallel,
-                "max_peer_parallel": cfg.max_parallel_peers, "endgame": cfg.endgame}
+                "max_peer_parallel": cfg.max_parallel_peers, "endgame": cfg.endgame,
+                "spread_holders": cfg.spread_holders}
 
     def source(self) -> SwarmSource:
+        """This peer as a source for CheckpointFetcher: it expands into one source per holder of a version."""
         return SwarmSource(self)
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
@@ -323,6 +338,11 @@ class SwarmPeer:
                 return
             served.retired = True
             served.held = set()
+            watchers = list(served.watchers)
+            tag = manifest_tag(manifest)
+            self._live.pop(tag, None)
+            self._watching = {k: v for k, v in self._watching.items() if k[0] != tag}
+        self._tell(watchers, [-1])
         self._poke()
 
     def mark_held(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
@@ -331,8 +351,21 @@ class SwarmPeer:
             served = self._served.get(manifest_tag(manifest))
             if served is None or served.retired:
                 return
-            served.held.update(served.index.get(shard.sha256, ()))
+            new = [i for i in served.index.get(shard.sha256, ()) if i not in served.held]
+            served.held.update(new)
+            watchers = list(served.watchers)
+        self._tell(watchers, new)
         self._poke()
+
+    def _tell(self, watchers: list[asyncio.Queue[int]], indices: list[int]) -> None:
+        """Queue `indices` (or -1: the end) for the given watch streams, from any thread."""
+        if watchers and indices and self._loop is not None:
+            def put() -> None:
+                for q in watchers:
+                    for i in indices:
+                        q.put_nowait(i)
+
+            self._loop.call_soon_threadsafe(put)
 
     def _poke(self) -> None:
         if self._loop is not None and self._announce_event is not None:
@@ -412,6 +445,8 @@ class SwarmPeer:
                 writer.write(REFUSED)
             elif op == OP_GET and _HEX64.match(payload):
                 await self._send_shard(payload.decode(), writer, remote)
+            elif op == OP_WATCH and len(payload) == 16:
+                await self._serve_watch(payload.decode("ascii", "replace"), writer)
             elif op == OP_SUGGEST:
                 idx = self._suggest_for(payload)
                 if isinstance(idx, int):
@@ -498,6 +533,38 @@ class SwarmPeer:
         finally:
             if self.config.seed:
                 self._ramp_release()
+
+    async def _serve_watch(self, tag: str, writer: asyncio.StreamWriter) -> None:
+        """Stream what this peer holds of one version: its bitfield now, then each shard index as it is stored,
+        until it holds them all, stops serving the version, or the watcher goes away."""
+        q: asyncio.Queue[int] = asyncio.Queue()
+        with self._lock:
+            served = self._served.get(tag)
+            if served is None or served.retired:
+                writer.write(NOT_HELD)
+                return
+            if len(served.watchers) >= MAX_WATCHERS:
+                writer.write(BUSY)
+                return
+            served.watchers.add(q)
+            bits = make_bitfield(served.n_shards, served.held)
+            complete = len(served.held) >= served.n_shards
+        try:
+            writer.write(OK + len(bits).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bits)
+            await writer.drain()
+            while not complete:
+                batch = [await q.get()]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                if -1 in batch:
+                    return
+                writer.write(b"".join(i.to_bytes(4, "big") for i in batch))
+                await writer.drain()
+                with self._lock:
+                    complete = len(served.held) >= served.n_shards
+        finally:
+            with self._lock:
+                served.watchers.discard(q)
 
     async def _ramp_up(self) -> None:
         """A seed starts a new version with one upload at a time and adds one per upload that ends.
@@ -604,6 +671,12 @@ class SwarmPeer:
         with self._lock:
             c = self._holders.get(tag)
             recs = dict(c.records) if c is not None else {}
+            live = {p: set(v) for p, v in self._live.get(tag, {}).items() if p in recs}
+        for p, extra in live.items():  # what the peer's watch reported since its DHT record
+            r = recs[p]
+            held = r.indices()
+            if not extra <= held:
+                recs[p] = replace(r, bits=make_bitfield(r.n_shards, held | extra))
         return {p: r for p, r in recs.items() if p not in self.banned}
 
     async def _refresh(self, manifest: CheckpointManifest) -> None:
@@ -622,6 +695,57 @@ class SwarmPeer:
             self._holders[tag] = _Holders(recs, time.monotonic())
             for pid, r in recs.items():
                 self._addrs[pid] = r.addrs
+            if tag not in self._live:
+                self._live[tag] = {}
+                while len(self._live) > LIVE_VERSIONS:  # forget the oldest version's watches
+                    old = next(iter(self._live))
+                    del self._live[old]
+                    self._watching = {k: v for k, v in self._watching.items() if k[0] != old}
+            now = time.monotonic()
+            new = [p for p in recs if self._watching.get((tag, p), 0.0) <= now and p not in self.banned]
+            room = self.config.watch_peers - sum(1 for (t, _), at in self._watching.items() if t == tag and at > now)
+            new = new[: max(0, room)]
+            self._watching.update(((tag, p), float("inf")) for p in new)
+        for pid in new:
+            task = asyncio.create_task(self._watch(pid, manifest))
+            self._watch_tasks.add(task)
+            task.add_done_callback(self._watch_tasks.discard)
+
+    async def _watch(self, peer_id: str, manifest: CheckpointManifest) -> None:
+        """Follow what `peer_id` holds of `manifest` over a watch stream, into `_live` (see `holders`)."""
+        info = manifest_info(manifest)
+        tag, n = info.tag, len(info.shards)
+        try:
+            reader, writer = await self._open(peer_id)
+            try:
+                await self._request(writer, OP_WATCH, tag.encode())
+                status = await asyncio.wait_for(reader.readexactly(1), self.config.peer_timeout_s)
+                if status != OK:
+                    raise PeerError(f"watch refused ({status!r})")
+                size = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+                if size != (n + 7) // 8:
+                    return  # nonsense: not watched again (its DHT record still counts)
+                held = set(bitfield_indices(await reader.readexactly(size), n))
+                with self._lock:
+                    live = self._live.get(tag)
+                    if live is None:  # a version no longer followed
+                        return
+                    live[peer_id] = held
+                while True:
+                    i = int.from_bytes(await reader.readexactly(4), "big")
+                    if i >= n:  # nonsense: stop listening to this peer (its DHT record still counts)
+                        return
+                    with self._lock:
+                        self.stats.haves += 1
+                        held.add(i)
+            finally:
+                writer.close()
+        except asyncio.IncompleteReadError:
+            pass  # the peer ended it: it holds every shard, or no longer serves this version
+        except (PeerError, ConnectionError, TimeoutError, OSError) as e:
+            log.debug("watch of %s failed: %s", peer_id[-8:], e)
+            with self._lock:
+                self._watching[(tag, peer_id)] = time.monotonic() + WATCH_RETRY_S
 
     # -- fetching from one peer --------------------------------------------------------------------------
 
@@ -737,100 +861,3 @@ class SwarmPeer:
         self.stats.downloads += 1
         self.stats.bytes_downloaded += n
         return data
-
-
-class PeerSource(ShardSource):
-    """One peer of the swarm, as the fetcher sees it (made by SwarmSource.expand)."""
-
-    def __init__(self, peer: SwarmPeer, peer_id: str, record: HolderRecord):
-        self.peer = peer
-        self.peer_id = peer_id
-        self._wait_until = 0.0
-        self.update(record)
-
-    def update(self, record: HolderRecord) -> None:
-        self.record = record
-        self.have = record.indices()
-        self.seed = record.seed and self.peer_id in self.peer.trusted_seeds
-        self.max_in_flight = self.peer.config.origin_parallel if self.seed else self.peer.config.requests_per_peer
-        self.name = f"{'seed' if self.seed else 'peer'}:{self.peer_id[-8:]}"
-
-    @property
-    def key(self) -> str:
-        return f"peer:{self.peer_id}"
-
-    def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
-        idx = _shard_index(manifest).get(shard.sha256, ())
-        return any(i in self.have for i in idx)
-
-    def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
-        return self.peer.fetch(self.peer_id, shard)
-
-    def suggest(self, manifest: CheckpointManifest, wanted: list[ShardRef]) -> ShardRef | object | None:
-        if not self.seed:
-            return None
-        now = time.monotonic()
-        if now < self._wait_until:  # asked a moment ago and told to wait: do not ask again yet
-            return WAIT
-        answer = self.peer.suggest(self.peer_id, manifest, wanted)
-        if answer is WAIT:
-            self._wait_until = now + WAIT_MEMO_S
-        return answer
-
-    def on_success(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
-        self.peer.forgive(self.peer_id)
-
-    def on_failure(self, manifest: CheckpointManifest, shard: ShardRef, error: str, bad_bytes: bool) -> None:
-        if bad_bytes:
-            self.peer.ban(self.peer_id, f"shard {shard.sha256[:12]}: {error}")
-        else:
-            self.peer.strike(self.peer_id)
-
-
-def _shard_index(manifest: CheckpointManifest) -> dict[str, tuple[int, ...]]:
-    return manifest_info(manifest).index
-
-
-class SwarmSource(ShardSource):
-    """All peers of the swarm as one entry of CheckpointFetcher's sources (it expands into PeerSources)."""
-
-    name = "swarm"
-    seed = False
-
-    def __init__(self, peer: SwarmPeer):
-        self.peer = peer
-        self._peers: dict[str, PeerSource] = {}
-
-    def expand(self, manifest: CheckpointManifest) -> list[ShardSource]:
-        out: list[ShardSource] = []
-        for pid, rec in self.peer.holders(manifest).items():
-            if not self.peer.usable(pid):
-                continue
-            src = self._peers.get(pid)
-            if src is None:
-                src = self._peers[pid] = PeerSource(self.peer, pid, rec)
-            elif src.record != rec:
-                src.update(rec)
-            out.append(src)
-        return out
-
-    def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
-        return any(s.holds(manifest, shard) for s in self.expand(manifest))
-
-    def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
-        """Any holder's copy (for callers that do not expand sources); tries holders until one answers."""
-        errors = []
-        for src in self.expand(manifest):
-            if src.holds(manifest, shard):
-                try:
-                    return src.get(manifest, shard)
-                except Exception as e:  # noqa: BLE001
-                    errors.append(f"{src.name}: {e}")
-        raise PeerError("no peer delivered the shard: " + ("; ".join(errors) or "no holder known"))
-
-    def prepare(self, manifest: CheckpointManifest, store: ShardStore) -> None:
-        self.peer.serve(manifest, store)
-        self.peer.holders(manifest, wait=True)
-
-    def stored(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
-        self.peer.mark_held(manifest, shard)
