@@ -73,3 +73,27 @@ def test_nodes_share_a_published_checkpoint_through_the_coordinators_seed(tmp_pa
             for n in nodes:
                 if n.swarm is not None:
                     n.swarm.close()
+
+
+def test_the_trainer_cuts_checkpoints_into_shards_of_the_size_it_is_given(tmp_path):
+    from protocol.manifest import SignedManifest
+    from trainer.publisher import publish_checkpoint
+
+    coordinator = Identity.generate()
+    uploads: dict[str, bytes] = {}
+
+    class Client:
+        def upload_shard(self, sha256: str, data: bytes) -> None:
+            uploads[sha256] = data
+
+        def publish(self, manifest):  # what the coordinator does: sign what it was given
+            return SignedManifest.sign(manifest, coordinator)
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(1_000_000))
+    signed = publish_checkpoint(Client(), ckpt, "run", 3, shard_size=256 * 1024)
+    sizes = [s.size for s in signed.manifest.shards()]
+    assert signed.manifest.shard_size == 256 * 1024
+    assert sizes == [256 * 1024] * 3 + [1_000_000 - 3 * 256 * 1024]
+    assert sorted(uploads) == sorted(s.sha256 for s in signed.manifest.shards())

@@ -272,8 +272,8 @@ class _Run:
             log.warning("coordinator is at version %d, our state at %d: continuing above the coordinator's",
                         info.current_version, self.ts.version)
             self.ts.version = info.current_version
-        self.publisher = Publisher(pub_client, self.run_id, background=cfg.publish_in_background) \
-            if env.is_main else None
+        self.publisher = Publisher(pub_client, self.run_id, background=cfg.publish_in_background,
+                                   shard_size=int(cfg.shard_mb * (1 << 20))) if env.is_main else None
         self.display = StepDisplay(cfg.max_steps, self.ts.step, enabled=display and env.is_main)
 
     # -- collectives (every rank calls these) --------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from protocol.manifest import CheckpointManifest, SignedManifest, cut_checkpoint
+from protocol.manifest import DEFAULT_SHARD_SIZE, CheckpointManifest, SignedManifest, cut_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +40,15 @@ def iter_shards(ckpt_dir: str | Path, manifest: CheckpointManifest) -> Iterator[
 
 
 def publish_checkpoint(client: PublishClient, ckpt_dir: str | Path, run_id: str, version: int,
-                       uploaded: set[str] | None = None) -> SignedManifest:
-    """Cut `ckpt_dir`, upload its shards (skipping those in `uploaded`, which is updated), publish it.
+                       uploaded: set[str] | None = None, shard_size: int = DEFAULT_SHARD_SIZE) -> SignedManifest:
+    """Cut `ckpt_dir` into `shard_size`-byte shards, upload them (skipping those in `uploaded`, which is
+    updated), publish it.
 
     If the coordinator refuses the manifest (e.g. it lost shards we thought it had), uploads every shard
     again and retries once.
     """
     uploaded = uploaded if uploaded is not None else set()
-    manifest = cut_checkpoint(ckpt_dir, run_id=run_id, version=version)
+    manifest = cut_checkpoint(ckpt_dir, run_id=run_id, version=version, shard_size=shard_size)
     for attempt in range(2):
         for sha, data in iter_shards(ckpt_dir, manifest):
             if sha not in uploaded:
@@ -72,9 +73,11 @@ class PublishRecord:
 class Publisher:
     """Publishes submitted checkpoints on a background thread (or inline with `background=False`)."""
 
-    def __init__(self, client: PublishClient, run_id: str, *, background: bool = True):
+    def __init__(self, client: PublishClient, run_id: str, *, background: bool = True,
+                 shard_size: int = DEFAULT_SHARD_SIZE):
         self.client = client
         self.run_id = run_id
+        self.shard_size = shard_size
         self.background = background
         self.uploaded: set[str] = set()
         self.published_version = -1
@@ -146,7 +149,7 @@ class Publisher:
             return
         t0 = time.monotonic()
         try:
-            publish_checkpoint(self.client, ckpt_dir, self.run_id, version, self.uploaded)
+            publish_checkpoint(self.client, ckpt_dir, self.run_id, version, self.uploaded, self.shard_size)
             self.published_version = version
             self.last = PublishRecord(version, time.monotonic() - t0)
         except Exception as e:  # a failed publish must not kill training; the next version will try again
