@@ -230,7 +230,7 @@ ATTACKS: dict[str, Callable[[Pool, int], Attempt]] = {
     "made_up_completion": _node_attack(_edit(bad.made_up_completion)),
     "faked_logprobs": _node_attack(_edit(bad.faked_logprobs)),
     "temperature_1.5x": _node_attack(lambda p, i: p.node(bad.TemperatureNode, name=f"hot{i}", clever=i % 2 == 0),
-                                     tries=3),
+                                     tries=8),
     "inflated_claimed_reward": _node_attack(lambda p, i: p.node(bad.ClaimNode, name=f"claim{i}")),
     "bad_activation_proof": _node_attack(lambda p, i: p.node(bad.ProofForgerNode, name=f"proof{i}", seed=i)),
     "replayed_group": replayed_group,

@@ -72,7 +72,7 @@ class TemperatureNode(ScriptedNode):
         self.factor, self.clever = factor, clever
         self.deviated: bool | None = None
         """Whether any token differs from what the leased temperature gives: a confident model can sample the
-        very same tokens at both temperatures, and then (clever variant) this node sent an honest group."""
+        very same tokens at both temperatures, and then this node sent only honest groups."""
 
     def engine_temperature(self, leased: float) -> float:
         return leased * self.factor
@@ -80,15 +80,18 @@ class TemperatureNode(ScriptedNode):
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
         truth = Truth(self.true_checkpoint)
         T = lease.sampling.temperature
-        self.deviated = any(
+        # Only the groups in which some token differs are dishonest; one whose tokens all came out the same is
+        # an honest group, rightly accepted. So this node sends only the former (and none: honest, not judged).
+        hot = [g for g in submission.groups if any(
             replay(recompute(truth.model, [(g.prompt_ids, r.completion_ids)], pad_id=0)[0].logits,
-                   r.completion_ids, r.seed, T).mismatches > 0
-            for g in submission.groups for r in g.rollouts)
-        if not self.clever:
+                   r.completion_ids, r.seed, T).mismatches > 0 for r in g.rollouts)]
+        self.deviated = bool(hot)
+        if not hot:
             return submission
-        groups = [g.model_copy(update={"rollouts": [
-            _reannotate(r, truth, g.prompt_ids, r.completion_ids, T) for r in g.rollouts]}) for g in submission.groups]
-        return submission.model_copy(update={"groups": groups})
+        if self.clever:
+            hot = [g.model_copy(update={"rollouts": [
+                _reannotate(r, truth, g.prompt_ids, r.completion_ids, T) for r in g.rollouts]}) for g in hot]
+        return submission.model_copy(update={"groups": hot})
 
 
 Edit = Callable[[m.Rollout, list[int], Truth, random.Random, m.SamplingSpec], m.Rollout | None]
