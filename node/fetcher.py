@@ -199,9 +199,8 @@ class _Download:
         sources = self._sources()
         peers = [s for s in sources if not s.seed]
         seeds = [s for s in sources if s.seed]
-        best: tuple[tuple[int, int], ShardRef, ShardSource] | None = None
         counts: list[int] = []
-        per_peer: dict[str, tuple[tuple[int, int], ShardRef, ShardSource]] = {}
+        per_peer: dict[str, tuple[tuple[int, int], ShardRef, ShardSource]] = {}  # its rarest free shard
         peer_room = self.peer_in_flight < self.f.max_peer_parallel
         for rank, shard in enumerate(self.pending):
             failed = self.failed.get(shard.sha256, ())
@@ -213,14 +212,13 @@ class _Download:
                 b = per_peer.get(p.key)
                 if b is None or score < b[0]:
                     per_peer[p.key] = (score, shard, p)
-            if free and (best is None or score < best[0]):
-                pick = min(free, key=lambda p: (self.load.get(p.key, 0), random.random()))
-                best = (score, shard, pick)
-        if self.f.spread_holders and per_peer:  # the least-used free peer, then the rarest shard it holds
-            choice = min(per_peer.values(), key=lambda b: (self.load.get(b[2].key, 0), random.random()))
-            return choice[1], choice[2]
-        if best is not None:
-            return best[1], best[2]
+        if per_peer:
+            # Rarest first: the rarest shard, from its least-used free holder. Spread: the least-used free
+            # peer, and its rarest shard.
+            spread = self.f.spread_holders
+            _, shard, pick = min(per_peer.values(), key=lambda b: (
+                () if spread else b[0], self.load.get(b[2].key, 0), random.random()))
+            return shard, pick
         # Seeds: each shard goes to the first seed (in the order given) that has not failed it; the next
         # seed is a fallback, not extra capacity (the HTTP origin and the seed peer share one link).
         queues: dict[str, tuple[ShardSource, list[ShardRef], int]] = {}

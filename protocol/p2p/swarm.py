@@ -134,6 +134,16 @@ class _Asker:
 
 
 @dataclass
+class _Live:
+    """What a watched peer reported holding, and its DHT record merged with that (kept until either changes)."""
+
+    held: set[int]
+    merged_from: HolderRecord | None = None  # the DHT record `merged` was made from
+    merged_size: int = 0  # len(held) when it was made (held only grows)
+    merged: HolderRecord | None = None
+
+
+@dataclass
 class _Holders:
     records: dict[str, HolderRecord]
     at: float
@@ -178,7 +188,7 @@ class SwarmPeer:
         self._dropped_until: dict[str, float] = {}
         self._served: dict[str, _Served] = {}
         self._holders: dict[str, _Holders] = {}
-        self._live: dict[str, dict[str, set[int]]] = {}  # manifest tag -> peer id -> indices its watch reported
+        self._live: dict[str, dict[str, _Live]] = {}  # manifest tag -> peer id -> what its watch reported
         # (tag, peer id) -> when a new watch may be opened: never while one is open or after the peer ended it
         # (it holds everything, or dropped the version); a while after a failure.
         self._watching: dict[tuple[str, str], float] = {}
@@ -671,12 +681,16 @@ class SwarmPeer:
         with self._lock:
             c = self._holders.get(tag)
             recs = dict(c.records) if c is not None else {}
-            live = {p: set(v) for p, v in self._live.get(tag, {}).items() if p in recs}
-        for p, extra in live.items():  # what the peer's watch reported since its DHT record
-            r = recs[p]
-            held = r.indices()
-            if not extra <= held:
-                recs[p] = replace(r, bits=make_bitfield(r.n_shards, held | extra))
+            for p, live in self._live.get(tag, {}).items():  # what watched peers reported since their records
+                r = recs.get(p)
+                if r is None:
+                    continue
+                if live.merged_from is not r or live.merged_size != len(live.held):  # merged once per change
+                    held = r.indices()
+                    live.merged = r if live.held <= held else replace(
+                        r, bits=make_bitfield(r.n_shards, held | live.held))
+                    live.merged_from, live.merged_size = r, len(live.held)
+                recs[p] = live.merged  # type: ignore[assignment]
         return {p: r for p, r in recs.items() if p not in self.banned}
 
     async def _refresh(self, manifest: CheckpointManifest) -> None:
@@ -730,7 +744,7 @@ class SwarmPeer:
                     live = self._live.get(tag)
                     if live is None:  # a version no longer followed
                         return
-                    live[peer_id] = held
+                    live[peer_id] = _Live(held)
                 while True:
                     i = int.from_bytes(await reader.readexactly(4), "big")
                     if i >= n:  # nonsense: stop listening to this peer (its DHT record still counts)
