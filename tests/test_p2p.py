@@ -293,6 +293,37 @@ def test_a_watch_stream_reports_new_shards_before_the_dht_does(tmp_path, publish
         assert node.stats.haves == 0
 
 
+@pytest.mark.parametrize("interval", [0.0, 1.5])
+def test_new_shards_are_announced_at_most_once_per_interval_and_all_reach_the_dht(tmp_path, published, swarm,
+                                                                                  interval):
+    from protocol.p2p.dht import manifest_info
+
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    shards = manifest.shards()
+    store = ShardStore(tmp_path / "holder")
+    store.put(shards[0].sha256, origin_store.get(shards[0].sha256))
+    holder = swarm(announce_interval_s=interval)
+    holder.serve(manifest, store)
+    reader = swarm(holder.maddrs, watch_peers=0)
+    wait_for(lambda: holder.peer_id in reader.holders(manifest, wait=True), what="the first record")
+    first = holder.stats.announces
+    t0 = time.monotonic()
+    for s in shards[1:]:  # one shard every 0.1 s: the store of a fast download
+        store.put(s.sha256, origin_store.get(s.sha256))
+        holder.mark_held(manifest, s)
+        time.sleep(0.1)
+    during = holder.stats.announces - first
+    elapsed = time.monotonic() - t0
+    everything = set(range(len(manifest_info(manifest).shards)))
+    wait_for(lambda: reader.holders(manifest, wait=True)[holder.peer_id].indices() >= everything,
+             what="every shard in the DHT record")
+    if interval:
+        assert during <= elapsed / interval + 1
+    else:  # every change goes out (batched within announce_delay_s)
+        assert during >= len(shards) // 2
+
+
 def test_only_a_bootstrap_peer_is_believed_when_it_claims_to_be_a_seed(tmp_path, published, swarm):
     signed, origin_store, _ = published
     manifest = signed.manifest

@@ -76,13 +76,19 @@ class P2PConfig(BaseModel):
     announce_delay_s: float = Field(
         0.1, ge=0, description="Newly stored shards are announced within this many seconds (batched)."
     )
+    announce_interval_s: float = Field(
+        2.0, ge=0, description="After a version's first DHT record, newly stored shards are re-announced at "
+        "most this often. Each announcement is a signed store that every replica verifies, so this bounds a "
+        "peer's DHT load; watchers hear of every shard at once anyway (watch_peers). 0: on every change."
+    )
     watch_peers: int = Field(
         32, ge=0, description="Peers per checkpoint version whose new shards this peer hears of at once over a "
         "watch stream (HAVE messages), besides their DHT records, which lag seconds behind under load. 0: the "
         "DHT only."
     )
     poll_interval_s: float = Field(
-        0.25, gt=0, description="While downloading, who-holds-what is re-read from the DHT this often."
+        0.25, gt=0, description="While downloading, who-holds-what is re-read from the DHT this often (reading "
+        "it every 2 s while every known holder was watched slowed the start: new peers are found here)."
     )
     startup_timeout_s: float = Field(30.0, gt=0, description="Seconds allowed for the libp2p daemon and DHT to start.")
     dht_wait_timeout_s: float = Field(3.0, gt=0, description="A DHT request without a reply in this time is lost.")

@@ -158,7 +158,7 @@ class SwarmStats:
     downloads: int = 0
     bytes_downloaded: int = 0
     peer_failures: int = 0
-    announces: int = 0
+    announces: int = 0  # holder records stored in the DHT
     busy: int = 0  # requests answered "busy" (all upload slots taken)
     haves: int = 0  # shards that watched peers reported holding after their watch began
     wait_s: float = 0.0  # downloads: seconds from sending a request to the holder's answer (queue, RTT, disk)
@@ -384,24 +384,34 @@ class SwarmPeer:
     async def _announce_loop(self) -> None:
         assert self._announce_event is not None
         refresh = self.config.record_ttl_s / 3
+        wake = refresh
         while True:
             try:
-                await asyncio.wait_for(self._announce_event.wait(), timeout=refresh)
+                await asyncio.wait_for(self._announce_event.wait(), timeout=wake)
                 await asyncio.sleep(self.config.announce_delay_s)
             except TimeoutError:
                 pass
             self._announce_event.clear()
+            wake = refresh
             try:
-                await self._announce_all()
+                wake = await self._announce_all()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 (try again at the next refresh)
                 log.warning("announcing held shards failed: %s", e)
 
-    async def _announce_all(self) -> None:
+    async def _announce_all(self) -> float:
+        """Store a fresh record for every served version whose holdings changed (or whose record is due for a
+        refresh); returns the seconds until the next announcement is due, if nothing else happens.
+
+        A version's first record goes out at once; later changes wait until `announce_interval_s` after the
+        previous store, so that a peer storing shards quickly costs the DHT one signed store (verified by every
+        replica) per interval rather than one per shard. Watchers hear of every shard at once anyway.
+        """
         assert self._dht is not None and self._rsa is not None
         now = time.monotonic()
         refresh = self.config.record_ttl_s / 3
+        wake = refresh
         with self._lock:
             served = list(self._served.items())
         for tag, s in served:
@@ -416,8 +426,13 @@ class SwarmPeer:
                 bits = make_bitfield(n, s.held)
                 empty = not s.held
             if bits == s.announced and now - s.announced_at < refresh:
+                wake = min(wake, s.announced_at + refresh - now)
                 continue
             if empty and s.announced is None:
+                continue
+            due = s.announced_at + self.config.announce_interval_s
+            if s.announced is not None and not empty and now < due and now - s.announced_at < refresh:
+                wake = min(wake, due - now)  # a change, but too soon after the last store: at `due`
                 continue
             rec = HolderRecord(peer_id=self.peer_id, tag=tag, n_shards=n, bits=bits, seed=self.config.seed,
                                addrs=tuple(self.maddrs[:8]))
@@ -430,6 +445,7 @@ class SwarmPeer:
             if empty:
                 with self._lock:
                     self._served.pop(tag, None)
+        return max(0.01, wake)
 
     def _load_shard(self, sha: str) -> bytes | None:
         """The bytes of a verified shard this peer holds, or None. (Tests and the benchmark override it.)"""
