@@ -71,6 +71,7 @@ class Network:
         self.prefix = prefix
         self.switch = f"{prefix}sw"
         self.hosts: dict[str, str] = {}  # host name -> namespace
+        self.ports: dict[str, str] = {}  # host name -> its port on the switch
         self.namespaces: list[str] = []
 
     def _ns(self, name: str) -> str:
@@ -88,7 +89,7 @@ class Network:
 
     def add_host(self, name: str, ip: str) -> str:
         ns = self._ns(name)
-        port = f"p{len(self.hosts)}"
+        port = self.ports[name] = f"p{len(self.hosts)}"
         sh("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
         sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
         sh("ip", "-n", self.switch, "link", "set", port, "up")
@@ -118,13 +119,17 @@ class Network:
             out[name] = total
         return out
 
-    def tx_bytes(self, name: str, direction: str = "tx") -> int:
-        """Bytes sent so far on the host's link (its upload), or received with direction="rx"."""
-        out = sh("ip", "-n", self.hosts[name], "-j", "-s", "link", "show", "eth0", check=False).stdout
+    def link_bytes(self) -> dict[str, tuple[int, int]]:
+        """Host name -> (bytes sent, bytes received) so far on its link, read from its switch port in one
+        call for all hosts (the sampler must not take the CPU the swarm needs)."""
+        out = sh("ip", "-n", self.switch, "-j", "-s", "link", "show", check=False).stdout
         try:
-            return int(json.loads(out)[0]["stats64"][direction]["bytes"])
-        except (ValueError, LookupError):
-            return 0
+            stats = {d["ifname"]: d["stats64"] for d in json.loads(out)}
+        except (ValueError, LookupError, TypeError):
+            return {}
+        # The port receives what its host sends, and sends what its host receives.
+        return {h: (int(stats[p]["rx"]["bytes"]), int(stats[p]["tx"]["bytes"]))
+                for h, p in self.ports.items() if p in stats}
 
     def kill_processes(self) -> None:
         """End every process still inside our namespaces (our workers and their p2pd daemons), by pid."""
@@ -458,12 +463,13 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
 
         def sample_origin_link() -> None:
             while not sampling.is_set():
-                samples.append((time.time(), net.tx_bytes("origin")))
+                now, links = time.time(), net.link_bytes()
+                samples.append((now, links.get("origin", (0, 0))[0]))
                 if swarm:
-                    per = [net.tx_bytes(f"node{i}") for i in range(args.nodes)]
+                    per = [links.get(f"node{i}", (0, 0))[0] for i in range(args.nodes)]
                     per_node.append(per)
-                    rx_samples.append((time.time(), sum(net.tx_bytes(f"node{i}", "rx") for i in range(args.nodes))))
-                    node_samples.append((time.time(), sum(per)))
+                    rx_samples.append((now, sum(links.get(f"node{i}", (0, 0))[1] for i in range(args.nodes))))
+                    node_samples.append((now, sum(per)))
                 sampling.wait(0.5)
 
         sampler = threading.Thread(target=sample_origin_link, daemon=True)
