@@ -57,6 +57,11 @@ class ShardSource(ABC):
     def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
         return True
 
+    def held(self, manifest: CheckpointManifest, wanted: dict[str, ShardRef]) -> set[str]:
+        """The hashes in `wanted` (sha256 -> shard) that this source holds: `holds` for many shards at once.
+        The scheduler calls it for every pick; override it where a set operation can answer."""
+        return {sha for sha, shard in wanted.items() if self.holds(manifest, shard)}
+
     def suggest(self, manifest: CheckpointManifest, wanted: list[ShardRef]) -> ShardRef | object | None:
         """Which of `wanted` this source would rather send next (a seed spreading its uploads): one of them,
         `WAIT` (none now), or None (no opinion: the fetcher takes the rarest)."""

@@ -324,6 +324,26 @@ def test_new_shards_are_announced_at_most_once_per_interval_and_all_reach_the_dh
         assert during >= len(shards) // 2
 
 
+def test_a_peer_sources_bulk_held_agrees_with_holds_and_follows_its_record(tmp_path):
+    from types import SimpleNamespace
+
+    from protocol.p2p.config import P2PConfig
+    from protocol.p2p.dht import HolderRecord, make_bitfield, manifest_tag
+    from protocol.p2p.sources import PeerSource
+
+    ckpt, _ = make_checkpoint(tmp_path, size=20 * SHARD)
+    manifest = cut_checkpoint(ckpt, run_id="test", version=1, store=ShardStore(tmp_path / "s"), shard_size=SHARD)
+    shards = manifest.shards()
+    n, tag = len(shards), manifest_tag(manifest)
+    src = PeerSource(SimpleNamespace(trusted_seeds=set(), config=P2PConfig()), "QmPeer",  # type: ignore[arg-type]
+                     HolderRecord("QmPeer", tag, n, make_bitfield(n, {0, 3, 5})))
+    wanted = {s.sha256: s for s in shards[2:]}
+    one_by_one = {sha for sha, s in wanted.items() if src.holds(manifest, s)}
+    assert src.held(manifest, wanted) == one_by_one == {shards[3].sha256, shards[5].sha256}
+    src.update(HolderRecord("QmPeer", tag, n, make_bitfield(n, {1, 7})))
+    assert src.held(manifest, wanted) == {shards[7].sha256}
+
+
 def test_only_a_bootstrap_peer_is_believed_when_it_claims_to_be_a_seed(tmp_path, published, swarm):
     signed, origin_store, _ = published
     manifest = signed.manifest

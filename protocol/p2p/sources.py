@@ -35,6 +35,7 @@ class PeerSource(ShardSource):
     def update(self, record: HolderRecord) -> None:
         self.record = record
         self.have = record.indices()
+        self._have_shas: tuple[CheckpointManifest, frozenset[str]] | None = None  # `have` as hashes
         self.seed = record.seed and self.peer_id in self.peer.trusted_seeds
         self.max_in_flight = self.peer.config.origin_parallel if self.seed else self.peer.config.requests_per_peer
         self.name = f"{'seed' if self.seed else 'peer'}:{self.peer_id[-8:]}"
@@ -46,6 +47,12 @@ class PeerSource(ShardSource):
     def holds(self, manifest: CheckpointManifest, shard: ShardRef) -> bool:
         idx = _shard_index(manifest).get(shard.sha256, ())
         return any(i in self.have for i in idx)
+
+    def held(self, manifest: CheckpointManifest, wanted: dict[str, ShardRef]) -> set[str]:
+        if self._have_shas is None or self._have_shas[0] is not manifest:
+            shards = manifest_info(manifest).shards
+            self._have_shas = (manifest, frozenset(shards[i].sha256 for i in self.have if i < len(shards)))
+        return set(self._have_shas[1].intersection(wanted))
 
     def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
         return self.peer.fetch(self.peer_id, shard)
