@@ -165,7 +165,8 @@ def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_pa
     holders = wait_for(seen_by_c, what="c to see a and b in the DHT")
     assert holders[a.peer_id].indices() == {0, 1, 2}
     assert holders[b.peer_id].indices() == {3, 4, 5}
-    assert c.peer_id not in holders  # c holds nothing: no record announced
+    # c holds nothing yet: its record says so (others find it, and can watch it, before its first shard).
+    assert wait_for(lambda: a.holders(manifest, wait=True).get(c.peer_id), what="c's record").indices() == set()
     assert a.peer_id in wait_for(lambda: b.holders(manifest, wait=True), what="b to see a")
 
     # c tries to overwrite b's record (b's owner subkey, signed with c's key): refused by the DHT.
@@ -179,13 +180,12 @@ def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_pa
     time.sleep(0.3)
     again = a.holders(manifest, wait=True)
     assert again[b.peer_id].indices() == {3, 4, 5}
-    assert c.peer_id not in again
+    assert again[c.peer_id].indices() == set()
 
-    # A new shard is announced soon after it is stored; a shard removed from disk leaves the record.
+    # A new shard is announced soon after it is stored.
     stores["c"].put(shards[9].sha256, origin.get(shards[9].sha256))
     c.mark_held(manifest, shards[9])
-    rec = wait_for(lambda: a.holders(manifest, wait=True).get(c.peer_id), what="c's announcement")
-    assert rec.indices() == {9}
+    wait_for(lambda: a.holders(manifest, wait=True)[c.peer_id].indices() == {9}, what="c's announcement")
 
 
 def test_swarm_fetch_takes_shards_from_peers_and_seed_each_verified(tmp_path, published, coordinator, swarm):
@@ -291,6 +291,29 @@ def test_a_watch_stream_reports_new_shards_before_the_dht_does(tmp_path, publish
         time.sleep(2.0)
         assert last not in node.holders(manifest)[holder.peer_id].indices()
         assert node.stats.haves == 0
+
+
+def test_a_peer_with_nothing_yet_stays_announced_and_one_pruned_from_disk_is_forgotten(tmp_path, published, swarm):
+    from protocol.p2p.dht import manifest_tag
+
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    first = manifest.shards()[0]
+    tag = manifest_tag(manifest)
+    store = ShardStore(tmp_path / "node")
+    node = swarm(record_ttl_s=6.0, announce_interval_s=0.0)  # its record is refreshed (disk re-read) every 2 s
+    node.serve(manifest, store)  # a download begins: nothing held yet
+    reader = swarm(node.maddrs, watch_peers=0)
+    rec = wait_for(lambda: reader.holders(manifest, wait=True).get(node.peer_id), what="the empty record")
+    assert rec.indices() == set()
+    time.sleep(2.5)  # past a refresh: still nothing on disk, and still served
+    assert tag in node._served
+    store.put(first.sha256, origin_store.get(first.sha256))
+    node.mark_held(manifest, first)
+    wait_for(lambda: reader.holders(manifest, wait=True)[node.peer_id].indices() == {0}, what="the first shard")
+    store.path(first.sha256).unlink()  # pruned (keep_versions): the next refresh empties the record
+    wait_for(lambda: tag not in node._served, what="the version to be forgotten")
+    wait_for(lambda: reader.holders(manifest, wait=True)[node.peer_id].indices() == set(), what="the empty record")
 
 
 @pytest.mark.parametrize("interval", [0.0, 1.5])

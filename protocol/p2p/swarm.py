@@ -6,7 +6,8 @@ thread of the calling process. It
 - serves every shard held in the `ShardStore`s it was given (`serve`): those hold only shards whose hash
   was checked when they were stored, so a shard is served as soon as it is held and verified;
 - announces, per checkpoint version, which shards it holds in an owner-signed DHT record (see `dht.py`),
-  refreshed every third of `record_ttl_s` and within `announce_delay_s` of a new shard;
+  refreshed every third of `record_ttl_s`; the first at once (empty while it holds nothing yet), then new
+  shards at most every `announce_interval_s`;
 - reads who holds what (`holders`), fetches a shard from a given peer (`fetch`), and keeps the ban list
   (peers that served bad bytes: never asked again, nor served) and the drop list (peers that failed or
   were too slow `max_peer_failures` times in a row: left alone for `drop_s`).
@@ -111,6 +112,7 @@ class _Served:
     index: dict[str, tuple[int, ...]]  # shard sha -> its indices in manifest.shards()
     n_shards: int
     held: set[int] = field(default_factory=set)
+    ever_held: bool = False  # once true, an empty `held` means pruned from disk (not "nothing yet")
     announced: bytes | None = None
     announced_at: float = 0.0
     retired: bool = False
@@ -326,8 +328,10 @@ class SwarmPeer:
     def serve(self, manifest: CheckpointManifest, store: ShardStore) -> None:
         """Serve and announce the shards of `manifest` that are (or come to be) in `store`.
 
-        Announcing continues while any of them is in the store; once none is, the record is emptied and
-        the manifest forgotten.
+        A peer that holds none of them yet announces an empty record at once: the others find it, and open
+        their watch streams, before its first shard lands (at the start of a broadcast, discovery through
+        the DHT took seconds). Announcing continues while any of them is in the store; once none is, the
+        record is emptied and the manifest forgotten.
         """
         info = manifest_info(manifest)
         tag, index = info.tag, info.index
@@ -337,6 +341,7 @@ class SwarmPeer:
             served = _Served(manifest, store, index, len(info.shards))
             self._ramp_done = 0  # a seed ramps up again for a new version
             served.held = {i for sha, idx in index.items() if store.has(sha) for i in idx}
+            served.ever_held = bool(served.held)
             self._served[tag] = served
         self._poke()
 
@@ -363,6 +368,7 @@ class SwarmPeer:
                 return
             new = [i for i in served.index.get(shard.sha256, ()) if i not in served.held]
             served.held.update(new)
+            served.ever_held = True
             watchers = list(served.watchers)
         self._tell(watchers, new)
         self._poke()
@@ -425,10 +431,14 @@ class SwarmPeer:
             with self._lock:
                 bits = make_bitfield(n, s.held)
                 empty = not s.held
+                s.ever_held = s.ever_held or not empty
+                gone = empty and (s.retired or s.ever_held)  # retired, or pruned from disk: forget it
+            if gone and s.announced is None:
+                with self._lock:
+                    self._served.pop(tag, None)
+                continue
             if bits == s.announced and now - s.announced_at < refresh:
                 wake = min(wake, s.announced_at + refresh - now)
-                continue
-            if empty and s.announced is None:
                 continue
             due = s.announced_at + self.config.announce_interval_s
             if s.announced is not None and not empty and now < due and now - s.announced_at < refresh:
@@ -442,7 +452,7 @@ class SwarmPeer:
                 log.debug("DHT refused or lost the holder record for v%d", s.manifest.version)
             s.announced, s.announced_at = bits, now
             self.stats.announces += 1
-            if empty:
+            if gone:
                 with self._lock:
                     self._served.pop(tag, None)
         return max(0.01, wake)
