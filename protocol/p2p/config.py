@@ -33,8 +33,9 @@ class P2PConfig(BaseModel):
         None, gt=0, description="Upload rate cap for serving shards to peers, megabits per second; None: no cap."
     )
     max_uploads: int = Field(
-        3, ge=1, description="Shard uploads served at once (fewer, faster uploads let a new copy be re-shared "
-        "sooner); see upload_queue for the requests beyond."
+        5, ge=1, description="Shard uploads served at once; see upload_queue for the requests beyond. Together "
+        "with max_parallel_peers=7 (N=8, 50 Mbit/s: 41.0-41.5 s against 42.0-43.1 s with 3 and 5): more "
+        "streams per link leave fewer links idle while a holder's uploads wait on slow receivers."
     )
     upload_queue: int = Field(
         2, ge=0, description="Requests that may wait for an upload slot (so the link never idles between uploads); "
@@ -42,9 +43,9 @@ class P2PConfig(BaseModel):
     )
     busy_retry_s: float = Field(0.25, gt=0, description="A peer that answered 'busy' is asked again after this long.")
     max_parallel_peers: int = Field(
-        5, ge=1, description="Peers downloaded from at once (see requests_per_peer for the requests to each): "
+        7, ge=1, description="Peers downloaded from at once (see requests_per_peer for the requests to each): "
         "enough streams to fill a node's download link while each holder splits its upload among max_uploads "
-        "askers (N=8, 25 Mbit/s: 4 took 87 s, 5 took 83 s; bench/RESULTS.md)."
+        "askers (bench/RESULTS.md)."
     )
     requests_per_peer: int = Field(
         1, ge=1, description="Shard requests one node keeps open to one peer. 2 pipelines them: the peer serves a "
