@@ -565,7 +565,7 @@ def main() -> None:
     ap.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue of every link, in ms at its rate")
     ap.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                     help="a kernel setting for every host's namespace, e.g. net.ipv4.tcp_notsent_lowat=16384")
-    ap.add_argument("--shard-mb", type=float, default=4.0, help="shard size, MiB (protocol default: 4)")
+    ap.add_argument("--shard-mb", type=float, default=2.0, help="shard size, MiB (protocol default: 2)")
     ap.add_argument("--malicious", type=int, default=1, help="peers serving corrupted shards in the swarm run")
     ap.add_argument("--p2p", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a P2PConfig field on the nodes, e.g. --p2p max_parallel_peers=4 (repeatable)")

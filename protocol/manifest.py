@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from protocol.identity import Identity, verify_signature
 from protocol.signing import canonical_json
 
-DEFAULT_SHARD_SIZE = 4 * 1024 * 1024
+DEFAULT_SHARD_SIZE = 2 * 1024 * 1024  # see trainer.config.TrainerConfig.shard_mb
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -77,9 +77,10 @@ class TrainerConfig(BaseModel):
     long_poll_s: float = Field(2.0, ge=0, le=10, description="Ask the coordinator to hold a poll that finds no new "
                                "group this long until one is accepted, so a step starts as soon as its batch is in.")
     shard_mb: float = Field(
-        4.0, gt=0, description="Size of the content-addressed shards that checkpoints are cut into for nodes to "
-        "exchange, MiB. About a third of a second of a node's link works well: a node shares a shard only once "
-        "it holds all of it (4 MiB at 100 Mbit/s; at 25 Mbit/s, 1 MiB took N=8 nodes 83 s against 95 s).",
+        2.0, gt=0, description="Size of the content-addressed shards that checkpoints are cut into for nodes to "
+        "exchange, MiB. A node shares a shard only once it holds all of it, so smaller shards spread sooner, "
+        "while each costs some CPU (bench/RESULTS.md, N=8 nodes on 2 cores: at 100 Mbit/s 2 MiB took 22 s, "
+        "4 MiB 24.5 s and 1 MiB 23 s with the CPU full; at 25 Mbit/s 1 MiB took 83 s, 4 MiB 95 s).",
     )
     publish_in_background: bool = Field(
         True, description="Upload and publish checkpoints on a background thread while training goes on."
