@@ -316,6 +316,30 @@ def test_a_peer_with_nothing_yet_stays_announced_and_one_pruned_from_disk_is_for
     wait_for(lambda: reader.holders(manifest, wait=True)[node.peer_id].indices() == set(), what="the empty record")
 
 
+def test_the_dht_is_read_less_often_while_every_known_holder_is_watched(tmp_path, published, swarm):
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    store = ShardStore(tmp_path / "holder")
+    store.put(manifest.shards()[0].sha256, origin_store.get(manifest.shards()[0].sha256))
+    holder = swarm()
+    holder.serve(manifest, store)
+    reads = {}
+    for watch in (0, 32):
+        node = swarm(holder.maddrs, poll_interval_s=0.05, watch_peers=watch)
+        wait_for(lambda node=node: holder.peer_id in node.holders(manifest, wait=True), what="the record")
+        if watch:
+            wait_for(lambda node=node: node._live.get(next(iter(node._live)), {}), what="the watch")
+        before = node.stats.dht_reads
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:
+            node.holders(manifest)
+            time.sleep(0.02)
+        reads[watch] = node.stats.dht_reads - before
+    # Unwatched: a read every poll interval (about 30 in 2 s). Watched: the interval doubles up to 0.4 s.
+    assert reads[0] >= 15
+    assert reads[32] <= 10
+
+
 @pytest.mark.parametrize("interval", [0.0, 1.5])
 def test_new_shards_are_announced_at_most_once_per_interval_and_all_reach_the_dht(tmp_path, published, swarm,
                                                                                   interval):

@@ -149,6 +149,7 @@ class _Live:
 class _Holders:
     records: dict[str, HolderRecord]
     at: float
+    every: float  # re-read the DHT after this many seconds (see _refresh)
     refreshing: bool = False
 
 
@@ -161,6 +162,7 @@ class SwarmStats:
     bytes_downloaded: int = 0
     peer_failures: int = 0
     announces: int = 0  # holder records stored in the DHT
+    dht_reads: int = 0  # holder records read from the DHT
     busy: int = 0  # requests answered "busy" (all upload slots taken)
     haves: int = 0  # shards that watched peers reported holding after their watch began
     wait_s: float = 0.0  # downloads: seconds from sending a request to the holder's answer (queue, RTT, disk)
@@ -687,13 +689,14 @@ class SwarmPeer:
     def holders(self, manifest: CheckpointManifest, wait: bool = False) -> dict[str, HolderRecord]:
         """Peer id -> what it holds of `manifest`, per the DHT (not this peer; banned peers excluded).
 
-        Cached for `poll_interval_s`; a stale cache is refreshed in the background, a missing one
-        synchronously (or whenever `wait`).
+        Cached for `poll_interval_s`, or up to 8 times that while the DHT shows no new peer and every known
+        holder is watched (their watch streams carry what they store); a stale cache is refreshed in the
+        background, a missing one synchronously (or whenever `wait`).
         """
         tag = manifest_tag(manifest)
         with self._lock:
             c = self._holders.get(tag)
-            stale = c is None or time.monotonic() - c.at > self.config.poll_interval_s
+            stale = c is None or time.monotonic() - c.at > c.every
             start = stale and (c is None or not c.refreshing)
             if c is not None and start:
                 c.refreshing = True
@@ -722,6 +725,7 @@ class SwarmPeer:
     async def _refresh(self, manifest: CheckpointManifest) -> None:
         assert self._dht is not None
         tag = manifest_tag(manifest)
+        self.stats.dht_reads += 1
         try:
             raw = await self._dht.get(holders_key(self.run_id, manifest.version), latest=True)
             recs = parse_holders(raw, manifest)
@@ -729,10 +733,17 @@ class SwarmPeer:
         except Exception:
             with self._lock:  # keep what was known; retry after poll_interval_s, never block on it again
                 c = self._holders.get(tag)
-                self._holders[tag] = _Holders(c.records if c is not None else {}, time.monotonic())
+                self._holders[tag] = _Holders(c.records if c is not None else {}, time.monotonic(),
+                                              self.config.poll_interval_s)
             raise
         with self._lock:
-            self._holders[tag] = _Holders(recs, time.monotonic())
+            # Nothing new and every holder watched: the DHT can only tell of peers that join later, so it is
+            # read less often (down to every 8 poll intervals); any new peer brings the pace back.
+            poll = self.config.poll_interval_s
+            c = self._holders.get(tag)
+            live = self._live.get(tag, {})
+            quiet = c is not None and recs.keys() <= c.records.keys() and all(p in live for p in recs)
+            self._holders[tag] = _Holders(recs, time.monotonic(), min(c.every * 2, poll * 8) if quiet else poll)
             for pid, r in recs.items():
                 self._addrs[pid] = r.addrs
             if tag not in self._live:
@@ -786,6 +797,7 @@ class SwarmPeer:
             log.debug("watch of %s failed: %s", peer_id[-8:], e)
             with self._lock:
                 self._watching[(tag, peer_id)] = time.monotonic() + WATCH_RETRY_S
+                self._live.get(tag, {}).pop(peer_id, None)  # no longer watched: the DHT speaks for it again
 
     # -- fetching from one peer --------------------------------------------------------------------------
 
