@@ -258,7 +258,7 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
     assert f.store.get(bad_sha) == origin_store.get(bad_sha)
     assert liar.peer_id not in node.holders(manifest)
     # The banned peer is refused service by the node from now on.
-    from protocol.p2p.swarm import PeerError
+    from protocol.p2p.sources import PeerError
 
     with pytest.raises(PeerError, match="refused"):
         liar.fetch(node.peer_id, manifest.shards()[0])
@@ -281,7 +281,7 @@ def test_a_watch_stream_reports_new_shards_before_the_dht_does(tmp_path, publish
     last = manifest_info(manifest).index[shards[-1].sha256][0]
     assert last not in node.holders(manifest)[holder.peer_id].indices()
     if watch_peers:  # the node's watch is open at the holder (so the shard below comes as a HAVE message)
-        wait_for(lambda: any(s.watchers for s in holder._served.values()), what="the node's watch")
+        wait_for(lambda: any(s.watchers for s in holder.server.served.values()), what="the node's watch")
     store.put(shards[-1].sha256, origin_store.get(shards[-1].sha256))
     holder.mark_held(manifest, shards[-1])
     if watch_peers:
@@ -307,12 +307,12 @@ def test_a_peer_with_nothing_yet_stays_announced_and_one_pruned_from_disk_is_for
     rec = wait_for(lambda: reader.holders(manifest, wait=True).get(node.peer_id), what="the empty record")
     assert rec.indices() == set()
     time.sleep(2.5)  # past a refresh: still nothing on disk, and still served
-    assert tag in node._served
+    assert tag in node.server.served
     store.put(first.sha256, origin_store.get(first.sha256))
     node.mark_held(manifest, first)
     wait_for(lambda: reader.holders(manifest, wait=True)[node.peer_id].indices() == {0}, what="the first shard")
     store.path(first.sha256).unlink()  # pruned (keep_versions): the next refresh empties the record
-    wait_for(lambda: tag not in node._served, what="the version to be forgotten")
+    wait_for(lambda: tag not in node.server.served, what="the version to be forgotten")
     wait_for(lambda: reader.holders(manifest, wait=True)[node.peer_id].indices() == set(), what="the empty record")
 
 
@@ -458,11 +458,11 @@ def test_a_pipelined_request_waits_in_its_askers_upload_slot_not_in_the_queue(tm
     assert holder.stats.uploads == 2 and holder.stats.busy == 1
     # The asker's last request ended, so its slot is free again.
     assert b.fetch(holder.peer_id, shards[2]) == origin_store.get(shards[2].sha256)
-    assert not holder._askers
+    assert not holder.server.askers
 
 
 def test_upload_cap_token_bucket_paces_bytes():
-    from protocol.p2p.swarm import TokenBucket
+    from protocol.p2p.serving import TokenBucket
 
     now = [0.0]
 
@@ -481,27 +481,28 @@ def test_upload_cap_token_bucket_paces_bytes():
 def test_seed_suggestions_hand_every_shard_out_once_before_any_twice(published):
     from protocol.p2p.config import P2PConfig
     from protocol.p2p.dht import make_bitfield, manifest_tag
-    from protocol.p2p.swarm import LATER, SwarmPeer
+    from protocol.p2p.serving import LATER, ShardServer
+    from protocol.p2p.swarm import SwarmStats
 
     signed, origin_store, _ = published
     manifest = signed.manifest
     n = len(manifest.shards())
-    seed = SwarmPeer(P2PConfig(seed=True, seed_grace_s=60), "test")  # not started: only its bookkeeping
+    seed = ShardServer(P2PConfig(seed=True, seed_grace_s=60), SwarmStats(), set(), lambda: None)  # not started
     seed.serve(manifest, origin_store)
     want_all = manifest_tag(manifest).encode() + make_bitfield(n, range(n))
     want_one = manifest_tag(manifest).encode() + make_bitfield(n, [3])
-    assert seed._suggest_for(want_one) == 3
-    assert seed._suggest_for(want_one) == LATER  # handed out once; others have never-handed shards to get
-    picks = [seed._suggest_for(want_all) for _ in range(n - 1)]
+    assert seed.suggest_for(want_one) == 3
+    assert seed.suggest_for(want_one) == LATER  # handed out once; others have never-handed shards to get
+    picks = [seed.suggest_for(want_all) for _ in range(n - 1)]
     assert sorted(picks) == [i for i in range(n) if i != 3]  # n - 1 askers, n - 1 different shards
-    seed._serving = seed.config.seed_max_uploads  # the seed's link is full
-    assert seed._suggest_for(want_all) == LATER  # all handed out, all still on their way: take them from peers
-    seed._handouts[manifest.shards()[5].sha256].quiet_at = 0.0  # shard 5's copy landed long ago
-    assert seed._suggest_for(want_all) == 5  # now the seed may help with a second copy
-    seed._serving = seed.config.seed_max_uploads - 1  # room on the seed's link: rather a copy still on its way
-    second = seed._suggest_for(want_all)  # than idling; the least handed out first (shard 5 has two now)
+    seed.serving = seed.config.seed_max_uploads  # the seed's link is full
+    assert seed.suggest_for(want_all) == LATER  # all handed out, all still on their way: take them from peers
+    seed.handouts[manifest.shards()[5].sha256].quiet_at = 0.0  # shard 5's copy landed long ago
+    assert seed.suggest_for(want_all) == 5  # now the seed may help with a second copy
+    seed.serving = seed.config.seed_max_uploads - 1  # room on the seed's link: rather a copy still on its way
+    second = seed.suggest_for(want_all)  # than idling; the least handed out first (shard 5 has two now)
     assert isinstance(second, int) and second != 5
-    assert seed._suggest_for(b"0" * 16 + make_bitfield(n, [3])) is None  # unknown manifest: no opinion
+    assert seed.suggest_for(b"0" * 16 + make_bitfield(n, [3])) is None  # unknown manifest: no opinion
 
 
 # -- the fetcher's scheduling, resume and manifest checks (no network) -----------------------------------
