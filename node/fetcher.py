@@ -18,6 +18,7 @@ order given.
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 import threading
@@ -36,6 +37,8 @@ from protocol.manifest import (
     assemble_checkpoint,
 )
 from protocol.shards import WAIT, BadShardBytes, ShardSource, SourceBusy
+
+log = logging.getLogger(__name__)
 
 
 class HttpOrigin(ShardSource):
@@ -345,6 +348,8 @@ class _Download:
             for top in f.sources:
                 top.stored(self.manifest, shard)
             return True
+        log.log(logging.WARNING if bad else logging.INFO, "shard %s from %s failed: %s", shard.sha256[:12],
+                source.name, error)
         with self.cond:
             self.failed.setdefault(shard.sha256, set()).add(source.key)
             self.errors.setdefault(shard.sha256, []).append(f"{source.name}: {error}")
