@@ -315,6 +315,18 @@ def test_a_peer_with_nothing_yet_stays_announced_and_one_pruned_from_disk_is_for
     wait_for(lambda: tag not in node.server.served, what="the version to be forgotten")
     wait_for(lambda: reader.holders(manifest, wait=True)[node.peer_id].indices() == set(), what="the empty record")
 
+    # A version the node never got a shard of is forgotten once a newer one is served (no record kept alive).
+    ckpt2, _ = make_checkpoint(tmp_path, version=2)
+    v2 = cut_checkpoint(ckpt2, run_id="test", version=2, store=ShardStore(tmp_path / "o2"), shard_size=SHARD)
+    ckpt3, _ = make_checkpoint(tmp_path, version=3)
+    v3 = cut_checkpoint(ckpt3, run_id="test", version=3, store=ShardStore(tmp_path / "o3"), shard_size=SHARD)
+    node.serve(v2, store)
+    wait_for(lambda: node.server.served.get(manifest_tag(v2)) and node.server.served[manifest_tag(v2)].announced,
+             what="v2's empty record")
+    node.serve(v3, store)
+    wait_for(lambda: manifest_tag(v2) not in node.server.served, what="v2 to be forgotten")
+    assert manifest_tag(v3) in node.server.served
+
 
 def test_the_dht_is_read_less_often_while_every_known_holder_is_watched(tmp_path, published, swarm):
     signed, origin_store, _ = published

@@ -307,6 +307,7 @@ class SwarmPeer:
         wake = refresh
         with self.server.lock:
             served = list(self.server.served.items())
+        newest = max((v.manifest.version for _, v in served), default=0)
         for tag, s in served:
             if now - s.announced_at > refresh and not s.retired:  # also notices shards pruned from disk
                 held = await asyncio.get_running_loop().run_in_executor(
@@ -319,7 +320,8 @@ class SwarmPeer:
                 bits = make_bitfield(n, s.held)
                 empty = not s.held
                 s.ever_held = s.ever_held or not empty
-                gone = empty and (s.retired or s.ever_held)  # retired, or pruned from disk: forget it
+                # Retired, pruned from disk, or never got a shard before a newer version came: forget it.
+                gone = empty and (s.retired or s.ever_held or s.manifest.version < newest)
             if gone and s.announced is None:
                 with self.server.lock:
                     self.server.served.pop(tag, None)
