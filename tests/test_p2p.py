@@ -363,6 +363,26 @@ def test_a_holder_keeps_the_stream_open_until_the_asker_has_read_everything_and_
     assert after == b"still open"
 
 
+def test_a_watcher_closes_its_watch_once_the_peer_holds_everything(tmp_path, published, swarm):
+    signed, origin_store, _ = published
+    manifest = signed.manifest
+    shards = manifest.shards()
+    store = ShardStore(tmp_path / "holder")
+    for s in shards[:-1]:
+        store.put(s.sha256, origin_store.get(s.sha256))
+    holder = swarm()
+    holder.serve(manifest, store)
+    node = swarm(holder.maddrs)
+    wait_for(lambda: holder.peer_id in node.holders(manifest, wait=True), what="the holder's record")
+    wait_for(lambda: any(v.watchers for v in holder.server.served.values()), what="the watch")
+    store.put(shards[-1].sha256, origin_store.get(shards[-1].sha256))
+    holder.mark_held(manifest, shards[-1])
+    # The last HAVE completes the holder's bitfield: the watcher ends the stream at once (the holder closes
+    # only after it, so waiting for the holder would take its 10 s linger).
+    wait_for(lambda: not node._watch_tasks, timeout=5.0, what="the watch to end")
+    assert node.stats.haves >= 1
+
+
 def test_the_dht_is_read_less_often_while_every_known_holder_is_watched(tmp_path, published, swarm):
     signed, origin_store, _ = published
     manifest = signed.manifest

@@ -444,7 +444,8 @@ class SwarmPeer:
                     if live is None:  # a version no longer followed
                         return
                     live[peer_id] = _Live(held)
-                while True:
+                while len(held) < n:  # once the peer holds everything there is no more news: close (the
+                    # peer closes its side only after this one, see ShardServer.handle)
                     i = int.from_bytes(await reader.readexactly(4), "big")
                     if i >= n:  # nonsense: stop listening to this peer (its DHT record still counts)
                         return
