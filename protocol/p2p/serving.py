@@ -148,13 +148,8 @@ class ShardServer:
             self._bucket = TokenBucket(cfg.upload_cap_mbps * 1e6 / 8)
 
     def serve(self, manifest: CheckpointManifest, store: ShardStore) -> None:
-        """Serve and announce the shards of `manifest` that are (or come to be) in `store`.
-
-        A peer that holds none of them yet announces an empty record at once: the others find it, and open
-        their watch streams, before its first shard lands (at the start of a broadcast, discovery through
-        the DHT took seconds). Announcing continues while any of them is in the store; once none is, the
-        record is emptied and the manifest forgotten.
-        """
+        """Serve the shards of `manifest` that are (or come to be) in `store`; `on_change` tells the owner,
+        which announces them (see SwarmPeer.serve)."""
         info = manifest_info(manifest)
         tag, index = info.tag, info.index
         with self.lock:
@@ -168,7 +163,7 @@ class ShardServer:
         self.on_change()
 
     def retire(self, manifest: CheckpointManifest) -> None:
-        """Stop serving `manifest`: its record is emptied now (rather than when its shards leave the disk)."""
+        """Stop serving `manifest`: its watch streams end, and `on_change` has the owner empty its record."""
         with self.lock:
             served = self.served.get(manifest_tag(manifest))
             if served is None:
@@ -180,7 +175,8 @@ class ShardServer:
         self.on_change()
 
     def mark_held(self, manifest: CheckpointManifest, shard: ShardRef) -> None:
-        """`shard` of `manifest` has just been verified and stored: announce it soon."""
+        """`shard` of `manifest` has just been verified and stored: its watchers hear of it now, and
+        `on_change` has the owner announce it."""
         with self.lock:
             served = self.served.get(manifest_tag(manifest))
             if served is None or served.retired:
