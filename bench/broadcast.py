@@ -501,6 +501,8 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             "shards_by_source": by_source,
             "half_s": round(sum(d["t_half"] - t_go for d in done.values()) / len(done), 2),
             "last_shard_s": round(max(d["t_last_shard"] - t_go for d in done.values()), 2),
+            # per node: seconds from its last shard stored to the checkpoint assembled and checked
+            "tail_s": sorted(round(d["t_done"] - d["t_last_shard"], 2) for d in done.values()),
             "origin_link": origin_link_summary(samples, t_go, args.rate_mbit),
             "node_uplinks": origin_link_summary(node_samples, t_go, args.rate_mbit * args.nodes) if swarm else {},
             "node_downlinks": origin_link_summary(rx_samples, t_go, args.rate_mbit * args.nodes) if swarm else {},

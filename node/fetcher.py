@@ -1,4 +1,4 @@
-"""Fetching signed checkpoints: manifest first, then every shard hash-checked, then the files assembled.
+"""Fetching signed checkpoints: manifest first, then every shard hash-checked and written into its files.
 
 Nothing is loaded before the manifest's signature has been checked against the coordinator's pinned key
 and found newer than what the node holds. Shards come from `ShardSource`s; a source that returns bytes
@@ -29,12 +29,12 @@ from pathlib import Path
 
 from protocol.client import CoordinatorClient
 from protocol.manifest import (
+    CheckpointAssembly,
     CheckpointManifest,
     ManifestError,
     ShardRef,
     ShardStore,
     SignedManifest,
-    assemble_checkpoint,
 )
 from protocol.shards import WAIT, BadShardBytes, ShardSource, SourceBusy
 
@@ -112,22 +112,44 @@ class CheckpointFetcher:
         return signed.verify(self.coordinator_key, newer_than=held_version)
 
     def fetch(self, signed: SignedManifest, held_version: int = -1) -> tuple[CheckpointManifest, Path]:
-        """Verify `signed`, fetch its missing shards, assemble and check every file. Returns its directory."""
+        """Verify `signed`, fetch its missing shards into the store and, as each arrives, into the checkpoint's
+        files (CheckpointAssembly). Returns the checkpoint's directory."""
         manifest = self.accept_manifest(signed, held_version)
         out = self.version_dir(manifest.version)
         if not out.exists():
-            for source in self.sources:
-                source.prepare(manifest, self.store)
-            missing = self.store.missing(manifest)
-            self.stats.shards_reused += len(manifest.shards()) - len(missing)
-            if missing:
-                _Download(self, manifest, missing).run()
-            assemble_checkpoint(manifest, self.store.get, out, shards_verified=True)
+            assembly = CheckpointAssembly(manifest, out)  # shards go into the files as they arrive
+            try:
+                missing = self._reuse(manifest, assembly)
+                for source in self.sources:
+                    source.prepare(manifest, self.store)
+                if missing:
+                    _Download(self, manifest, missing, assembly).run()
+                assembly.finish()
+            except BaseException:
+                assembly.abort()
+                raise
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "manifests" / f"{manifest.version:08d}.json").write_text(signed.model_dump_json())
         self._manifests[manifest.version] = manifest
         self._prune()
         return manifest, out
+
+    def _reuse(self, manifest: CheckpointManifest, assembly: CheckpointAssembly) -> list[ShardRef]:
+        """Write the shards already on disk (a resumed download, or shards shared with an older version) into
+        `assembly`, checking their hashes again; returns the shards to fetch. A damaged one is deleted and
+        fetched again, before anything is served from the store."""
+        missing = []
+        for ref in manifest.shards():
+            if self.store.has(ref.sha256):
+                try:
+                    assembly.write(ref.sha256, self.store.get(ref.sha256))
+                    self.stats.shards_reused += 1
+                    continue
+                except (ManifestError, OSError) as e:
+                    log.warning("stored shard %s is damaged (%s); fetching it again", ref.sha256[:12], e)
+                    self.store.path(ref.sha256).unlink(missing_ok=True)
+            missing.append(ref)
+        return missing
 
     def _prune(self) -> None:
         versions = sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
@@ -148,9 +170,11 @@ class CheckpointFetcher:
 class _Download:
     """The missing shards of one manifest, fetched by `max_parallel` worker threads."""
 
-    def __init__(self, fetcher: CheckpointFetcher, manifest: CheckpointManifest, missing: list[ShardRef]):
+    def __init__(self, fetcher: CheckpointFetcher, manifest: CheckpointManifest, missing: list[ShardRef],
+                 assembly: CheckpointAssembly):
         self.f = fetcher
         self.manifest = manifest
+        self.assembly = assembly
         # Rotation: every fetch starts at its own random place in the shard list (see the module docstring).
         k = random.randrange(len(missing)) if fetcher.max_parallel > 1 else 0
         order = missing[k:] + missing[:k]
@@ -326,6 +350,7 @@ class _Download:
             if len(data) != shard.size:
                 raise BadShardBytes(f"{len(data)} bytes instead of {shard.size}")
             f.store.put(shard.sha256, data)  # checks the hash before anything is written
+            self.assembly.write(shard.sha256, data, verified=True)  # before `remaining` says it is in
         except SourceBusy as e:
             with self.cond:
                 self.busy_until[source.key] = time.monotonic() + e.retry_after_s

@@ -3,8 +3,8 @@
 A checkpoint is a directory in Hugging Face layout (safetensors weights, config, tokenizer files). It is
 cut into fixed-size shards named by their sha256; the manifest lists every file with its own hash and
 its shards, plus the policy version, and is signed by the coordinator's key. A receiver trusts nothing
-but that signature: it checks every shard's hash before storing or serving it, and every file's hash
-after assembling it.
+but that signature: it checks every shard's hash before storing, serving or assembling it, and a file is
+the concatenation of its checked shards (CheckpointAssembly).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
@@ -192,42 +194,101 @@ def cut_checkpoint(
     )
 
 
-def assemble_checkpoint(
-    manifest: CheckpointManifest, get_shard: Callable[[str], bytes], out_dir: str | Path, *,
-    shards_verified: bool = False,
-) -> Path:
-    """Write the checkpoint's files into `out_dir` from verified shards, checking every file's hash.
+class CheckpointAssembly:
+    """A checkpoint's files, written shard by shard in any order, and moved to `out_dir` once all are in.
 
-    `get_shard`'s bytes are hash-checked again unless `shards_verified` says they come from a `ShardStore`,
-    whose `put` refused any bytes that did not match their name; every file's own hash is checked either way,
-    so a store damaged on disk is still caught.
+    A fetcher writes each shard the moment it has verified it, so the files are complete when the last shard
+    arrives, instead of being copied and hashed in a second pass over the whole checkpoint after it (under
+    load, that pass took longer than the last tenth of the download). `write` checks the bytes against the
+    shard's hash unless the caller has just checked them (`verified`, e.g. straight after `ShardStore.put`).
+    A file is the concatenation of its shards, and the manifest's sizes are checked to add up, so once every
+    shard has been written and checked, every file is right by construction: the manifest's file hashes are
+    not hashed again.
 
-    Files are assembled in a temporary sibling directory and moved into place only when all of them
-    match, so `out_dir` either holds the whole verified checkpoint or does not exist.
+    The files are written in a temporary sibling of `out_dir` and moved into place by `finish`, so `out_dir`
+    either holds the whole checkpoint or does not exist. `write` may be called from several threads at once.
+    One assembly per `out_dir` at a time: a new one removes what an interrupted one left behind.
     """
+
+    def __init__(self, manifest: CheckpointManifest, out_dir: str | Path):
+        self.manifest = manifest
+        self.out = Path(out_dir)
+        self.places: dict[str, list[tuple[int, int]]] = {}  # shard sha -> (file number, offset) of each copy
+        self.sizes: dict[str, int] = {}
+        if len({entry.path for entry in manifest.files}) != len(manifest.files):
+            raise ManifestError("the manifest lists a file twice")
+        for n, entry in enumerate(manifest.files):
+            offset = 0
+            for ref in entry.shards:
+                self.places.setdefault(ref.sha256, []).append((n, offset))
+                self.sizes[ref.sha256] = ref.size
+                offset += ref.size
+            if offset != entry.size:
+                raise ManifestError(f"{entry.path}: its shards add up to {offset} bytes, not {entry.size}")
+        self.missing = set(self.places)
+        self._lock = threading.Lock()
+        self._fds: list[int] = []
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in self.out.parent.glob(f".{self.out.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}-"))
+        try:
+            for entry in manifest.files:
+                dest = self.tmp / entry.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fds.append(fd)
+                os.ftruncate(fd, entry.size)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, sha256: str, data: bytes, *, verified: bool = False) -> None:
+        """Write the shard into every place it has; ManifestError if it is no shard of the manifest or its
+        bytes do not match. A shard written before is ignored."""
+        if sha256 not in self.places:
+            raise ManifestError(f"shard {sha256[:12]} is not in the manifest")
+        if sha256 not in self.missing:
+            return
+        if len(data) != self.sizes[sha256] or (not verified and sha256_bytes(data) != sha256):
+            raise ManifestError(f"shard {sha256[:12]} is corrupt")
+        for n, offset in self.places[sha256]:
+            os.pwrite(self._fds[n], data, offset)
+        with self._lock:
+            self.missing.discard(sha256)
+
+    def finish(self) -> Path:
+        """Move the complete checkpoint into `out_dir` and return it; ManifestError if shards are missing."""
+        if self.missing:
+            raise ManifestError(f"{len(self.missing)} shards were never written")
+        self._close()
+        if self.out.exists():  # assembled meanwhile by someone else: theirs stands
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        """Remove the partial files."""
+        self._close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _close(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+
+
+def assemble_checkpoint(manifest: CheckpointManifest, get_shard: Callable[[str], bytes], out_dir: str | Path) -> Path:
+    """Write the checkpoint's files into `out_dir` from `get_shard`, checking every shard's hash (which catches
+    a store damaged on disk too). See CheckpointAssembly; an `out_dir` that exists is returned as it is."""
     out = Path(out_dir)
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    assembly = CheckpointAssembly(manifest, out)
     try:
-        for entry in manifest.files:
-            dest = tmp / entry.path
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            h = hashlib.sha256()
-            with open(dest, "wb") as f:
-                for ref in entry.shards:
-                    data = get_shard(ref.sha256)
-                    if len(data) != ref.size or (not shards_verified and sha256_bytes(data) != ref.sha256):
-                        raise ManifestError(f"shard {ref.sha256[:12]} of {entry.path} is corrupt")
-                    h.update(data)
-                    f.write(data)
-            if h.hexdigest() != entry.sha256:
-                raise ManifestError(f"file {entry.path} does not match its hash")
-        os.replace(tmp, out)
+        for ref in manifest.shards():
+            assembly.write(ref.sha256, get_shard(ref.sha256))
+        return assembly.finish()
     except BaseException:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+        assembly.abort()
         raise
-    return out

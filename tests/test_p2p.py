@@ -753,12 +753,20 @@ def test_resume_after_a_killed_download(tmp_path, published, coordinator):
     assert 3 <= len(held) < n and not any(p.name.startswith(".part-") for p in store.root.glob("??/*"))
     assert not (root / "v00000001").exists()
 
+    assert list(root.glob(".v00000001-*")), "the killed fetch had begun writing the checkpoint's files"
+    # One of the shards on disk has been damaged since: it is fetched again, not written into the files.
+    damaged = sorted(held)[0]
+    path = store.path(damaged)
+    path.write_bytes(b"x" + path.read_bytes()[1:])
+
     origin = StoreSource(origin_store)
     f = CheckpointFetcher(root, coordinator.public_key_hex, [origin])
     _, out = f.fetch(signed)
     assert (out / "model.safetensors").read_bytes() == weights
-    assert f.stats.shards_reused == len(held)
-    assert set(origin.calls) == {s.sha256 for s in signed.manifest.shards()} - held  # only the missing ones
+    assert f.stats.shards_reused == len(held) - 1
+    # only the missing ones, and the damaged one
+    assert set(origin.calls) == {s.sha256 for s in signed.manifest.shards()} - held | {damaged}
+    assert not list(root.glob(".v*")), "what the killed fetch left behind is gone"
 
 
 def test_manifest_signature_failures_are_refused_before_anything_is_fetched(tmp_path, published, coordinator):

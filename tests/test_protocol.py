@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import threading
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from protocol.config import deep_update, dump_toml, load_config
 from protocol.identity import Identity, IdentityError, node_id_from_public_key
 from protocol.manifest import (
+    CheckpointAssembly,
     CheckpointManifest,
     ManifestError,
     ShardStore,
@@ -126,12 +128,46 @@ def test_corrupt_shard_is_refused_everywhere(tmp_path):
 
     with pytest.raises(ManifestError, match="corrupt"):
         assemble_checkpoint(m, lying_get, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out-*"))
+    assert assemble_checkpoint(m, store.get, tmp_path / "out").exists()
+
+
+def test_assembly_takes_shards_in_any_order_from_many_threads(tmp_path):
+    d = _checkpoint(tmp_path)
+    store = ShardStore(tmp_path / "store")
+    m = cut_checkpoint(d, run_id="r", version=1, store=store, shard_size=1024)
+    refs = m.shards()
+    random.Random(0).shuffle(refs)
+    assembly = CheckpointAssembly(m, tmp_path / "out")
+    for ref in refs[:-1]:
+        assembly.write(ref.sha256, store.get(ref.sha256), verified=True)
+    with pytest.raises(ManifestError, match="1 shards were never written"):
+        assembly.finish()
     assert not (tmp_path / "out").exists()
-    # Trusting the store skips the per-shard hashes, not the file hash: a shard damaged on disk is still caught.
-    with pytest.raises(ManifestError, match="does not match its hash"):
-        assemble_checkpoint(m, lying_get, tmp_path / "out", shards_verified=True)
-    assert not (tmp_path / "out").exists()
-    assert assemble_checkpoint(m, store.get, tmp_path / "out", shards_verified=True).exists()
+    with pytest.raises(ManifestError, match="corrupt"):  # wrong size, even when the caller says it checked
+        assembly.write(refs[-1].sha256, b"short", verified=True)
+    with pytest.raises(ManifestError, match="not in the manifest"):
+        assembly.write("0" * 64, b"")
+    threads = [threading.Thread(target=assembly.write, args=(r.sha256, store.get(r.sha256))) for r in refs]
+    for t in threads:  # every shard again, at once: those written before are ignored
+        t.start()
+    for t in threads:
+        t.join()
+    out = assembly.finish()
+    for f in m.files:
+        assert (out / f.path).read_bytes() == (d / f.path).read_bytes()
+
+
+def test_assembly_refuses_a_manifest_whose_sizes_do_not_add_up(tmp_path):
+    m = cut_checkpoint(_checkpoint(tmp_path), run_id="r", version=1, shard_size=4096)
+    m.files[0].size += 1
+    with pytest.raises(ManifestError, match="add up"):
+        CheckpointAssembly(m, tmp_path / "out")
+    m.files[0].size -= 1
+    m.files.append(m.files[0])
+    with pytest.raises(ManifestError, match="twice"):
+        CheckpointAssembly(m, tmp_path / "out")
+    assert not list(tmp_path.glob(".out-*"))
 
 
 def test_manifest_signature(tmp_path):

@@ -86,7 +86,7 @@ class ModelCache:
             self._loaded.move_to_end(version)
             return self._loaded[version][0]
         manifest = self._fetch(version)
-        path = assemble_checkpoint(manifest, self.shards.get, self.work_dir / f"v{version:08d}", shards_verified=True)
+        path = assemble_checkpoint(manifest, self.shards.get, self.work_dir / f"v{version:08d}")
         reuse = None
         while len(self._loaded) >= self.keep:
             old, (old_policy, old_manifest) = self._loaded.popitem(last=False)
