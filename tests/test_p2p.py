@@ -696,6 +696,31 @@ def test_end_game_takes_a_stuck_shard_from_a_second_holder(tmp_path, published, 
         release.set()
 
 
+@pytest.mark.parametrize("patience", [0.0, 4.0])
+def test_end_game_doubles_only_downloads_slower_than_usual(tmp_path, published, coordinator, patience):
+    """Holders that all deliver at the usual pace get no second requests once the end game waits for a download
+    to take `patience` times the median; without patience every last shard is asked of a second holder."""
+    signed, origin_store, weights = published
+    everything = {s.sha256 for s in signed.manifest.shards()}
+
+    class SteadyPeer(FakePeer):
+        def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+            time.sleep(0.2)
+            return super().get(manifest, shard)
+
+    log: list[tuple[str, str]] = []
+    peers = [SteadyPeer(f"p{i}", origin_store, everything, log) for i in range(3)]
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, peers, max_parallel=3,
+                          endgame_patience=patience)
+    _, out = f.fetch(signed)
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert f.stats.shards_fetched == len(everything)
+    if patience:
+        assert f.stats.duplicates == 0 and len(log) == len(everything)
+    else:
+        assert f.stats.duplicates > 0
+
+
 def test_plain_sources_keep_their_order_and_a_bad_one_is_reported(tmp_path, published, coordinator):
     signed, origin_store, weights = published
 

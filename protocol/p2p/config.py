@@ -61,6 +61,11 @@ class P2PConfig(BaseModel):
         True, description="Once every missing shard is in flight, ask a second holder for shards still in flight; "
         "the first copy wins (BitTorrent's end game), so one slow holder cannot hold up the checkpoint."
     )
+    endgame_patience: float = Field(
+        2.0, ge=0, description="The end game asks a second holder only for a download that has taken this many "
+        "times the median download so far; 0: for every shard in flight (which loads the few holders of the "
+        "newest shards, and the seed, with copies nobody needs)."
+    )
     origin_parallel: int = Field(
         1, ge=1, description="Shards downloaded at once from seeds (the coordinator's seed peer, the HTTP origin)."
     )

@@ -178,12 +178,13 @@ class SwarmPeer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def fetcher_options(self) -> dict[str, int | bool]:
+    def fetcher_options(self) -> dict[str, int | float | bool]:
         """Keyword arguments for CheckpointFetcher: peer slots plus seed slots, the peers kept to theirs,
-        whether to play the end game, and how to choose peers."""
+        how to play the end game, and how to choose peers."""
         cfg = self.config
         return {"max_parallel": cfg.max_parallel_peers * cfg.requests_per_peer + cfg.origin_parallel,
                 "max_peer_parallel": cfg.max_parallel_peers, "endgame": cfg.endgame,
+                "endgame_patience": cfg.endgame_patience,
                 "spread_holders": cfg.spread_holders}
 
     def source(self) -> SwarmSource:
