@@ -16,9 +16,10 @@ the end, also on failure. Needs root, `ip` and `tc`.
 
 The checkpoint is a safetensors file of random float32 tensors (default 200 MB) plus a config.json,
 written to a temporary directory, cut into content-addressed shards and signed like the coordinator does.
-A node is done when `fetch` returned: signature checked, every shard hash-checked, files assembled and
-hash-checked. Reported times run from the moment all nodes are told to go to the moment the last one is
-done. The lower bound is S/B: the origin must send every byte once and every node must receive it once.
+A node is done when `fetch` returned: signature checked, every shard hash-checked and written into the
+checkpoint's files, which are moved into place. Reported times run from the moment all nodes are told to go
+to the moment the last one is done. The lower bound is S/B: the origin must send every byte once and every
+node must receive it once.
 
     sudo .venv/bin/python bench/broadcast.py --nodes 8 --rate-mbit 100 --size-mb 200
 
@@ -501,7 +502,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             "shards_by_source": by_source,
             "half_s": round(sum(d["t_half"] - t_go for d in done.values()) / len(done), 2),
             "last_shard_s": round(max(d["t_last_shard"] - t_go for d in done.values()), 2),
-            # per node: seconds from its last shard stored to the checkpoint assembled and checked
+            # per node: seconds from its last shard stored to `fetch` returning (the checkpoint in place)
             "tail_s": sorted(round(d["t_done"] - d["t_last_shard"], 2) for d in done.values()),
             "origin_link": origin_link_summary(samples, t_go, args.rate_mbit),
             "node_uplinks": origin_link_summary(node_samples, t_go, args.rate_mbit * args.nodes) if swarm else {},
