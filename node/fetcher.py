@@ -37,6 +37,7 @@ from protocol.manifest import (
     ShardRef,
     ShardStore,
     SignedManifest,
+    sha256_bytes,
 )
 from protocol.shards import WAIT, BadShardBytes, ShardSource, SourceBusy
 
@@ -147,15 +148,20 @@ class CheckpointFetcher:
         fetched again, before anything is served from the store."""
         missing = []
         for ref in manifest.shards():
-            if self.store.has(ref.sha256):
-                try:
-                    assembly.write(ref.sha256, self.store.get(ref.sha256))
-                    self.stats.shards_reused += 1
-                    continue
-                except (ManifestError, OSError) as e:
-                    log.warning("stored shard %s is damaged (%s); fetching it again", ref.sha256[:12], e)
-                    self.store.path(ref.sha256).unlink(missing_ok=True)
-            missing.append(ref)
+            if not self.store.has(ref.sha256):
+                missing.append(ref)
+                continue
+            try:  # only reading and checking the stored copy: a failure to write the files is no damage
+                data = self.store.get(ref.sha256)
+                if sha256_bytes(data) != ref.sha256:
+                    raise ManifestError("its hash does not match")
+            except (ManifestError, OSError) as e:
+                log.warning("stored shard %s is damaged (%s); fetching it again", ref.sha256[:12], e)
+                self.store.path(ref.sha256).unlink(missing_ok=True)
+                missing.append(ref)
+                continue
+            assembly.write(ref.sha256, data, verified=True)
+            self.stats.shards_reused += 1
         return missing
 
     def _prune(self) -> None:
