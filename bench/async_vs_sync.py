@@ -63,7 +63,7 @@ class EvalWatcher(threading.Thread):
         return True
 
     def run(self) -> None:
-        from protocol.client import CoordinatorClient
+        from swarmrl.runtime.client import CoordinatorClient
 
         coord_cfg = self.run_dir / "config" / "coordinator.toml"
         if not self._wait_for(coord_cfg):
@@ -95,7 +95,8 @@ class EvalWatcher(threading.Thread):
 
 def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Namespace) -> dict[str, Any]:
     """One demo run from the shared checkpoint; returns its report and timestamped evaluation points."""
-    from protocol.config import load_config
+    from swarmrl.runtime.config import load_config
+
     from swarmrl.demo import DemoConfig, run_demo
 
     if run_dir.exists():

@@ -3,7 +3,7 @@
 Runs, in one invocation and on one emulated network:
 
   (a) swarm: an origin (the coordinator's HTTP app, `coordinator.app`, serving its shard store, plus its DHT
-      seed, `coordinator.dht_seed`; a minimal shard server if the app cannot be built), N honest
+      seed, `transfer.seed`; a minimal shard server if the app cannot be built), N honest
       nodes fetching with `CheckpointFetcher([SwarmSource, HttpOrigin])`, and (by default) one malicious
       peer that announces every shard and serves corrupted bytes;
   (b) origin-only: the same N nodes, each pulling every shard from the HTTP origin.
@@ -198,16 +198,17 @@ def read_cmd() -> dict[str, Any]:
 def origin_app(cfg: dict[str, Any]) -> tuple[Any, str]:
     """The real coordinator app over the bench's data dir (its /v1/shards endpoint is what nodes use), or,
     if that cannot be built here, a minimal app serving the same shard store."""
-    from protocol.identity import Identity
-    from protocol.manifest import ManifestError, ShardStore
+    from swarmrl.protocol.identity import Identity
+    from swarmrl.protocol.manifest import ManifestError
+    from swarmrl.transfer.store import ShardStore
 
     try:
-        from coordinator.app import build_app
-        from coordinator.config import CoordinatorConfig
+        from swarmrl.coordinator.app import build_app
+        from swarmrl.coordinator.config import CoordinatorConfig
 
         ccfg = CoordinatorConfig(host=cfg["ip"], port=HTTP_PORT, data_dir=Path(cfg["data_dir"]), run_id=RUN_ID,
                                  key_path=Path(cfg["key_path"]))
-        return build_app(ccfg, Identity.load(cfg["key_path"])), "coordinator.app"
+        return build_app(ccfg, Identity.load(cfg["key_path"])), "swarmrl.coordinator.app"
     except Exception as e:  # noqa: BLE001 (the coordinator is someone else's moving target)
         print(f"real coordinator unavailable ({type(e).__name__}: {e}); using a minimal shard server",
               file=sys.stderr)
@@ -229,8 +230,8 @@ def origin_app(cfg: dict[str, Any]) -> tuple[Any, str]:
 def worker_origin(cfg: dict[str, Any]) -> None:
     """HTTP origin serving the shard store (and, in swarm mode, the coordinator's DHT seed)."""
     import uvicorn
-
-    from protocol.manifest import ShardStore, SignedManifest
+    from swarmrl.protocol.manifest import SignedManifest
+    from swarmrl.transfer.store import ShardStore
 
     store = ShardStore(Path(cfg["data_dir"]) / "shards")
     app, kind = origin_app(cfg)
@@ -242,8 +243,8 @@ def worker_origin(cfg: dict[str, Any]) -> None:
     seed = None
     bootstrap: list[str] = []
     if cfg["swarm"]:
-        from coordinator.dht_seed import DhtSeed
-        from protocol.p2p.config import P2PConfig
+        from swarmrl.transfer.p2p.config import P2PConfig
+        from swarmrl.transfer.seed import DhtSeed
 
         signed = SignedManifest.model_validate_json(Path(cfg["manifest"]).read_text())
         pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/{SEED_PORT}"], **cfg.get("p2p", {}))
@@ -275,15 +276,15 @@ class LyingStore:
 
 def worker_node(cfg: dict[str, Any]) -> None:
     """An honest node (swarm or origin-only), or with cfg['malicious'] a peer serving corrupted shards."""
-    from node.fetcher import CheckpointFetcher, HttpOrigin
-    from protocol.client import CoordinatorClient
-    from protocol.manifest import SignedManifest
-    from protocol.shards import ShardSource
+    from swarmrl.protocol.manifest import SignedManifest
+    from swarmrl.runtime.client import CoordinatorClient
+    from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+    from swarmrl.transfer.sources import ShardSource
 
     peer = None
     if cfg["swarm"]:
-        from protocol.p2p.config import P2PConfig
-        from protocol.p2p.swarm import SwarmPeer
+        from swarmrl.transfer.p2p.config import P2PConfig
+        from swarmrl.transfer.p2p.swarm import SwarmPeer
 
         pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/0"], initial_peers=cfg["bootstrap"], **cfg.get("p2p", {}))
         peer = SwarmPeer(pcfg, RUN_ID).start()
@@ -426,7 +427,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
     phase = "swarm" if swarm else "origin"
     logs = work / f"logs-{phase}"
     logs.mkdir(exist_ok=True)
-    from protocol.config import apply_overrides
+    from swarmrl.runtime.config import apply_overrides
 
     p2p = apply_overrides({}, args.p2p)
     origin_ip = f"{SUBNET}.0.1"
@@ -587,8 +588,9 @@ def main() -> None:
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         sys.exit("bench/broadcast.py needs root and the `ip` and `tc` tools (network namespaces, tbf shaping)")
 
-    from protocol.identity import Identity
-    from protocol.manifest import ShardStore, SignedManifest, cut_checkpoint
+    from swarmrl.protocol.identity import Identity
+    from swarmrl.protocol.manifest import SignedManifest
+    from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
     base = args.workdir or ("/dev/shm" if shutil.disk_usage("/dev/shm").free > (args.nodes + 3) * 2.2 *
                             args.size_mb * 1e6 else None)

@@ -41,19 +41,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # bench/ is not a package: import the project and tests/byzantine
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from node.engine import EngineConfig, GenerationRequest, build_engine  # noqa: E402
-from protocol import messages as m  # noqa: E402
-from tests.byzantine.harness import make_checkpoint, perturb_checkpoint  # noqa: E402
-from trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint  # noqa: E402
-from verifier.config import Tolerances  # noqa: E402
-from verifier.full_check import full_check  # noqa: E402
-from verifier.models import load_policy  # noqa: E402
+from swarmrl.node.engine import EngineConfig, GenerationRequest, build_engine  # noqa: E402
+from swarmrl.protocol import messages as m  # noqa: E402
+from swarmrl.testing.byzantine.harness import make_checkpoint, perturb_checkpoint  # noqa: E402
+from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint  # noqa: E402
+from swarmrl.verifier.config import Tolerances  # noqa: E402
+from swarmrl.verifier.full_check import full_check  # noqa: E402
+from swarmrl.verifier.models import load_policy  # noqa: E402
 
 M30 = ModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1536, max_positions=256, seed=0)
 
@@ -102,12 +101,12 @@ def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list,
 
 
 class StateRecorder:
-    """Records the hidden states engines hand to `node.proof.build_proof` (to measure engine-vs-verifier logits)."""
+    """Records the hidden states engines hand to `node.proof.build_proof` (engine-vs-verifier logits)."""
 
     def __init__(self) -> None:
-        import node.proof
+        from swarmrl.node import proof
 
-        self.module, self.orig, self.states = node.proof, node.proof.build_proof, []
+        self.module, self.orig, self.states = proof, proof.build_proof, []
 
     def __enter__(self) -> StateRecorder:
         def record(states, *a, **kw):
@@ -160,14 +159,14 @@ def measure(kind: str, gen_ckpt: Path, policy, texts: list[str], group: int, tem
         "caught_by": sorted({f.split(":")[0] for r in reports for f in r.failures}),
     }
     if gen_ckpt == policy.path and states:
-        from verifier.prefill import recompute
+        from swarmrl.verifier.prefill import recompute
 
         seqs = [(q.prompt_ids, c.token_ids) for q, c in zip(reqs, comps, strict=True)]
         rc = recompute(policy.model, seqs, policy.pad_id)
         head = policy.model.lm_head
         with torch.no_grad():
             dlogit = max(float((head(s) - r.logits).abs().max()) for s, r in zip(states, rc, strict=True))
-            from protocol import sampling
+            from swarmrl.protocol import sampling
 
             gaps = []
             for q, c, r in zip(reqs, comps, rc, strict=True):
@@ -224,8 +223,8 @@ def calibrate(out: Path, quick: bool) -> dict[str, Any]:
 
 
 def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
-    from tests.byzantine.attacks import run_suite
-    from tests.byzantine.harness import open_pool
+    from swarmrl.testing.byzantine.attacks import run_suite
+    from swarmrl.testing.byzantine.harness import open_pool
 
     root = out / "suite"
     shutil.rmtree(root, ignore_errors=True)
@@ -245,7 +244,7 @@ def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
         def honest_total() -> int:
             return sum(1 for nid in ids for g in pool.groups(nid) if g["status"] != "pending")
 
-        from tests.byzantine.attacks import ATTACKS
+        from swarmrl.testing.byzantine.attacks import ATTACKS
 
         done = [0]
         total = attempts * len(ATTACKS)
@@ -290,8 +289,8 @@ def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
 def cost(out: Path, repeats: int) -> dict[str, Any]:
     """Per-token seconds of vLLM generation (a node's lease: 8 prompts x 8 rollouts, 128 tokens each) and of the
     verifier's cheap + full checks of the same groups, interleaved `repeats` times; medians."""
-    from protocol.tasks import get_task
-    from verifier.checks import CheckContext, cheap_checks
+    from swarmrl.protocol.tasks import get_task
+    from swarmrl.verifier.checks import CheckContext, cheap_checks
 
     ckpt = make_long_model(out / "m27")
     policy = load_policy(ckpt, 0)
@@ -372,7 +371,7 @@ def swarm(out: Path, time_limit_s: float, max_steps: int) -> dict[str, Any]:
         rogue_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         rogue["p"] = subprocess.Popen(
-            [sys.executable, "-m", "tests.byzantine.rogue", "--url", f"http://127.0.0.1:{port}",
+            [sys.executable, "-m", "swarmrl.testing.byzantine.rogue", "--url", f"http://127.0.0.1:{port}",
              "--work-dir", str(rogue_dir)], cwd=ROOT, env=env, start_new_session=True,
             stdout=open(run_dir / "rogue.log", "w"), stderr=subprocess.STDOUT)
 

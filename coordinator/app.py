@@ -1,4 +1,4 @@
-"""The coordinator's HTTP API: the endpoints `protocol.client.CoordinatorClient` calls, plus a dashboard.
+"""The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, plus a dashboard.
 
 HTTP plumbing only; the rules live in `coordinator.service.Coordinator`. Signed endpoints are sync
 functions (FastAPI runs them in its thread pool) whose request is authenticated by a dependency that
@@ -21,14 +21,13 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from coordinator import dashboard, metrics
-from coordinator.auth import Refused
-from coordinator.config import CoordinatorConfig
-from coordinator.service import Coordinator, Signed
-from protocol import messages as m
-from protocol.client import ENVELOPE_HEADER
-from protocol.identity import Identity
+from swarmrl.coordinator import dashboard, metrics
+from swarmrl.coordinator.auth import Refused
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.service import Coordinator, Signed
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.client import ENVELOPE_HEADER
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
 

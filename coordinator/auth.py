@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-
-from protocol.signing import SignatureError, SignedEnvelope, verify
+from swarmrl.protocol.signing import SignatureError, SignedEnvelope, verify
 
 T = TypeVar("T", bound=BaseModel)
 

@@ -1,4 +1,4 @@
-"""The coordinator's configuration: one pydantic model, loadable from TOML with `protocol.config.load_config`.
+"""The coordinator's configuration: one pydantic model, loadable from TOML with `runtime.config.load_config`.
 
     cfg = load_config(CoordinatorConfig, "coordinator.toml", ["port=9000", "sampling.group_size=4"])
 """
@@ -9,11 +9,10 @@ import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from protocol.identity import Identity
-from protocol.messages import SamplingSpec
-from protocol.p2p.config import P2PConfig
-from protocol.tasks import get_task
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.messages import SamplingSpec
+from swarmrl.protocol.tasks import get_task
+from swarmrl.transfer.p2p.config import P2PConfig
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MIB = 1024 * 1024

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from protocol.messages import RunStatus
+from swarmrl.protocol.messages import RunStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_]")

@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
-
-from coordinator.app import build_app
-from coordinator.config import CoordinatorConfig
-from protocol.identity import Identity
+from swarmrl.coordinator.app import build_app
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.protocol.identity import Identity
 
 if TYPE_CHECKING:
-    from coordinator.dht_seed import DhtSeed
+    from swarmrl.transfer.seed import DhtSeed
 
 
 def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
@@ -25,7 +24,7 @@ def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
     and each new version; nodes learn its addresses from RunInfo.dht_peers. The caller closes it."""
     if config.p2p is None or not config.p2p.enabled:
         return None
-    from coordinator.dht_seed import DhtSeed  # hivemind is heavy: import it only when the swarm is on
+    from swarmrl.transfer.seed import DhtSeed  # hivemind is heavy: import it only when the swarm is on
 
     svc = app.state.coordinator
     seed = DhtSeed(config.p2p, run_id=config.run_id, store=svc.shards, keep_versions=config.keep_versions).start()

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
-
-from coordinator.auth import Refused, check_signature, parse_envelope, typed_payload
-from coordinator.config import CoordinatorConfig
-from coordinator.store import Row, Store
-from protocol import messages as m
-from protocol.identity import Identity, node_id_from_public_key
-from protocol.manifest import CheckpointManifest, ManifestError, ShardStore, SignedManifest
-from protocol.signing import SignedEnvelope
-from protocol.tasks import get_task
+from swarmrl.coordinator.auth import Refused, check_signature, parse_envelope, typed_payload
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.store import Row, Store
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity, node_id_from_public_key
+from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
+from swarmrl.protocol.signing import SignedEnvelope
+from swarmrl.protocol.tasks import get_task
+from swarmrl.transfer.store import ShardStore
 
 T = TypeVar("T", bound=BaseModel)
 

@@ -15,19 +15,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from swarmrl.node.config import NodeConfig
+from swarmrl.node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import ManifestError
+from swarmrl.protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+from swarmrl.transfer.sources import ShardSource
 from transformers import PreTrainedTokenizerFast
 
-from node.config import NodeConfig
-from node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
-from node.fetcher import CheckpointFetcher, HttpOrigin
-from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.identity import Identity
-from protocol.manifest import ManifestError
-from protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
-from protocol.shards import ShardSource
-
 if TYPE_CHECKING:
-    from protocol.p2p.swarm import SwarmPeer
+    from swarmrl.transfer.p2p.swarm import SwarmPeer
 
 log = logging.getLogger("swarmrl.node")
 
@@ -227,7 +226,9 @@ class Node:
         p2p = self.cfg.p2p
         bootstrap = p2p.initial_peers or reg.run.dht_peers
         if p2p.enabled and bootstrap:
-            from protocol.p2p import start_swarm  # hivemind starts a libp2p daemon: only when the pool has a swarm
+            from swarmrl.transfer.p2p import (
+                start_swarm,  # hivemind starts a libp2p daemon: only when the pool has a swarm
+            )
 
             # None when the daemon or DHT cannot start: the node then works from the HTTP origin alone.
             self.swarm = start_swarm(p2p, reg.run.run_id, reg.run.dht_peers)

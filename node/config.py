@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import BaseModel, Field
-
-from node.engine import EngineConfig
-from protocol.p2p.config import P2PConfig
+from swarmrl.node.engine import EngineConfig
+from swarmrl.transfer.p2p.config import P2PConfig
 
 
 class NodeConfig(BaseModel):
-    """Everything `swarmrl node` needs. Load from TOML with `protocol.config.load_config`."""
+    """Everything `swarmrl node` needs. Load from TOML with `runtime.config.load_config`."""
 
     coordinator_url: str = Field("http://127.0.0.1:8470", description="Base URL of the pool's coordinator.")
     coordinator_key: str | None = Field(

@@ -138,7 +138,7 @@ class InferenceEngine(ABC):
     def _proofs(states: list, n_tokens: list[int]) -> list[str]:
         """The proofs of completions from their captured states [n_tokens, hidden]; raises when capture failed,
         since a completion without a valid proof would be rejected anyway."""
-        from node.proof import build_proofs
+        from swarmrl.node.proof import build_proofs
 
         for s, n in zip(states, n_tokens, strict=True):
             if s is None or s.shape[0] != n:
@@ -200,11 +200,11 @@ def build_engine(cfg: EngineConfig, ckpt_dir: Path, temperature: float) -> Infer
     kind = resolve_engine_kind(cfg)
     engine: InferenceEngine
     if kind == "vllm":
-        from node.vllm_engine import VLLMEngine
+        from swarmrl.node.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(cfg, temperature)
     elif kind == "torch":
-        from node.torch_engine import TorchEngine
+        from swarmrl.node.torch_engine import TorchEngine
 
         engine = TorchEngine(cfg, temperature)
     else:  # pragma: no cover - pydantic already restricts kind

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from protocol import proofs
+from swarmrl.protocol import proofs
 
 
 def select_topk(states: torch.Tensor, topk: int) -> tuple[np.ndarray, np.ndarray]:

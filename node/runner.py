@@ -8,9 +8,8 @@ import threading
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-
-from node.agent import Node, NodeStats
-from node.config import NodeConfig
+from swarmrl.node.agent import Node, NodeStats
+from swarmrl.node.config import NodeConfig
 
 
 def render(node: Node) -> Table:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-
-from node.engine import (
+from swarmrl.models.weights import architecture_config, load_weights_in_place
+from swarmrl.node.engine import (
     Completion,
     EngineConfig,
     GenerationRequest,
@@ -20,8 +20,7 @@ from node.engine import (
     read_checkpoint_meta,
     resolve_device,
 )
-from protocol import sampling
-from protocol.weights import architecture_config, load_weights_in_place
+from swarmrl.protocol import sampling
 
 
 class TorchEngine(InferenceEngine):

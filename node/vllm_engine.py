@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 
 import torch
-
-from node.engine import (
+from swarmrl.models.weights import architecture_config
+from swarmrl.node.engine import (
     Completion,
     EngineConfig,
     GenerationRequest,
@@ -30,7 +30,6 @@ from node.engine import (
     read_checkpoint_meta,
     resolve_device,
 )
-from protocol.weights import architecture_config
 
 _GIB = 1 << 30
 
@@ -93,10 +92,9 @@ class VLLMEngine(InferenceEngine):
 
     def _start(self, ckpt_dir: Path) -> None:
         _prepare_env()
+        from swarmrl.node.gumbel_processor import GumbelSamplingProcessor
         from vllm import LLM
         from vllm.platforms import current_platform
-
-        from node.gumbel_processor import GumbelSamplingProcessor
 
         platform = current_platform.device_type
         if platform != self.device:
@@ -132,7 +130,7 @@ class VLLMEngine(InferenceEngine):
             **memory,
         )
         if self.cfg.proofs:
-            from node.gumbel_processor import install_hidden_capture
+            from swarmrl.node.gumbel_processor import install_hidden_capture
 
             self.llm.apply_model(install_hidden_capture)
 
@@ -172,9 +170,8 @@ class VLLMEngine(InferenceEngine):
             raise RuntimeError("no checkpoint loaded")
         if not requests:
             return []
+        from swarmrl.node.gumbel_processor import PROOF_KEY, SEED_KEY, take_captured
         from vllm import SamplingParams, TokensPrompt
-
-        from node.gumbel_processor import PROOF_KEY, SEED_KEY, take_captured
 
         keys = [next(self._proof_keys) for _ in requests] if self.cfg.proofs else [None] * len(requests)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]

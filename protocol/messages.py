@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from protocol.manifest import CheckpointManifest, SignedManifest
+from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 
 # Envelope kinds: the receiver refuses an envelope whose kind does not match the endpoint.
 KIND_REGISTER = "register"

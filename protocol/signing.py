@@ -15,9 +15,8 @@ import time
 from typing import Any
 
 from pydantic import BaseModel, Field
-
-from protocol import PROTOCOL_VERSION
-from protocol.identity import Identity, node_id_from_public_key, verify_signature
+from swarmrl.protocol import PROTOCOL_VERSION
+from swarmrl.protocol.identity import Identity, node_id_from_public_key, verify_signature
 
 DEFAULT_CLOCK_SKEW_S = 120.0
 

@@ -28,7 +28,7 @@ def _role_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(model: type, args: argparse.Namespace) -> Any:
-    from protocol.config import dump_toml, load_config
+    from swarmrl.runtime.config import dump_toml, load_config
 
     cfg = load_config(model, args.config, args.overrides)
     if args.print_config:
@@ -44,38 +44,38 @@ def _single_thread() -> None:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> None:
-    from coordinator.config import CoordinatorConfig
-    from coordinator.server import serve
+    from swarmrl.coordinator.config import CoordinatorConfig
+    from swarmrl.coordinator.server import serve
 
     serve(_load(CoordinatorConfig, args))
 
 
 def cmd_trainer(args: argparse.Namespace) -> None:
     _single_thread()
-    from trainer.config import TrainerConfig
-    from trainer.loop import run_trainer
+    from swarmrl.trainer.config import TrainerConfig
+    from swarmrl.trainer.loop import run_trainer
 
     run_trainer(_load(TrainerConfig, args))
 
 
 def cmd_verifier(args: argparse.Namespace) -> None:
     _single_thread()
-    from verifier.config import VerifierConfig
-    from verifier.service import Verifier
+    from swarmrl.verifier.config import VerifierConfig
+    from swarmrl.verifier.service import Verifier
 
     Verifier(_load(VerifierConfig, args)).run()
 
 
 def cmd_node(args: argparse.Namespace) -> None:
     _single_thread()
-    from node.config import NodeConfig
-    from node.runner import run_node
+    from swarmrl.node.config import NodeConfig
+    from swarmrl.node.runner import run_node
 
     run_node(_load(NodeConfig, args))
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
-    from protocol.identity import Identity
+    from swarmrl.protocol.identity import Identity
 
     path = Path(args.path)
     if args.action == "make":

@@ -27,10 +27,10 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.config import deep_update, dump_toml
-from protocol.identity import Identity
-from protocol.messages import RunStatus
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.messages import RunStatus
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.config import deep_update, dump_toml
 
 
 class DemoConfig(BaseModel):
@@ -185,10 +185,10 @@ def plot(status: RunStatus, path: Path) -> None:
 
 def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Path) -> tuple[int, float]:
     """Fetch the newest published checkpoint like a node would and measure its held-out accuracy."""
-    from protocol.manifest import ShardStore, assemble_checkpoint
-    from protocol.tasks import get_task
-    from trainer.evaluate import accuracy
-    from trainer.model import load_checkpoint
+    from swarmrl.protocol.tasks import get_task
+    from swarmrl.trainer.evaluate import accuracy
+    from swarmrl.trainer.model import load_checkpoint
+    from swarmrl.transfer.store import ShardStore, assemble_checkpoint
 
     signed = client.latest_manifest()
     assert signed is not None, "nothing was published"
@@ -203,11 +203,11 @@ def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Pa
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    from coordinator.config import CoordinatorConfig
-    from node.config import NodeConfig
+    from swarmrl.coordinator.config import CoordinatorConfig
     from swarmrl.modelcmd import build_and_warm
-    from trainer.config import TrainerConfig
-    from verifier.config import VerifierConfig
+    from swarmrl.node.config import NodeConfig
+    from swarmrl.trainer.config import TrainerConfig
+    from swarmrl.verifier.config import VerifierConfig
 
     console = Console()
     t_start = time.time()

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from protocol.tasks import get_task
-from trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
-from trainer.warmup import WarmupConfig, warm_start
+from swarmrl.protocol.tasks import get_task
+from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
+from swarmrl.trainer.warmup import WarmupConfig, warm_start
 
 
 def build_and_warm(out: Path, target_accuracy: float = 0.25, seed: int = 0, task_name: str = "addition3",

@@ -9,7 +9,7 @@ run_factory = api.run_factory  # the coordinator fixture, shared with the API te
 
 
 def _verify_all(run: Run) -> None:
-    from protocol import messages as m
+    from swarmrl.protocol import messages as m
 
     pending = run.op.pending(100)
     run.op.verdicts([m.Verdict(group_id=g.group_id, accepted=True, rewards=[0.0] * len(g.group.rollouts))
@@ -48,7 +48,7 @@ def test_stale_work_does_not_hold_the_buffer(run_factory):
 
 
 def test_a_stale_submission_frees_its_lease_slot(run_factory):
-    from protocol.client import CoordinatorError
+    from swarmrl.runtime.client import CoordinatorError
 
     run: Run = run_factory(max_outstanding_leases=1, max_staleness=0)
     run.publish(0)

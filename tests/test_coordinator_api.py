@@ -1,6 +1,6 @@
 """The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite.
 
-Requests go through `protocol.client.CoordinatorClient` (the client the other roles use) or, for
+Requests go through `runtime.client.CoordinatorClient` (the client the other roles use) or, for
 requests the client would never make (forged, tampered, replayed, malformed), raw httpx. Time-dependent
 rules (lease expiry, claim expiry) use an injected clock, so no test waits or asserts on timing.
 """
@@ -17,14 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from coordinator.config import CoordinatorConfig
-from coordinator.server import running_server
-from protocol import messages as m
-from protocol.client import ENVELOPE_HEADER, CoordinatorClient, CoordinatorError
-from protocol.identity import Identity
-from protocol.manifest import ShardStore, cut_checkpoint
-from protocol.signing import SignedEnvelope, canonical_json, sign
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.server import running_server
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.signing import SignedEnvelope, canonical_json, sign
+from swarmrl.runtime.client import ENVELOPE_HEADER, CoordinatorClient, CoordinatorError
+from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 GROUP = 3
 MAX_TOKENS = 4
@@ -656,7 +655,7 @@ def test_publish_rules_and_shard_serving(run_factory) -> None:
     anon = CoordinatorClient(run.url, retries=0)
     for ref in refs:
         assert anon.shard(ref.sha256) == local.get(ref.sha256)
-    from protocol.manifest import assemble_checkpoint
+    from swarmrl.transfer.store import assemble_checkpoint
 
     out = assemble_checkpoint(got, anon.shard, run.tmp / "assembled")
     assert (out / "model.safetensors").read_bytes() == payload
@@ -682,7 +681,7 @@ def test_publish_rules_and_shard_serving(run_factory) -> None:
 def test_shard_upload_checks(run_factory) -> None:
     run = run_factory()
     data = secrets.token_bytes(2048)
-    from protocol.manifest import sha256_bytes
+    from swarmrl.protocol.manifest import sha256_bytes
 
     sha = sha256_bytes(data)
     put = lambda env, body=data, path=sha: httpx.put(  # noqa: E731

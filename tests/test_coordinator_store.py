@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-
-from coordinator.config import CoordinatorConfig
-from coordinator.store import Store
-from protocol.config import load_config
-from protocol.identity import Identity
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.store import Store
+from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.config import load_config
 
 
 @pytest.fixture

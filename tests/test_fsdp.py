@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from protocol.messages import TrainingGroup
-from protocol.tasks import get_task
-from trainer.evaluate import correct_count
-from trainer.grpo import Batch, GRPOConfig, build_batch, grpo_step, make_optimizer
-from trainer.model import ModelConfig, build_model, build_tokenizer
+from swarmrl.protocol.messages import TrainingGroup
+from swarmrl.protocol.tasks import get_task
+from swarmrl.trainer.evaluate import correct_count
+from swarmrl.trainer.grpo import Batch, GRPOConfig, build_batch, grpo_step, make_optimizer
+from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=64, seed=0)
 EVAL_N = 24
@@ -48,9 +47,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
-
-    from trainer.distributed import DistEnv, fsdp_grpo_step, full_state, shard_model, unsharded_copy
-    from trainer.state import TrainerState, save_state
+    from swarmrl.trainer.distributed import DistEnv, fsdp_grpo_step, full_state, shard_model, unsharded_copy
+    from swarmrl.trainer.state import TrainerState, save_state
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     env = DistEnv(rank, world)
@@ -128,8 +126,8 @@ def test_fsdp_step_equals_single_process_step(fsdp_results, name):
 
 def test_fsdp_save_and_eval_match(fsdp_results):
     out, results = fsdp_results
-    from trainer.distributed import optimizer_state
-    from trainer.state import latest, load_state
+    from swarmrl.trainer.distributed import optimizer_state
+    from swarmrl.trainer.state import latest, load_state
 
     loaded = load_state(latest(out / "state"))
     assert loaded.state.version == 1 and loaded.state.cursor == 7
@@ -140,7 +138,7 @@ def test_fsdp_save_and_eval_match(fsdp_results):
         assert torch.allclose(v, results["plain"]["params"][k]), k
     # The name-keyed optimizer state loads into a plain (unsharded) optimizer.
     opt = make_optimizer(loaded.model)
-    from trainer.distributed import load_optimizer_state
+    from swarmrl.trainer.distributed import load_optimizer_state
 
     load_optimizer_state(loaded.model, opt, loaded.optimizer)
     mine = optimizer_state(loaded.model, opt)["state"]
@@ -159,9 +157,9 @@ def _trainer_worker(rank: int, world: int, init_file: str, tmp: str, init: str) 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
+    from swarmrl.trainer.loop import run_trainer
 
     from tests.test_trainer_resume import FakeCoordinator, trainer_cfg
-    from trainer.loop import run_trainer
 
     # torchrun would set RANK/WORLD_SIZE/MASTER_* and let run_trainer join by env://; a file rendezvous
     # needs no free port. run_trainer then joins the existing group.
@@ -180,10 +178,11 @@ def _trainer_worker(rank: int, world: int, init_file: str, tmp: str, init: str) 
 def test_run_trainer_under_fsdp_matches_one_process(tmp_path):
     """run_trainer on 2 ranks (rank 0 pulls and broadcasts; all step; rank 0 saves and publishes) trains the
     same weights and reports the same numbers as run_trainer in one process, against the same coordinator."""
+    from swarmrl.trainer.loop import run_trainer
+    from swarmrl.trainer.model import load_checkpoint, save_checkpoint
+    from swarmrl.trainer.state import latest, load_state
+
     from tests.test_trainer_resume import FakeCoordinator, trainer_cfg
-    from trainer.loop import run_trainer
-    from trainer.model import load_checkpoint, save_checkpoint
-    from trainer.state import latest, load_state
 
     torch.set_num_threads(1)
     tok = build_tokenizer()

@@ -6,9 +6,8 @@ import copy
 
 import pytest
 import torch
-
-from protocol.messages import TrainingGroup
-from trainer.grpo import (
+from swarmrl.protocol.messages import TrainingGroup
+from swarmrl.trainer.grpo import (
     Batch,
     GRPOConfig,
     build_batch,
@@ -19,7 +18,7 @@ from trainer.grpo import (
     make_optimizer,
     token_logprobs,
 )
-from trainer.model import ModelConfig, build_model, build_tokenizer
+from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer
 
 torch.set_num_threads(1)
 
@@ -176,7 +175,7 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
     assert torch.all(grad[0][m[0]] == 0) and torch.all(grad[1][m[1]] == 0)
     assert torch.all(grad[2][m[2]] != 0) and torch.all(grad[3][m[3]] != 0)
     assert torch.all(grad[~m] == 0)  # padding and prompt never get gradient
-    from trainer.grpo import finish_stats
+    from swarmrl.trainer.grpo import finish_stats
 
     stats = finish_stats(sums)
     assert stats["clip_fraction"] == pytest.approx(6 / 12)
@@ -211,7 +210,7 @@ def test_negative_advantage_ratio_is_capped():
     loss, sums = grpo_loss(new, batch, capped_cfg)
     loss.backward()
     assert torch.all(new.grad[0][m[0]] == 0)  # capped: no push down
-    from trainer.grpo import finish_stats
+    from swarmrl.trainer.grpo import finish_stats
 
     stats = finish_stats(sums)
     assert stats["cap_fraction"] == pytest.approx(0.5) and stats["clip_fraction"] == pytest.approx(0.5)

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from node.agent import Node
-from node.config import NodeConfig
-from protocol import messages as m
+from swarmrl.node.agent import Node
+from swarmrl.node.config import NodeConfig
+from swarmrl.protocol import messages as m
 
 
 def _node(tmp_path: Path, held: int, ready: int) -> tuple[Node, list[Path]]:

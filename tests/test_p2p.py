@@ -18,18 +18,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from node.fetcher import CheckpointFetcher
-from protocol.identity import Identity
-from protocol.manifest import (
-    CheckpointManifest,
-    ManifestError,
-    ShardRef,
-    ShardStore,
-    SignedManifest,
-    cut_checkpoint,
-)
-from protocol.shards import WAIT, ShardSource
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, ShardRef, SignedManifest
+from swarmrl.transfer.fetcher import CheckpointFetcher
+from swarmrl.transfer.sources import WAIT, ShardSource
+from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -121,8 +114,8 @@ class SlowStore(ShardStore):
 @pytest.fixture()
 def swarm() -> Iterator[Callable[..., object]]:
     """Start SwarmPeers on 127.0.0.1; all are closed at the end of the test."""
-    from protocol.p2p.config import P2PConfig
-    from protocol.p2p.swarm import SwarmPeer
+    from swarmrl.transfer.p2p.config import P2PConfig
+    from swarmrl.transfer.p2p.swarm import SwarmPeer
 
     peers: list[SwarmPeer] = []
 
@@ -141,8 +134,7 @@ def swarm() -> Iterator[Callable[..., object]]:
 
 def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_path, published, swarm):
     from hivemind.utils.timed_storage import get_dht_time
-
-    from protocol.p2p.dht import HolderRecord, holders_key, make_bitfield, manifest_tag
+    from swarmrl.transfer.p2p.dht import HolderRecord, holders_key, make_bitfield, manifest_tag
 
     signed, origin, _ = published
     manifest = signed.manifest
@@ -189,8 +181,8 @@ def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_pa
 
 
 def test_swarm_fetch_takes_shards_from_peers_and_seed_each_verified(tmp_path, published, coordinator, swarm):
-    from coordinator.dht_seed import DhtSeed
-    from protocol.p2p.config import P2PConfig
+    from swarmrl.transfer.p2p.config import P2PConfig
+    from swarmrl.transfer.seed import DhtSeed
 
     signed, origin_store, weights = published
     seed = DhtSeed(P2PConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), "test", origin_store).start()
@@ -258,7 +250,7 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
     assert f.store.get(bad_sha) == origin_store.get(bad_sha)
     assert liar.peer_id not in node.holders(manifest)
     # The banned peer is refused service by the node from now on.
-    from protocol.p2p.sources import PeerError
+    from swarmrl.transfer.p2p.sources import PeerError
 
     with pytest.raises(PeerError, match="refused"):
         liar.fetch(node.peer_id, manifest.shards()[0])
@@ -266,7 +258,7 @@ def test_corrupted_shard_is_detected_refetched_elsewhere_and_its_peer_banned(tmp
 
 @pytest.mark.parametrize("watch_peers", [0, 32])
 def test_a_watch_stream_reports_new_shards_before_the_dht_does(tmp_path, published, swarm, watch_peers):
-    from protocol.p2p.dht import manifest_info
+    from swarmrl.transfer.p2p.dht import manifest_info
 
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -294,7 +286,7 @@ def test_a_watch_stream_reports_new_shards_before_the_dht_does(tmp_path, publish
 
 
 def test_a_peer_with_nothing_yet_stays_announced_and_one_pruned_from_disk_is_forgotten(tmp_path, published, swarm):
-    from protocol.p2p.dht import manifest_tag
+    from swarmrl.transfer.p2p.dht import manifest_tag
 
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -333,8 +325,8 @@ def test_a_holder_keeps_the_stream_open_until_the_asker_has_read_everything_and_
     not yet sent (one upload in a thousand lost its last 64 KiB in the benchmark): the holder closes last."""
     import asyncio
 
-    from protocol.p2p.serving import OK, OP_GET
-    from protocol.p2p.swarm import SwarmPeer
+    from swarmrl.transfer.p2p.serving import OK, OP_GET
+    from swarmrl.transfer.p2p.swarm import SwarmPeer
 
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -410,7 +402,7 @@ def test_the_dht_is_read_less_often_while_every_known_holder_is_watched(tmp_path
 @pytest.mark.parametrize("interval", [0.0, 1.5])
 def test_new_shards_are_announced_at_most_once_per_interval_and_all_reach_the_dht(tmp_path, published, swarm,
                                                                                   interval):
-    from protocol.p2p.dht import manifest_info
+    from swarmrl.transfer.p2p.dht import manifest_info
 
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -441,9 +433,9 @@ def test_new_shards_are_announced_at_most_once_per_interval_and_all_reach_the_dh
 def test_a_peer_sources_bulk_held_agrees_with_holds_and_follows_its_record(tmp_path):
     from types import SimpleNamespace
 
-    from protocol.p2p.config import P2PConfig
-    from protocol.p2p.dht import HolderRecord, make_bitfield, manifest_tag
-    from protocol.p2p.sources import PeerSource
+    from swarmrl.transfer.p2p.config import P2PConfig
+    from swarmrl.transfer.p2p.dht import HolderRecord, make_bitfield, manifest_tag
+    from swarmrl.transfer.p2p.sources import PeerSource
 
     ckpt, _ = make_checkpoint(tmp_path, size=20 * SHARD)
     manifest = cut_checkpoint(ckpt, run_id="test", version=1, store=ShardStore(tmp_path / "s"), shard_size=SHARD)
@@ -502,7 +494,7 @@ def test_slow_peer_is_dropped_and_the_shard_taken_elsewhere(tmp_path, published,
 def test_a_pipelined_request_waits_in_its_askers_upload_slot_not_in_the_queue(tmp_path, published, swarm):
     from concurrent.futures import ThreadPoolExecutor
 
-    from protocol.shards import SourceBusy
+    from swarmrl.transfer.sources import SourceBusy
 
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -529,7 +521,7 @@ def test_a_pipelined_request_waits_in_its_askers_upload_slot_not_in_the_queue(tm
 
 
 def test_upload_cap_token_bucket_paces_bytes():
-    from protocol.p2p.serving import TokenBucket
+    from swarmrl.transfer.p2p.serving import TokenBucket
 
     now = [0.0]
 
@@ -546,10 +538,10 @@ def test_upload_cap_token_bucket_paces_bytes():
 
 
 def test_seed_suggestions_hand_every_shard_out_once_before_any_twice(published):
-    from protocol.p2p.config import P2PConfig
-    from protocol.p2p.dht import make_bitfield, manifest_tag
-    from protocol.p2p.serving import LATER, ShardServer
-    from protocol.p2p.swarm import SwarmStats
+    from swarmrl.transfer.p2p.config import P2PConfig
+    from swarmrl.transfer.p2p.dht import make_bitfield, manifest_tag
+    from swarmrl.transfer.p2p.serving import LATER, ShardServer
+    from swarmrl.transfer.p2p.swarm import SwarmStats
 
     signed, origin_store, _ = published
     manifest = signed.manifest
@@ -755,9 +747,10 @@ def test_resume_after_a_killed_download(tmp_path, published, coordinator):
     child = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from node.fetcher import CheckpointFetcher
-        from protocol.manifest import ShardStore, SignedManifest
-        from protocol.shards import ShardSource
+        from swarmrl.transfer.fetcher import CheckpointFetcher
+        from swarmrl.protocol.manifest import SignedManifest
+        from swarmrl.transfer.store import ShardStore
+        from swarmrl.transfer.sources import ShardSource
         class Slow(ShardSource):
             def get(self, manifest, shard):
                 time.sleep(0.3)
@@ -859,7 +852,7 @@ def test_wait_hint_holds_a_shard_back_from_the_seed(tmp_path, published, coordin
 
 
 def test_start_swarm_degrades_to_the_origin_when_disabled_or_unreachable():
-    from protocol.p2p import P2PConfig, start_swarm
+    from swarmrl.transfer.p2p import P2PConfig, start_swarm
 
     assert start_swarm(P2PConfig(enabled=False), "test", []) is None
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"  # nobody listens there

@@ -7,13 +7,13 @@ import json
 import secrets
 import threading
 
-from coordinator.config import CoordinatorConfig
-from coordinator.server import running_server
-from node.agent import Node
-from node.config import NodeConfig
-from protocol.client import CoordinatorClient
-from protocol.identity import Identity
-from protocol.manifest import ShardStore, cut_checkpoint
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.server import running_server
+from swarmrl.node.agent import Node
+from swarmrl.node.config import NodeConfig
+from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -76,8 +76,8 @@ def test_nodes_share_a_published_checkpoint_through_the_coordinators_seed(tmp_pa
 
 
 def test_the_trainer_cuts_checkpoints_into_shards_of_the_size_it_is_given(tmp_path):
-    from protocol.manifest import SignedManifest
-    from trainer.publisher import publish_checkpoint
+    from swarmrl.protocol.manifest import SignedManifest
+    from swarmrl.trainer.publisher import publish_checkpoint
 
     coordinator = Identity.generate()
     uploads: dict[str, bytes] = {}

@@ -7,21 +7,13 @@ import threading
 
 import pytest
 from pydantic import BaseModel, ValidationError
-
-from protocol.config import deep_update, dump_toml, load_config
-from protocol.identity import Identity, IdentityError, node_id_from_public_key
-from protocol.manifest import (
-    CheckpointAssembly,
-    CheckpointManifest,
-    ManifestError,
-    ShardStore,
-    SignedManifest,
-    assemble_checkpoint,
-    cut_checkpoint,
-)
-from protocol.messages import RolloutSubmission
-from protocol.signing import SignatureError, SignedEnvelope, sign, verify
-from protocol.tasks import Addition
+from swarmrl.protocol.identity import Identity, IdentityError, node_id_from_public_key
+from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
+from swarmrl.protocol.messages import RolloutSubmission
+from swarmrl.protocol.signing import SignatureError, SignedEnvelope, sign, verify
+from swarmrl.protocol.tasks import Addition
+from swarmrl.runtime.config import deep_update, dump_toml, load_config
+from swarmrl.transfer.store import CheckpointAssembly, ShardStore, assemble_checkpoint, cut_checkpoint
 
 
 def test_identity_roundtrip_and_permissions(tmp_path):

@@ -1,8 +1,7 @@
 """The replayable sampling rule: a pure function of (logits, seed, position), and an exact sample."""
 
 import torch
-
-from protocol.sampling import gumbel_noise, sample, uniform_noise
+from swarmrl.protocol.sampling import gumbel_noise, sample, uniform_noise
 
 
 def test_noise_is_a_pure_function_of_its_arguments():

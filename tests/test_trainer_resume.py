@@ -1,7 +1,7 @@
 """Trainer state survives a kill; run_trainer resumes with monotonic versions and the right cursor.
 
 `FakeCoordinator` stands in for the coordinator's trainer API in-process (same methods and messages as
-`protocol.client.CoordinatorClient`): it hands out synthetic verified groups stamped with chosen policy
+`runtime.client.CoordinatorClient`): it hands out synthetic verified groups stamped with chosen policy
 versions, stores uploaded shards by hash, and, like the real one, refuses a manifest whose version is not
 above its current one or whose shards it lacks.
 """
@@ -13,16 +13,15 @@ import threading
 
 import pytest
 import torch
-
-from protocol.manifest import CheckpointManifest, ShardStore, SignedManifest, assemble_checkpoint
-from protocol.messages import RunInfo, SamplingSpec, TrainingBatch, TrainingGroup
-from protocol.tasks import get_task
-from trainer.config import TrainerConfig
-from trainer.distributed import optimizer_state
-from trainer.grpo import GRPOConfig, build_batch, grpo_step, make_optimizer
-from trainer.loop import run_trainer
-from trainer.model import ModelConfig, build_model, build_tokenizer, load_checkpoint, save_checkpoint
-from trainer.state import (
+from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
+from swarmrl.protocol.messages import RunInfo, SamplingSpec, TrainingBatch, TrainingGroup
+from swarmrl.protocol.tasks import get_task
+from swarmrl.trainer.config import TrainerConfig
+from swarmrl.trainer.distributed import optimizer_state
+from swarmrl.trainer.grpo import GRPOConfig, build_batch, grpo_step, make_optimizer
+from swarmrl.trainer.loop import run_trainer
+from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, load_checkpoint, save_checkpoint
+from swarmrl.trainer.state import (
     TrainerState,
     capture_rng,
     latest,
@@ -32,6 +31,7 @@ from trainer.state import (
     restore_rng,
     save_state,
 )
+from swarmrl.transfer.store import ShardStore, assemble_checkpoint
 
 torch.set_num_threads(1)
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=64, seed=0)
@@ -146,7 +146,7 @@ def test_state_round_trip_after_kill(tmp_path, init_ckpt):
     for k, v in loaded.model.state_dict().items():
         assert torch.equal(v, expected_params[k]), k
     opt2 = make_optimizer(loaded.model, lr=1e-3)
-    from trainer.distributed import load_optimizer_state
+    from swarmrl.trainer.distributed import load_optimizer_state
 
     load_optimizer_state(loaded.model, opt2, loaded.optimizer)
     got_opt = optimizer_state(loaded.model, opt2)["state"]
@@ -265,9 +265,9 @@ def test_zero_advantage_batches_are_skipped_or_refilled(tmp_path, init_ckpt):
 
 def _feed_swarm(url: str, verifier_key, stop: threading.Event) -> None:
     """A node and a verifier in one thread: lease, answer (right 40% of the time), verify, until `stop`."""
-    from protocol.client import CoordinatorClient
-    from protocol.identity import Identity
-    from protocol.messages import Rollout, RolloutGroup, RolloutSubmission, Verdict
+    from swarmrl.protocol.identity import Identity
+    from swarmrl.protocol.messages import Rollout, RolloutGroup, RolloutSubmission, Verdict
+    from swarmrl.runtime.client import CoordinatorClient
 
     tok, task, rng = build_tokenizer(), get_task("addition3"), random.Random(1)
     node = CoordinatorClient(url, Identity.generate())
@@ -302,12 +302,12 @@ def _feed_swarm(url: str, verifier_key, stop: threading.Event) -> None:
 
 
 def test_run_trainer_against_the_real_coordinator(tmp_path, init_ckpt):
-    server = pytest.importorskip("coordinator.server", reason="coordinator.server is not there")
+    server = pytest.importorskip("swarmrl.coordinator.server", reason="swarmrl.coordinator.server is not there")
     if not hasattr(server, "running_server"):
-        pytest.skip("coordinator.server.running_server is not there yet")
-    from coordinator.config import CoordinatorConfig
-    from protocol.client import CoordinatorClient
-    from protocol.identity import Identity
+        pytest.skip("swarmrl.coordinator.server.running_server is not there yet")
+    from swarmrl.coordinator.config import CoordinatorConfig
+    from swarmrl.protocol.identity import Identity
+    from swarmrl.runtime.client import CoordinatorClient
 
     trainer_key = Identity.load_or_create(tmp_path / "trainer.key")
     verifier_key = Identity.generate()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from node.proof import build_proof
-from protocol import messages as m
-from protocol.tasks import get_task
-from trainer.model import build_tokenizer
-from verifier.checks import CheckContext, cheap_checks
-from verifier.policy import CheckPolicy
+from swarmrl.node.proof import build_proof
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.tasks import get_task
+from swarmrl.trainer.model import build_tokenizer
+from swarmrl.verifier.checks import CheckContext, cheap_checks
+from swarmrl.verifier.policy import CheckPolicy
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id

@@ -10,12 +10,11 @@ import struct
 import numpy as np
 import pytest
 import torch
-
-from node.proof import build_proof, build_proofs
-from protocol import proofs, sampling
-from verifier.logprobs import compare_logprobs, compare_logprobs_many, policy_logprobs
-from verifier.proofs import header_problem, proof_errors, proof_errors_many
-from verifier.replay import replay, replay_many
+from swarmrl.node.proof import build_proof, build_proofs
+from swarmrl.protocol import proofs, sampling
+from swarmrl.verifier.logprobs import compare_logprobs, compare_logprobs_many, policy_logprobs
+from swarmrl.verifier.proofs import header_problem, proof_errors, proof_errors_many
+from swarmrl.verifier.replay import replay, replay_many
 
 H = 128
 

@@ -8,11 +8,10 @@
 from __future__ import annotations
 
 import pytest
-
-from protocol import messages as m
-from protocol.client import CoordinatorError
-from tests.byzantine import nodes as bad
-from tests.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
+from swarmrl.protocol import messages as m
+from swarmrl.runtime.client import CoordinatorError
+from swarmrl.testing.byzantine import nodes as bad
+from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
 
 K = 2
 

@@ -5,9 +5,8 @@ the same engine with perturbed weights is caught."""
 from __future__ import annotations
 
 import pytest
-
-from tests.byzantine import nodes as bad
-from tests.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
+from swarmrl.testing.byzantine import nodes as bad
+from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
 
 pytestmark = pytest.mark.vllm
 

@@ -7,12 +7,11 @@ import shutil
 
 import pytest
 import torch
-
-from protocol.manifest import cut_checkpoint
-from protocol.weights import architecture_config, load_weights_in_place
-from tests.byzantine.harness import make_checkpoint, perturb_checkpoint
-from trainer.model import ModelConfig
-from verifier.models import _same_except_weights, load_policy
+from swarmrl.models.weights import architecture_config, load_weights_in_place
+from swarmrl.testing.byzantine.harness import make_checkpoint, perturb_checkpoint
+from swarmrl.trainer.model import ModelConfig
+from swarmrl.transfer.store import cut_checkpoint
+from swarmrl.verifier.models import _same_except_weights, load_policy
 
 
 def test_reused_policy_equals_a_fresh_load(tmp_path):

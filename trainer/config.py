@@ -1,4 +1,4 @@
-"""The trainer's configuration: one flat pydantic model, loadable with `protocol.config.load_config`.
+"""The trainer's configuration: one flat pydantic model, loadable with `runtime.config.load_config`.
 
     cfg = load_config(TrainerConfig, "trainer.toml", ["lr=1e-4", "max_staleness=0"])
 
@@ -10,8 +10,7 @@ component its own slice of the job config.
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from trainer.grpo import GRPOConfig
+from swarmrl.trainer.grpo import GRPOConfig
 
 
 class TrainerConfig(BaseModel):

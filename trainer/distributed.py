@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from swarmrl.trainer.grpo import Batch, GRPOConfig, grpo_step
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -28,8 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from transformers import LlamaForCausalLM
-
-from trainer.grpo import Batch, GRPOConfig, grpo_step
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
+from swarmrl.protocol.tasks import Problem, Task
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-
-from protocol.tasks import Problem, Task
 
 
 @torch.no_grad()

@@ -20,9 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
+from swarmrl.protocol.messages import TrainingGroup
 from torch import Tensor, nn
-
-from protocol.messages import TrainingGroup
 
 
 @dataclass

@@ -33,14 +33,13 @@ import httpx
 import torch
 import torch.distributed as dist
 import transformers
-
-from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.identity import Identity
-from protocol.manifest import CheckpointManifest, SignedManifest
-from protocol.messages import RunInfo, TrainingBatch, TrainingGroup
-from protocol.tasks import get_task
-from trainer.config import TrainerConfig
-from trainer.distributed import (
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
+from swarmrl.protocol.messages import RunInfo, TrainingBatch, TrainingGroup
+from swarmrl.protocol.tasks import get_task
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.trainer.config import TrainerConfig
+from swarmrl.trainer.distributed import (
     DistEnv,
     all_reduce_int,
     broadcast_object,
@@ -53,18 +52,18 @@ from trainer.distributed import (
     shard_model,
     unsharded_copy,
 )
-from trainer.evaluate import correct_count
-from trainer.grpo import build_batch, filter_groups, make_optimizer
-from trainer.metrics import StepDisplay, elapsed_s, rollout_metrics, staleness_histogram
-from trainer.model import load_checkpoint
-from trainer.publisher import Publisher
-from trainer.state import TrainerState, clean_temp, latest, load_state, prune_states, restore_rng, save_state
+from swarmrl.trainer.evaluate import correct_count
+from swarmrl.trainer.grpo import build_batch, filter_groups, make_optimizer
+from swarmrl.trainer.metrics import StepDisplay, elapsed_s, rollout_metrics, staleness_histogram
+from swarmrl.trainer.model import load_checkpoint
+from swarmrl.trainer.publisher import Publisher
+from swarmrl.trainer.state import TrainerState, clean_temp, latest, load_state, prune_states, restore_rng, save_state
 
 log = logging.getLogger(__name__)
 
 
 class TrainerClient(Protocol):
-    """The coordinator calls the trainer makes (`protocol.client.CoordinatorClient` has them all)."""
+    """The coordinator calls the trainer makes (`runtime.client.CoordinatorClient` has them all)."""
 
     def info(self) -> RunInfo: ...
 

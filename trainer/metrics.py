@@ -9,8 +9,7 @@ from types import TracebackType
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from protocol.messages import TrainingGroup
+from swarmrl.protocol.messages import TrainingGroup
 
 EXACT_REWARD = 1.0
 """The reward of an exactly right completion (tasks give partial credit below it)."""

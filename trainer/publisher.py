@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from protocol.manifest import DEFAULT_SHARD_SIZE, CheckpointManifest, SignedManifest, cut_checkpoint
+from swarmrl.protocol.manifest import DEFAULT_SHARD_SIZE, CheckpointManifest, SignedManifest
+from swarmrl.transfer.store import cut_checkpoint
 
 log = logging.getLogger(__name__)
 
 
 class PublishClient(Protocol):
-    """The part of `protocol.client.CoordinatorClient` the publisher uses."""
+    """The part of `runtime.client.CoordinatorClient` the publisher uses."""
 
     def upload_shard(self, sha256: str, data: bytes) -> None: ...
 

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from swarmrl.protocol.tasks import Task
+from swarmrl.trainer.evaluate import accuracy
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-
-from protocol.tasks import Task
-from trainer.evaluate import accuracy
 
 
 @dataclass

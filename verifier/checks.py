@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from swarmrl.protocol import proofs
+from swarmrl.protocol.messages import PendingGroup
+from swarmrl.protocol.tasks import Task
 from transformers import PreTrainedTokenizerFast
-
-from protocol import proofs
-from protocol.messages import PendingGroup
-from protocol.tasks import Task
 
 REWARD_CLAIM_TOL = 1e-6
 

@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from protocol import proofs
+from swarmrl.protocol import proofs
 
 
 class Tolerances(BaseModel):
@@ -61,7 +60,7 @@ class Tolerances(BaseModel):
 
 
 class VerifierConfig(BaseModel):
-    """Everything `swarmrl verifier` needs. Load from TOML with `protocol.config.load_config`."""
+    """Everything `swarmrl verifier` needs. Load from TOML with `runtime.config.load_config`."""
 
     model_config = ConfigDict(extra="forbid")
 

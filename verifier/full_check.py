@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol import proofs as wire
-from protocol.messages import PendingGroup
-from verifier.config import Tolerances
-from verifier.logprobs import LogprobResult, compare_logprobs_many
-from verifier.models import PolicyModel
-from verifier.prefill import recompute
-from verifier.proofs import ProofStats, proof_errors_many
-from verifier.replay import ReplayResult, replay_many
+from swarmrl.protocol import proofs as wire
+from swarmrl.protocol.messages import PendingGroup
+from swarmrl.verifier.config import Tolerances
+from swarmrl.verifier.logprobs import LogprobResult, compare_logprobs_many
+from swarmrl.verifier.models import PolicyModel
+from swarmrl.verifier.prefill import recompute
+from swarmrl.verifier.proofs import ProofStats, proof_errors_many
+from swarmrl.verifier.replay import ReplayResult, replay_many
 
 
 @dataclass

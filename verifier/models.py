@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from swarmrl.models.weights import load_weights_in_place
+from swarmrl.protocol.manifest import CheckpointManifest
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.transfer.store import ShardStore, assemble_checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.manifest import CheckpointManifest, ShardStore, assemble_checkpoint
-from protocol.weights import load_weights_in_place
 
 log = logging.getLogger("swarmrl.verifier")
 

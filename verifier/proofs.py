@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from protocol import proofs
+from swarmrl.protocol import proofs
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from protocol import sampling
+from swarmrl.protocol import sampling
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,16 @@ from dataclasses import dataclass
 
 import httpx
 import torch
-
-from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.identity import Identity
-from protocol.manifest import ManifestError
-from protocol.messages import PendingGroup, Verdict
-from protocol.tasks import get_task
-from verifier.checks import CheckContext, cheap_checks, missing_proof
-from verifier.config import VerifierConfig
-from verifier.full_check import GroupReport, full_check
-from verifier.models import ModelCache, PolicyModel, VersionUnavailable
-from verifier.policy import CheckPolicy
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import ManifestError
+from swarmrl.protocol.messages import PendingGroup, Verdict
+from swarmrl.protocol.tasks import get_task
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.verifier.checks import CheckContext, cheap_checks, missing_proof
+from swarmrl.verifier.config import VerifierConfig
+from swarmrl.verifier.full_check import GroupReport, full_check
+from swarmrl.verifier.models import ModelCache, PolicyModel, VersionUnavailable
+from swarmrl.verifier.policy import CheckPolicy
 
 log = logging.getLogger("swarmrl.verifier")
 MAX_REPORTS = 100_000

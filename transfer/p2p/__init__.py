@@ -2,7 +2,7 @@
 
 A node process:
 
-    from protocol.p2p import P2PConfig, start_swarm
+    from swarmrl.transfer.p2p import P2PConfig, start_swarm
     peer = start_swarm(cfg.p2p, run_info.run_id, run_info.dht_peers)   # None: disabled or failed to start
     sources = ([peer.source()] if peer else []) + [HttpOrigin(client)]
     fetcher = CheckpointFetcher(root, key, sources, keep_versions, **(peer.fetcher_options() if peer else {}))
@@ -10,7 +10,7 @@ A node process:
     if peer:
         peer.close()
 
-The coordinator runs `coordinator.dht_seed.DhtSeed` (a bootstrap peer that seeds its shard store).
+The coordinator runs `transfer.seed.DhtSeed` (a bootstrap peer that seeds its shard store).
 Modules: `config` (P2PConfig), `dht` (holder records and their validators), `swarm` (SwarmPeer), `serving`
 (ShardServer: uploads, watch streams, seed hints; the wire protocol), `sources`
 (SwarmSource, PeerSource: the swarm as the fetcher sees it).
@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from protocol.p2p.config import P2PConfig
+from swarmrl.transfer.p2p.config import P2PConfig
 
 if TYPE_CHECKING:
-    from protocol.p2p.swarm import SwarmPeer
+    from swarmrl.transfer.p2p.swarm import SwarmPeer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def start_swarm(config: P2PConfig, run_id: str, dht_peers: list[str] | None = No
     the node fetches from the HTTP origin alone."""
     if not config.enabled:
         return None
-    from protocol.p2p.swarm import SwarmPeer
+    from swarmrl.transfer.p2p.swarm import SwarmPeer
 
     peers = config.initial_peers or list(dht_peers or [])
     try:

@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hivemind.p2p import P2P
-
-from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
-from protocol.p2p.config import P2PConfig
-from protocol.p2p.dht import bitfield_indices, make_bitfield, manifest_info, manifest_tag
+from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
+from swarmrl.transfer.p2p.config import P2PConfig
+from swarmrl.transfer.p2p.dht import bitfield_indices, make_bitfield, manifest_info, manifest_tag
+from swarmrl.transfer.store import ShardStore
 
 if TYPE_CHECKING:
-    from protocol.p2p.swarm import SwarmStats
+    from swarmrl.transfer.p2p.swarm import SwarmStats
 
 log = logging.getLogger(__name__)
 

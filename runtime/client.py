@@ -13,11 +13,10 @@ from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel
-
-from protocol import messages as m
-from protocol.identity import Identity
-from protocol.manifest import CheckpointManifest, SignedManifest
-from protocol.signing import sign
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
+from swarmrl.protocol.signing import sign
 
 T = TypeVar("T", bound=BaseModel)
 

@@ -1,14 +1,15 @@
 """Where checkpoint shards come from, as a fetcher sees it: the `ShardSource` interface and its signals.
 
-Shared by every implementation of a source (the HTTP origin in `node.fetcher`, the libp2p swarm in
-`protocol.p2p`) and by `node.fetcher.CheckpointFetcher`, which schedules over them.
+Shared by every implementation of a source (the HTTP origin in `transfer.fetcher`, the libp2p swarm in
+`transfer.p2p`) and by `transfer.fetcher.CheckpointFetcher`, which schedules over them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
+from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
+from swarmrl.transfer.store import ShardStore
 
 WAIT = object()
 """What `ShardSource.suggest` returns for "take none of these from me now" (a seed whose copies of them are

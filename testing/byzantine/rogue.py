@@ -1,7 +1,7 @@
 """A persistent attacker for swarm runs: joins a pool like any node, cheats on every group it submits, one attack
 after another, and comes back under a fresh identity each time it is banned.
 
-    python -m tests.byzantine.rogue --url http://127.0.0.1:8470 --work-dir runs/rogue
+    python -m swarmrl.testing.byzantine.rogue --url http://127.0.0.1:8470 --work-dir runs/rogue
 
 Every identity it used is appended to <work-dir>/identities.txt, so that a bench can check afterwards that
 none of their groups ever reached the trainer.
@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 import httpx
-
-from node.config import NodeConfig
-from node.engine import EngineConfig
-from protocol.client import CoordinatorError
-from tests.byzantine import nodes as bad
-from tests.byzantine.harness import ScriptedNode
+from swarmrl.node.config import NodeConfig
+from swarmrl.node.engine import EngineConfig
+from swarmrl.runtime.client import CoordinatorError
+from swarmrl.testing.byzantine import nodes as bad
+from swarmrl.testing.byzantine.harness import ScriptedNode
 
 log = logging.getLogger("swarmrl.rogue")
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from protocol.manifest import CheckpointManifest, ShardStore
-from protocol.p2p.config import P2PConfig
-from protocol.p2p.swarm import SwarmPeer
+from swarmrl.protocol.manifest import CheckpointManifest
+from swarmrl.transfer.p2p.config import P2PConfig
+from swarmrl.transfer.p2p.swarm import SwarmPeer
+from swarmrl.transfer.store import ShardStore
 
 log = logging.getLogger(__name__)
 

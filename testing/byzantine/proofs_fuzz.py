@@ -8,10 +8,9 @@ import random
 import struct
 
 import torch
-
-from node.proof import build_proof
-from protocol import messages as m
-from protocol import proofs
+from swarmrl.node.proof import build_proof
+from swarmrl.protocol import messages as m
+from swarmrl.protocol import proofs
 
 
 def forged_proof(r: m.Rollout, rng: random.Random) -> str | None:

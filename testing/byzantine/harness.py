@@ -12,20 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from coordinator.config import CoordinatorConfig
-from coordinator.server import running_server
-from node.agent import Node
-from node.config import NodeConfig
-from node.engine import EngineConfig
-from node.fetcher import CheckpointFetcher, HttpOrigin
-from protocol import messages as m
-from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.identity import Identity
-from protocol.manifest import ShardStore, cut_checkpoint
-from trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
-from verifier.config import VerifierConfig
-from verifier.service import Verifier
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.server import running_server
+from swarmrl.node.agent import Node
+from swarmrl.node.config import NodeConfig
+from swarmrl.node.engine import EngineConfig
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
+from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+from swarmrl.transfer.store import ShardStore, cut_checkpoint
+from swarmrl.verifier.config import VerifierConfig
+from swarmrl.verifier.service import Verifier
 
 
 def make_checkpoint(out: Path, cfg: ModelConfig | None = None) -> Path:

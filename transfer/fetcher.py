@@ -29,17 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.client import CoordinatorClient
-from protocol.manifest import (
-    CheckpointAssembly,
-    CheckpointManifest,
-    ManifestError,
-    ShardRef,
-    ShardStore,
-    SignedManifest,
-    sha256_bytes,
-)
-from protocol.shards import WAIT, BadShardBytes, ShardSource, SourceBusy
+from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, ShardRef, SignedManifest, sha256_bytes
+from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.transfer.sources import WAIT, BadShardBytes, ShardSource, SourceBusy
+from swarmrl.transfer.store import CheckpointAssembly, ShardStore
 
 log = logging.getLogger(__name__)
 

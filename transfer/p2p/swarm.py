@@ -12,7 +12,7 @@ thread of the calling process. It
   (peers that served bad bytes: never asked again, nor served) and the drop list (peers that failed or
   were too slow `max_peer_failures` times in a row: left alone for `drop_s`).
 
-`source()` plugs all this into `node.fetcher.CheckpointFetcher` (see `sources.py`).
+`source()` plugs all this into `transfer.fetcher.CheckpointFetcher` (see `sources.py`).
 
 Serving (uploads, watch streams, a seed's hints) and the wire protocol are in `serving.py`.
 """
@@ -32,10 +32,9 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
-
-from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
-from protocol.p2p.config import P2PConfig
-from protocol.p2p.dht import (
+from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
+from swarmrl.transfer.p2p.config import P2PConfig
+from swarmrl.transfer.p2p.dht import (
     CachingSignatureValidator,
     HolderRecord,
     HolderRecordValidator,
@@ -48,7 +47,7 @@ from protocol.p2p.dht import (
     manifest_tag,
     parse_holders,
 )
-from protocol.p2p.serving import (
+from swarmrl.transfer.p2p.serving import (
     BUSY,
     LATER,
     NOT_HELD,
@@ -59,8 +58,9 @@ from protocol.p2p.serving import (
     PROTOCOL,
     ShardServer,
 )
-from protocol.p2p.sources import PeerError, SwarmSource
-from protocol.shards import WAIT, BadShardBytes, SourceBusy
+from swarmrl.transfer.p2p.sources import PeerError, SwarmSource
+from swarmrl.transfer.sources import WAIT, BadShardBytes, SourceBusy
+from swarmrl.transfer.store import ShardStore
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from protocol.manifest import CheckpointManifest, ShardRef, ShardStore
-from protocol.p2p.dht import HolderRecord, manifest_info
-from protocol.shards import WAIT, ShardSource
+from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
+from swarmrl.transfer.p2p.dht import HolderRecord, manifest_info
+from swarmrl.transfer.sources import WAIT, ShardSource
+from swarmrl.transfer.store import ShardStore
 
 if TYPE_CHECKING:
-    from protocol.p2p.swarm import SwarmPeer
+    from swarmrl.transfer.p2p.swarm import SwarmPeer
 
 WAIT_MEMO_S = 0.3  # a seed that said "wait" is not asked again for this long
 

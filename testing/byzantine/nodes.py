@@ -12,16 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from swarmrl.node.config import NodeConfig
+from swarmrl.node.proof import build_proof
+from swarmrl.protocol import messages as m
+from swarmrl.testing.byzantine.harness import ScriptedNode, perturb_checkpoint
+from swarmrl.trainer.model import save_checkpoint
+from swarmrl.verifier.logprobs import policy_logprobs
+from swarmrl.verifier.prefill import recompute
+from swarmrl.verifier.replay import replay
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-from node.config import NodeConfig
-from node.proof import build_proof
-from protocol import messages as m
-from tests.byzantine.harness import ScriptedNode, perturb_checkpoint
-from trainer.model import save_checkpoint
-from verifier.logprobs import policy_logprobs
-from verifier.prefill import recompute
-from verifier.replay import replay
 
 
 class Truth:
@@ -189,7 +188,7 @@ class ClaimNode(ScriptedNode):
     can score its own completions: it sees the prompt, and the task's answer follows from it)."""
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        from protocol.tasks import get_task
+        from swarmrl.protocol.tasks import get_task
 
         task = get_task(self._run_info.task)
         texts = {p.prompt_id: p.text for p in lease.prompts}
@@ -211,7 +210,7 @@ class ProofForgerNode(ScriptedNode):
         self.rng = random.Random(seed)
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        from tests.byzantine.proofs_fuzz import forged_proof
+        from swarmrl.testing.byzantine.proofs_fuzz import forged_proof
 
         groups = []
         for g in submission.groups:

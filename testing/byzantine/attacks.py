@@ -14,13 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
-
-from protocol import messages as m
-from protocol.client import CoordinatorClient, CoordinatorError
-from protocol.identity import Identity
-from protocol.signing import sign
-from tests.byzantine import nodes as bad
-from tests.byzantine.harness import Pool, ScriptedNode
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.signing import sign
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.testing.byzantine import nodes as bad
+from swarmrl.testing.byzantine.harness import Pool, ScriptedNode
 
 
 @dataclass
@@ -131,7 +130,7 @@ def replayed_group(pool: Pool, i: int) -> Attempt:
 def stale_policy_version(pool: Pool, i: int) -> Attempt:
     """Variants: 0 declare a version older than the staleness bound; 1 generate with old weights but declare
     the current version (needs a newer published version: the pool publishes perturbed weights once)."""
-    from tests.byzantine.harness import perturb_checkpoint
+    from swarmrl.testing.byzantine.harness import perturb_checkpoint
 
     if len(pool.versions) < pool.cfg.max_staleness + 2:
         base = pool.versions[max(pool.versions)]
