@@ -9,6 +9,18 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TaskSpec(BaseModel):
+    """Which task a run trains on, and its options: part of the run description every role reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("addition3", description="A registered task name.")
+    options: dict[str, Any] = Field(default_factory=dict, description="The task's own options.")
 
 
 @dataclass(frozen=True)
@@ -86,3 +98,10 @@ def get_task(name: str) -> Task:
         return TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}") from None
+
+
+def load_task(spec: TaskSpec) -> Task:
+    """The task `spec` names, with its options applied."""
+    if spec.options:
+        raise ValueError(f"task {spec.name!r} takes no options")
+    return get_task(spec.name)
