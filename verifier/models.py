@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
 from swarmrl.models.weights import load_weights_in_place
 from swarmrl.protocol.manifest import CheckpointManifest
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.transfer.store import ShardStore, assemble_checkpoint
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 log = logging.getLogger("swarmrl.verifier")
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hivemind.p2p import P2P
+
 from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
 from swarmrl.transfer.p2p.config import P2PConfig
 from swarmrl.transfer.p2p.dht import bitfield_indices, make_bitfield, manifest_info, manifest_tag

@@ -32,6 +32,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
+
 from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
 from swarmrl.transfer.p2p.config import P2PConfig
 from swarmrl.transfer.p2p.dht import (
