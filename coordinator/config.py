@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import SamplingSpec
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import TaskSpec, task_options
 from swarmrl.transfer.p2p.config import P2PConfig
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -30,7 +30,8 @@ class CoordinatorConfig(BaseModel):
         description="Where the SQLite database, shards and (by default) the coordinator key live.",
     )
     run_id: str = Field("swarmrl", min_length=1, max_length=128, description="Name of the run; manifests carry it.")
-    task: str = Field("addition3", description="Task prompts are drawn from (a name in protocol.tasks.TASKS).")
+    task: TaskSpec = Field(default_factory=TaskSpec, description="Task prompts are drawn from: a name registered "
+                           "in the 'swarmrl.tasks' entry-point group, and its options (see swarmrl.protocol.tasks).")
     sampling: SamplingSpec = Field(
         default_factory=SamplingSpec, description="How every rollout is sampled; sent with each lease."
     )
@@ -90,9 +91,9 @@ class CoordinatorConfig(BaseModel):
 
     @field_validator("task")
     @classmethod
-    def _known_task(cls, name: str) -> str:
-        get_task(name)  # raises ValueError naming the known tasks
-        return name
+    def _known_task(cls, spec: TaskSpec) -> TaskSpec:
+        task_options(spec)  # raises ValueError naming the known tasks, or the options refused
+        return spec
 
     @model_validator(mode="after")
     def _keep_enough(self) -> CoordinatorConfig:

@@ -27,7 +27,7 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity, node_id_from_public_key
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.protocol.signing import SignedEnvelope
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import load_task
 from swarmrl.transfer.store import ShardStore
 
 T = TypeVar("T", bound=BaseModel)
@@ -69,7 +69,7 @@ class Coordinator:
         self.publish_hooks: list[Callable[[CheckpointManifest], None]] = []
         self.identity = identity
         self.clock = clock
-        self.task = get_task(config.task)
+        self.task = load_task(config.task)
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(config.data_dir / "coordinator.sqlite")
         self.shards = ShardStore(config.data_dir / "shards")
@@ -127,7 +127,7 @@ class Coordinator:
 
     def run_info(self) -> m.RunInfo:
         c = self.config
-        return m.RunInfo(run_id=c.run_id, task=c.task, coordinator_key=self.identity.public_key_hex,
+        return m.RunInfo(run_id=c.run_id, task=c.task.name, coordinator_key=self.identity.public_key_hex,
                          sampling=c.sampling, max_staleness=c.max_staleness, current_version=self.current_version(),
                          dht_peers=list(self.dht_peers))
 

@@ -185,7 +185,7 @@ def plot(status: RunStatus, path: Path) -> None:
 
 def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Path) -> tuple[int, float]:
     """Fetch the newest published checkpoint like a node would and measure its held-out accuracy."""
-    from swarmrl.protocol.tasks import get_task
+    from swarmrl.protocol.tasks import TaskSpec, load_task
     from swarmrl.trainer.evaluate import accuracy
     from swarmrl.trainer.model import load_checkpoint
     from swarmrl.transfer.store import ShardStore, assemble_checkpoint
@@ -198,8 +198,8 @@ def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Pa
         store.put(s.sha256, client.shard(s.sha256))
     out = assemble_checkpoint(manifest, store.get, work / f"v{manifest.version:08d}")
     model, tok = load_checkpoint(out)
-    task = get_task("addition3")
-    return manifest.version, accuracy(model, tok, task.eval_set, task)
+    task = load_task(TaskSpec())
+    return manifest.version, accuracy(model, tok, task.eval_set(), task)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     try:
         swarm.start("coordinator", "coordinator", {
             "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"), "run_id": run_id,
-            "task": "addition3", "key_path": str(run_dir / "keys" / "coordinator.key"),
+            "task": "addition", "key_path": str(run_dir / "keys" / "coordinator.key"),
             "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size},
             "max_staleness": cfg.max_staleness,
             "max_buffered_groups": cfg.batch_groups * max(cfg.max_staleness, 1),
@@ -250,7 +250,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         for name in verifier_names:
             swarm.start(name, "verifier", {
                 "coordinator_url": url, "key_path": str(run_dir / "keys" / f"{name}.key"),
-                "work_dir": str(run_dir / name), "task": "addition3",
+                "work_dir": str(run_dir / name), "task": "addition",
             }, VerifierConfig)
 
         init_dir = run_dir / "init"
@@ -261,7 +261,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         swarm.start("trainer", "trainer", {
             "coordinator_url": url, "key_path": str(run_dir / "keys" / "trainer.key"),
             "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(init_dir), "run_id": run_id,
-            "task": "addition3", "lr": cfg.lr, "batch_groups": cfg.batch_groups, "max_staleness": cfg.max_staleness,
+            "task": "addition", "lr": cfg.lr, "batch_groups": cfg.batch_groups, "max_staleness": cfg.max_staleness,
             "max_steps": cfg.max_steps, "eval_every": cfg.eval_every, "progress": False,
         }, TrainerConfig)
 

@@ -10,6 +10,7 @@ component its own slice of the job config.
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+from swarmrl.protocol.tasks import TaskSpec
 from swarmrl.trainer.grpo import GRPOConfig
 
 
@@ -31,7 +32,7 @@ class TrainerConfig(BaseModel):
         None, description="HF checkpoint directory of the warm-started model; used when state_dir holds no state."
     )
     run_id: str = Field("", description="Run id for manifests; empty = take the coordinator's.")
-    task: str = Field("", description="Task name for evaluation, e.g. 'addition3'; empty = the coordinator's.")
+    task: TaskSpec | None = Field(None, description="Task for evaluation (name, options); None = the coordinator's.")
 
     # -- optimiser ----------------------------------------------------------------------------------
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate (1e-3 collapsed the tiny model).")

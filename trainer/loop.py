@@ -36,7 +36,7 @@ import transformers
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.messages import RunInfo, TrainingBatch, TrainingGroup
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.trainer.distributed import (
@@ -223,7 +223,7 @@ class _Run:
             raise ValueError(f"configured run_id {cfg.run_id!r} but the coordinator runs {info.run_id!r}")
         self.info = info
         self.run_id = info.run_id
-        self.task = get_task(cfg.task or info.task)
+        self.task = load_task(cfg.task or TaskSpec(name=info.task))
         self.gcfg = cfg.grpo(info.sampling.temperature)
 
         # Weights, optimizer and counters: from the newest state, else from the warm-started checkpoint.
@@ -294,7 +294,7 @@ class _Run:
         """Greedy exact match on the task's held-out problems, as `trainer.evaluate.accuracy` measures it
         (FSDP: each rank a share, summed)."""
         t0 = time.monotonic()
-        problems = list(self.task.eval_set[: self.cfg.eval_size])
+        problems = list(self.task.eval_set()[: self.cfg.eval_size])
         mine = problems[self.env.rank :: self.env.world_size]
         correct = correct_count(self.model, self.tokenizer, mine, self.task, synced_gpus=self.env.distributed)
         acc = all_reduce_int(correct, self.env) / max(len(problems), 1)

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from swarmrl.protocol import proofs
+from swarmrl.protocol.tasks import TaskSpec
 
 
 class Tolerances(BaseModel):
@@ -70,7 +71,7 @@ class VerifierConfig(BaseModel):
     key_path: Path = Field(Path("verifier.key"), description="Operator identity; its key must be in the "
                            "coordinator's operator_keys.")
     work_dir: Path = Field(Path("verifier-data"), description="Checkpoints fetched for checking are kept here.")
-    task: str = Field("addition3", description="Task whose reward is recomputed.")
+    task: TaskSpec = Field(default_factory=TaskSpec, description="Task whose reward is recomputed (name, options).")
     batch: int = Field(64, ge=1, description="Pending groups claimed per poll.")
     poll_interval_s: float = Field(0.2, gt=0, description="Wait between polls when nothing is pending and the "
                                    "coordinator did not wait (long_poll_s = 0, or an error).")

@@ -20,7 +20,7 @@ import torch
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import PendingGroup, Verdict
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.verifier.checks import CheckContext, cheap_checks, missing_proof
 from swarmrl.verifier.config import VerifierConfig
@@ -48,7 +48,7 @@ class Verifier:
         self.cfg = cfg
         self.identity = identity or Identity.load_or_create(cfg.key_path)
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity)
-        self.task = get_task(cfg.task)
+        self.task = load_task(cfg.task)
         self.policy = CheckPolicy(cfg.warmup_checks, cfg.sample_rate, cfg.policy_seed)
         self.stats = VerifierStats()
         self.reports: dict[int, GroupReport] = {}

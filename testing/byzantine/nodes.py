@@ -188,9 +188,9 @@ class ClaimNode(ScriptedNode):
     can score its own completions: it sees the prompt, and the task's answer follows from it)."""
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        from swarmrl.protocol.tasks import get_task
+        from swarmrl.protocol.tasks import TaskSpec, load_task
 
-        task = get_task(self._run_info.task)
+        task = load_task(TaskSpec(name=self._run_info.task))
         texts = {p.prompt_id: p.text for p in lease.prompts}
         groups = []
         for g in submission.groups:
