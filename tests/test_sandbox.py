@@ -132,6 +132,14 @@ def test_host_files_are_not_even_readable(box, tmp_path):
     assert "read" not in r.stdout.decode() and r.stdout.decode().count("hidden") == 4
 
 
+def test_no_nested_namespaces(box):
+    # A fresh user namespace would be a way to more privileges (and to more kernel attack surface).
+    r = run(box, "import ctypes\nprint(ctypes.CDLL(None, use_errno=True).unshare(0x10000000), ctypes.get_errno())")
+    assert r.ok, r.stderr
+    rc, errno = map(int, r.stdout.split())
+    assert rc == -1 and errno != 0
+
+
 def test_process_limit_holds(box):
     r = run(box, """
         import os, time
