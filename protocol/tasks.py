@@ -42,11 +42,11 @@ Writing a task of your own, in your own package, without editing this project:
 After `pip install mypkg`, `name = "reverse"` selects it in every role. Install it on every machine that
 loads the task (coordinator, verifier, trainer), in the same version.
 
-Data files. A task that reads a file takes its path in its options, resolved against the `data_dir` that
-the loading role passes to `load_task` (a relative path), so each machine points at its own copy, and the
-file's SHA-256 in its options too: the task refuses a file whose content hashes differently. The coordinator,
-verifier and trainer thereby use byte-identical data or do not start. (`swarmrl.tasks.data` does this for
-JSONL files.)
+Data files. A task that reads a file takes its path in its options, and the file's SHA-256 too. A relative
+path resolves against the `data_dir` the loading role passes to `load_task` (the roles pass none today: their
+working directory), so each machine keeps its own copy where it likes, while the run's options stay the
+same everywhere; the task refuses a file whose content hashes differently. The coordinator, verifier and
+trainer thereby use byte-identical data or do not start. (`swarmrl.tasks.data` does this for JSONL files.)
 
 Only the standard library and pydantic are imported here.
 """

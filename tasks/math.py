@@ -53,6 +53,8 @@ class MathTask(Task):
         super().__init__(options, data_dir)
         self._train, self._eval = load_split(options, data_dir, self._parse)
         self._checker = MathChecker(options.verify_timeout_s, options.memory_mb)
+        if not self._checker.equivalent("\\frac{1}{2}", "0.5"):  # fail at load, not at the first reward
+            raise RuntimeError("math-verify does not work here: the answer checker found 1/2 != 0.5")
 
     def _parse(self, record: dict[str, Any]) -> Problem:
         question = record["question"] if "question" in record else record["problem"]

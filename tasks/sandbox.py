@@ -166,17 +166,23 @@ class Sandbox:
             uid, nproc = os.getuid(), c.nproc + BWRAP_TASKS + _tasks_of(os.getuid())
             user = {}
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
-        with tempfile.TemporaryFile() as program, tempfile.TemporaryFile() as inp:
+        with tempfile.TemporaryFile() as program, tempfile.TemporaryFile() as written:
             program.write(source.encode("utf-8", errors="replace"))
             program.seek(0)
-            inp.write(stdin)
-            inp.seek(0)
+            written.write(stdin)
+            written.flush()
+            try:
+                inp = open(f"/proc/self/fd/{written.fileno()}", "rb")  # a read-only stdin: nothing to write to
+            except OSError as e:
+                raise SandboxError(f"cannot reopen the input: {e}") from e
             try:
                 proc = subprocess.Popen(self._argv(program.fileno(), nproc), stdin=inp, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, pass_fds=(program.fileno(),), env=env,
                                         start_new_session=True, **user)  # type: ignore[arg-type]
             except OSError as e:
                 raise SandboxError(f"cannot start the sandbox: {e}") from e
+            finally:
+                inp.close()
             try:
                 status, out, err = _collect(proc, time.monotonic() + c.wall_s, c.output_bytes)
             finally:
