@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from swarmrl.protocol.tasks import Task, get_task
+from swarmrl.protocol.tasks import Task, TaskSpec, load_task
 
 
 def train_dataset(task: Task, n: int, seed: int):
@@ -65,7 +65,7 @@ def _wall_clock_callback(model, tokenizer, task: Task, wall_budget_s: float, eva
         def evaluate(self, step: int) -> None:
             wall = self.wall()
             t = time.perf_counter()
-            acc = accuracy(model, tokenizer, task.eval_set, task)
+            acc = accuracy(model, tokenizer, task.eval_set(), task)
             self.eval_s += time.perf_counter() - t
             points.append({"wall_s": round(wall, 2), "step": step, "accuracy": acc})
             if log:
@@ -99,7 +99,7 @@ def run_trl(
     eval_every_steps: int = 10,
     temperature: float = 1.0,
     max_new_tokens: int = 6,
-    task_name: str = "addition3",
+    task_name: str = "addition",
     seed: int = 0,
     output_dir: Path | None = None,
     log: bool = True,
@@ -123,7 +123,7 @@ def run_trl(
 
     torch.set_num_threads(threads)
     t_setup = time.perf_counter()
-    task = get_task(task_name)
+    task = load_task(TaskSpec(name=task_name))
     model, tokenizer = load_checkpoint(init_checkpoint)
     tokenizer.chat_template = None  # plain-text prompts; the tokenizer prepends <s> itself, as for the swarm
     n_completions = batch_prompts * group_size

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunSpec
-from swarmrl.protocol.tasks import load_task
+from swarmrl.protocol.tasks import task_options
 from swarmrl.transfer.p2p.config import P2PConfig
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -86,7 +86,7 @@ class CoordinatorConfig(BaseModel):
     @field_validator("run")
     @classmethod
     def _known_task(cls, run: RunSpec) -> RunSpec:
-        load_task(run.task)  # raises ValueError naming the known tasks, or what is wrong with the options
+        task_options(run.task)  # raises ValueError naming the known tasks, or the options refused
         return run
 
     @model_validator(mode="after")

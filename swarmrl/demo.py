@@ -201,7 +201,7 @@ def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Pa
     out = assemble_checkpoint(manifest, store.get, work / f"v{manifest.version:08d}")
     model, tok = load_checkpoint(out)
     task = load_task(client.info().spec.task)
-    return manifest.version, accuracy(model, tok, task.eval_set, task)
+    return manifest.version, accuracy(model, tok, task.eval_set(), task)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -231,7 +231,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"),
             "key_path": str(run_dir / "keys" / "coordinator.key"),
             "run": {"run_id": run_id, "model": "tiny Llama (0.86M), character tokenizer",
-                    "task": {"name": "addition3"}, "max_staleness": cfg.max_staleness,
+                    "task": {"name": "addition"}, "max_staleness": cfg.max_staleness,
                     "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size}},
             "max_buffered_groups": cfg.batch_groups * max(cfg.max_staleness, 1),
             "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,

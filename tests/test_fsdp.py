@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.testing.groups import training_group
 from swarmrl.trainer.evaluate import correct_count
 from swarmrl.trainer.grpo import Batch, GRPOConfig, build_batch, grpo_step, make_optimizer
@@ -75,8 +75,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     save_state(Path(out_dir) / "state", unsharded_copy(model, msd), tok, osd,
                                TrainerState(step=1, version=1, cursor=7))
             if name == "plain":
-                problems = get_task("addition3").eval_set[:EVAL_N]
-                correct = correct_count(model, tok, problems[rank::world], get_task("addition3"),
+                task = load_task(TaskSpec())
+                problems = task.eval_set()[:EVAL_N]
+                correct = correct_count(model, tok, problems[rank::world], task,
                                         synced_gpus=True)
                 t = torch.tensor([correct])
                 dist.all_reduce(t)
@@ -148,8 +149,8 @@ def test_fsdp_save_and_eval_match(fsdp_results):
     for k in theirs:
         assert torch.allclose(mine[k]["exp_avg"], theirs[k]["exp_avg"]), k
     # Sharded greedy evaluation (synced generation, shares summed) = one-process evaluation.
-    task = get_task("addition3")
-    assert results["eval_correct"] == correct_count(loaded.model, loaded.tokenizer, task.eval_set[:EVAL_N], task)
+    task = load_task(TaskSpec())
+    assert results["eval_correct"] == correct_count(loaded.model, loaded.tokenizer, task.eval_set()[:EVAL_N], task)
 
 
 # -- run_trainer under torchrun-style launch ------------------------------------------------------------

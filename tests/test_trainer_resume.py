@@ -17,7 +17,7 @@ import torch
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.messages import TrainingBatch, TrainingGroup
 from swarmrl.protocol.run import RunInfo, RunSpec, SamplingSpec
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.testing.groups import training_group
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.trainer.distributed import optimizer_state
@@ -57,7 +57,7 @@ class FakeCoordinator:
         self.fail_publish = 0
         self.flat_until = flat_until  # groups with ids up to this one all have one reward for every rollout
         self.tok = build_tokenizer()
-        self.task = get_task("addition3")
+        self.task = load_task(TaskSpec())
         self.rng = random.Random(0)
         self.lock = threading.Lock()  # the publisher thread and the main thread call in concurrently
 
@@ -274,7 +274,7 @@ def _feed_swarm(url: str, verifier_key, stop: threading.Event) -> None:
     from swarmrl.protocol.messages import Rollout, RolloutGroup, RolloutSubmission, Verdict
     from swarmrl.runtime.client import CoordinatorClient
 
-    tok, task, rng = build_tokenizer(), get_task("addition3"), random.Random(1)
+    tok, task, rng = build_tokenizer(), load_task(TaskSpec()), random.Random(1)
     node = CoordinatorClient(url, Identity.generate())
     node.register(name="test-node", engine="fake")
     verifier = CoordinatorClient(url, verifier_key)

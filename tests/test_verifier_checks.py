@@ -8,7 +8,7 @@ import torch
 from swarmrl.node.proof import build_proof
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.run import RunSpec
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.trainer.model import build_tokenizer
 from swarmrl.verifier.checks import CheckContext, cheap_checks
 from swarmrl.verifier.policy import CheckPolicy
@@ -32,7 +32,7 @@ def group(rollouts: list[m.Rollout], *, prompt: str = "123+456=", max_tokens: in
                           group=m.RolloutGroup(prompt_id="p", prompt_ids=TOK(prompt).input_ids, rollouts=rollouts))
 
 
-CTX = CheckContext(tokenizer=TOK, task=get_task("addition3"), run=RunSpec(max_staleness=1), max_positions=13,
+CTX = CheckContext(tokenizer=TOK, task=load_task(TaskSpec()), run=RunSpec(max_staleness=1), max_positions=13,
                    hidden_size=16)
 GOOD = [rollout(DIGITS + [EOS], "stop", 1), rollout([DIGITS[0]] * 4, "length", 2)]
 

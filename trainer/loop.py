@@ -297,7 +297,7 @@ class _Run:
         """Greedy exact match on the task's held-out problems, as `trainer.evaluate.accuracy` measures it
         (FSDP: each rank a share, summed)."""
         t0 = time.monotonic()
-        problems = list(self.task.eval_set[: self.cfg.eval_size])
+        problems = list(self.task.eval_set()[: self.cfg.eval_size])
         mine = problems[self.env.rank :: self.env.world_size]
         correct = correct_count(self.model, self.tokenizer, mine, self.task, synced_gpus=self.env.distributed)
         acc = all_reduce_int(correct, self.env) / max(len(problems), 1)
