@@ -24,6 +24,7 @@ from swarmrl.coordinator.auth import Refused, check_signature, parse_envelope, t
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.store import Row, Store
 from swarmrl.protocol import messages as m
+from swarmrl.protocol import quarantine
 from swarmrl.protocol.identity import Identity, node_id_from_public_key
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.protocol.signing import SignedEnvelope
@@ -342,14 +343,14 @@ class Coordinator:
                                answer=r["answer"], lease_version=r["lease_version"],
                                sampling=m.SamplingSpec.model_validate(r["sampling"]), seeds=r["seeds"],
                                policy_version=r["policy_version"], group=m.RolloutGroup.model_validate(r["payload"]),
-                               node_checks_passed=r["node_checks_passed"])
+                               node_checks_passed=r["node_checks_passed"], node_held=r["node_held"])
                 for r in rows]
 
     def verdicts(self, req: Signed) -> None:
         """Apply verdicts to pending groups; verdicts on groups already decided (held included) or unknown are
-        ignored. Quarantine: an accepted verdict with `checked=False` holds the group; a checked acceptance
-        releases the node's held groups submitted before it (a later check vouches for them); a ban rejects
-        the node's held and pending groups alike."""
+        ignored. Quarantine (`protocol.quarantine`): an accepted verdict with `checked=False` holds the group; a
+        checked acceptance that vouches adds a vouch to the node's held groups submitted before it and releases
+        those with `release_passes` vouches; a ban rejects the node's held and pending groups alike."""
         batch: m.VerdictBatch = req.payload
         now = self.clock()
         with self.store.transaction():
@@ -371,8 +372,15 @@ class Coordinator:
                     self.store.hold_group(v.group_id, list(v.rewards), now)
                     continue
                 if v.accepted:
-                    # Held groups first: the trainer's cursor then follows submission order.
-                    released = self.store.release_held(node_id, v.group_id, now)
+                    # The release rule is protocol.quarantine's; held groups go first, so the trainer's cursor
+                    # follows submission order.
+                    held = [quarantine.Held(r["id"], r["vouches"]) for r in self.store.held_of_node(node_id)]
+                    out = quarantine.on_pass(held, v.group_id, v.vouches, self.config.release_passes)
+                    before = {h.group_id: h.vouches for h in held}
+                    for h in out.still_held:
+                        if h.vouches != before[h.group_id]:
+                            self.store.set_vouches(h.group_id, h.vouches)
+                    released = self.store.release_held(list(out.released), now)
                     self.store.accept_group(v.group_id, list(v.rewards), now)
                     self.store.count_node_check(node_id)
                     self.store.count_node_verdict(node_id, accepted=1 + len(released))

@@ -1,8 +1,9 @@
 """Durable coordinator state in SQLite: nodes, leases, submitted groups, manifests, metrics.
 
 A submitted group is 'pending' until decided. A pending group may be *held* (held = 1): it passed the
-verifier's cheap checks but not a full check, and waits, unclaimable, until a later full check of its node
-releases it (it becomes 'accepted') or the node is banned (it becomes 'rejected' with everything pending).
+verifier's cheap checks but not a full check, and waits, unclaimable, until full checks of later groups of its
+node have vouched for it (`protocol.quarantine`; `vouches` counts them) and it is released (it becomes
+'accepted') or the node is banned (it becomes 'rejected' with everything pending).
 
 One connection, guarded by a re-entrant lock: FastAPI runs sync endpoints in a thread pool, and SQLite
 connections must not be used by two threads at once. `transaction()` makes a sequence of calls atomic
@@ -95,6 +96,7 @@ CREATE TABLE IF NOT EXISTS rollout_groups (
     submitted_at DOUBLE PRECISION NOT NULL,
     decided_at DOUBLE PRECISION,
     held INTEGER NOT NULL DEFAULT 0,
+    vouches INTEGER NOT NULL DEFAULT 0,
     UNIQUE (lease_id, prompt_id)
 );
 CREATE INDEX IF NOT EXISTS rollout_groups_status ON rollout_groups (status, id);
@@ -146,6 +148,7 @@ class Store:
         """Add columns that databases made by earlier versions lack (SQLite keeps old tables as they were)."""
         for table, column, ddl in (("nodes", "checks_passed", "BIGINT NOT NULL DEFAULT 0"),
                                    ("rollout_groups", "held", "INTEGER NOT NULL DEFAULT 0"),
+                                   ("rollout_groups", "vouches", "INTEGER NOT NULL DEFAULT 0"),
                                    ("nodes", "idle_s", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
                                    ("nodes", "busy_s", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
                                    ("nodes", "idle_total", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
@@ -368,7 +371,9 @@ class Store:
                            (claimer, until, gid))
             rows = [self._one(
                 "SELECT g.*, p.text AS prompt_text, p.answer, p.seeds, l.policy_version AS lease_version, "
-                "l.sampling, n.checks_passed AS node_checks_passed FROM rollout_groups g JOIN lease_prompts p ON "
+                "l.sampling, n.checks_passed AS node_checks_passed, (SELECT COUNT(*) FROM rollout_groups h WHERE "
+                "h.node_id = g.node_id AND h.status = 'pending' AND h.held = 1) AS node_held "
+                "FROM rollout_groups g JOIN lease_prompts p ON "
                 "p.lease_id = g.lease_id AND p.prompt_id = g.prompt_id JOIN leases l ON l.id = g.lease_id "
                 "JOIN nodes n ON n.id = g.node_id WHERE g.id = ?", (gid,)) for gid in ids]
         out = [r for r in rows if r is not None]
@@ -406,16 +411,25 @@ class Store:
                          "WHERE id = ? AND status = 'pending' AND held = 0", (json.dumps(rewards), now, group_id))
         return cur.rowcount == 1
 
-    def release_held(self, node_id: str, before_id: int, now: float) -> list[int]:
-        """Accept, in submission order, the node's held groups submitted before group `before_id` (whose full
-        check just passed); returns their ids."""
+    def held_of_node(self, node_id: str) -> list[Row]:
+        """The node's held groups (id, vouches), oldest first."""
+        return self._all("SELECT id, vouches FROM rollout_groups WHERE node_id = ? AND status = 'pending' AND held = 1 "
+                         "ORDER BY id", (node_id,))
+
+    def set_vouches(self, group_id: int, vouches: int) -> None:
+        self._exec("UPDATE rollout_groups SET vouches = ? WHERE id = ? AND status = 'pending' AND held = 1",
+                   (vouches, group_id))
+
+    def release_held(self, group_ids: list[int], now: float) -> list[int]:
+        """Accept held groups, in the given order, with the rewards stored when they were held; returns those that
+        were still held."""
+        released = []
         with self.transaction():
-            rows = self._all("SELECT id, rewards FROM rollout_groups WHERE node_id = ? AND status = 'pending' AND "
-                             "held = 1 AND id < ? ORDER BY id", (node_id, before_id))
-            released = []
-            for r in rows:
-                if self.accept_group(r["id"], json.loads(r["rewards"]), now) is not None:
-                    released.append(int(r["id"]))
+            for gid in group_ids:
+                row = self._one("SELECT rewards FROM rollout_groups WHERE id = ? AND status = 'pending' AND held = 1",
+                                (gid,))
+                if row is not None and self.accept_group(gid, json.loads(row["rewards"]), now) is not None:
+                    released.append(gid)
         return released
 
     def held_count(self) -> int:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 WARMUP_CHECKS = 450
 """K: with p = 0.1, the smallest K whose bound on the poisoned share is <= 1% with attackers holding a third of
@@ -73,7 +73,7 @@ class Rules:
             raise ValueError(f"max_held must be >= 0, got {self.max_held}")
 
 
-class Check(str, Enum):
+class Check(StrEnum):
     """What the verifier does with one group."""
 
     WARMUP = "warmup"

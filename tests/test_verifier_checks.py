@@ -7,6 +7,7 @@ import torch
 
 from swarmrl.node.proof import build_proof
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.quarantine import Check, Rules
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.trainer.model import build_tokenizer
@@ -78,13 +79,11 @@ def test_length_at_the_model_limit_is_a_valid_ending():
 
 
 def test_policy_checks_new_nodes_then_samples():
-    policy = CheckPolicy(warmup_checks=3, sample_rate=0.25, seed=0)
-    assert all(policy.wants_full_check("a", 0) for _ in range(50))
-    for _ in range(3):
-        policy.record_pass("a", 0)
-    draws = [policy.wants_full_check("a", 0) for _ in range(2000)]
-    assert 0.2 < sum(draws) / len(draws) < 0.3
-    assert policy.wants_full_check("b", 0)  # another node is new
-    assert not CheckPolicy(3, 0.0).wants_full_check("c", on_record=3)  # the coordinator's count is honoured
-    with pytest.raises(ValueError):
-        CheckPolicy(1, 1.5)
+    policy = CheckPolicy(Rules(warmup_checks=3, sample_rate=0.25, max_held=5), seed=0)
+    assert all(policy.decide(passes=2, held=0) is Check.WARMUP for _ in range(50))
+    draws = [policy.decide(passes=3, held=0) for _ in range(2000)]
+    assert 0.2 < draws.count(Check.SAMPLED) / len(draws) < 0.3
+    assert set(draws) == {Check.SAMPLED, Check.HOLD}
+    at_cap = [policy.decide(passes=3, held=5) for _ in range(200)]
+    assert set(at_cap) == {Check.SAMPLED, Check.OVERFLOW}  # never held beyond the cap
+    assert CheckPolicy(Rules(warmup_checks=3, sample_rate=0.0)).decide(passes=3, held=0) is Check.HOLD

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from swarmrl.protocol import messages as m
@@ -54,7 +56,7 @@ def test_sampled_out_groups_are_held_until_a_later_check_passes(pool):
     rounds(pool, node, 3)  # p = 0: cheap checks only, held
     st = pool.op.status()
     assert (st.groups_held, st.groups_pending, len(feed(pool))) == (3, 0, K)
-    pool.verifier.policy.sample_rate = 1.0
+    pool.verifier.policy.rules = replace(pool.verifier.policy.rules, sample_rate=1.0)
     rounds(pool, node, 1)
     groups = feed(pool)
     assert len(groups) == K + 4 and pool.op.status().groups_held == 0
@@ -73,7 +75,7 @@ def test_node_turning_bad_after_k_loses_its_held_groups_and_identity(pool):
     node.cheating = True
     rounds(pool, node, 3)  # edited tokens pass the cheap checks: held, not trained on
     assert pool.op.status().groups_held == 3 and len(feed(pool)) == K
-    pool.verifier.policy.sample_rate = 1.0
+    pool.verifier.policy.rules = replace(pool.verifier.policy.rules, sample_rate=1.0)
     rounds(pool, node, 1)
     assert len(feed(pool)) == K
     statuses = [(g["status"], g["reason"][:12]) for g in pool.groups(node.node_id)]
@@ -119,7 +121,7 @@ def test_release_needs_a_check_of_a_later_group(pool):
 
 
 def test_each_group_is_checked_with_its_own_version(pool, tmp_path):
-    pool.verifier.policy.warmup_checks = 100  # full checks throughout
+    pool.verifier.policy.rules = replace(pool.verifier.policy.rules, warmup_checks=100)  # all checked
     old = pool.node(name="old", max_prompts=1)
     pool.publish(perturb_checkpoint(pool.versions[0], tmp_path / "v1", 0.01))
     new = pool.node(name="new", max_prompts=1)

@@ -28,7 +28,6 @@ import numpy as np
 
 from swarmrl.protocol.quarantine import Held, Rules, decide, on_pass
 
-
 # -- the attacker's optimum ----------------------------------------------------------------------------------------
 
 
