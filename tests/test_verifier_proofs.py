@@ -169,7 +169,8 @@ def test_a_proof_checked_piece_by_piece_gives_the_whole_check():
     proof = proofs.decode(build_proof(s))
     whole = proof_errors(proof, s, 1e-3)
     cuts = [0, 5, 32, 40, 77, 100]  # pieces across and inside the 32-token chunks
-    parts = proof_errors_many([proof] * 5, [s[a:b] for a, b in zip(cuts, cuts[1:])], 1e-3, starts=cuts[:-1])
+    pieces = [s[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    parts = proof_errors_many([proof] * 5, pieces, 1e-3, starts=cuts[:-1])
     assert sum(p.checked for p in parts) == whole.checked
     assert sum(p.err_sum for p in parts) == pytest.approx(whole.err_sum)
     assert max(p.max_err for p in parts) == whole.max_err
