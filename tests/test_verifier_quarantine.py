@@ -10,13 +10,17 @@ coordinator and verifier:
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.quarantine import Rules
 from swarmrl.runtime.client import CoordinatorError
+from swarmrl.testing.byzantine import adaptive
 from swarmrl.testing.byzantine import nodes as bad
+from swarmrl.testing.byzantine import quarantine_sim as sim
 from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
 from swarmrl.verifier.budget import IdentityBudget
 
@@ -223,3 +227,28 @@ def test_budget_bucket_refills_and_forgets():
     assert b.level("a") == 10.0
     with pytest.raises(ValueError):
         IdentityBudget(0.0, 1.0)
+
+
+@pytest.mark.parametrize("k,poisons", [(2, True), (1000, False)])
+def test_an_adaptive_attacker_with_free_identities_live(tmp_path, ckpt, k, poisons):
+    """The bench's attacker, small: batches of 2 cheats, honest until they are released, a new key when banned.
+    With K = 2 it gets cheats into the trainer feed through the real coordinator; with K beyond its work, none
+    (and it never even cheats: every check of a young identity is certain)."""
+    rules = Rules(warmup_checks=k, sample_rate=0.25)
+    cfg = {"warmup_checks": k, "sample_rate": 0.25, "max_held": rules.max_held, "policy_seed": 1}
+    with open_pool(tmp_path, ckpt, verifier=cfg) as pool:
+        honest = [pool.node(name="honest", max_prompts=4)]
+        attacker = adaptive.Attacker(pool, sim.batch(2), rules, bad.Truth(ckpt), random.Random(0))
+        try:
+            res = adaptive.run(pool, attacker, honest, work=24, attacker_share=1 / 3)
+        finally:
+            attacker.close()
+            honest[0].engine.close()
+        accepted = {g["id"] for g in pool.groups() if g["status"] == "accepted"}
+    assert res["poisoned"] == len(accepted & attacker.cheats) and res["trained_on"] == len(accepted)
+    assert res["honest_rejected"] == 0 and res["honest_nodes_banned"] == 0
+    assert res["attacker_share_measured"] == pytest.approx(1 / 3, abs=0.05)
+    if poisons:
+        assert res["poisoned"] >= 1 and res["identities"] >= 2 and res["identities_banned"] >= 1
+    else:
+        assert res["poisoned"] == 0 and res["attacker_cheat_groups"] == 0 and res["identities"] == 1

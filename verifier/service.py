@@ -117,6 +117,7 @@ class Verifier:
         assert self.models is not None
         verdicts: list[Verdict] = []
         passed: list[tuple[PendingGroup, list[float]]] = []
+        banned_here: set[str] = set()
         for g in sorted(groups, key=lambda g: g.group_id):
             try:
                 weights = self.models.get(g.policy_version)
@@ -135,6 +136,7 @@ class Verifier:
                 continue
             if reason is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=True))
+                banned_here.add(g.node_id)
             elif (reason := reward_problem(rewards)) is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason))
             else:
@@ -143,6 +145,10 @@ class Verifier:
         full: dict[int, list[Item]] = defaultdict(list)
         held_here: Counter[str] = Counter()
         for g, rewards in passed:
+            if g.node_id in banned_here:  # the ban drops it anyway: no draw, no check
+                verdicts.append(Verdict(group_id=g.group_id, accepted=False,
+                                        reason="not checked: another group of this node failed its checks"))
+                continue
             if self.budget is not None and self.budget.over(g.node_id):
                 self.stats.deferred += 1  # before the draw: see verifier.budget
                 continue

@@ -66,15 +66,22 @@ def generate_groups(ckpt: Path, texts: list[str], group: int = 8, temperature: f
 
 
 def garbage(g: m.PendingGroup, rng: random.Random, ordinary: list[int], proof: str | None = None,
-            keep: int = 0) -> m.PendingGroup:
+            keep: int = 0, consistent: bool = True) -> m.PendingGroup:
     """`g` with every rollout's tokens after the first `keep` replaced by random `ordinary` ones and made-up logprobs
-    for them, to the same length (so "length" stays a valid ending); every proof replaced by `proof` when given (a
-    well-formed proof of another rollout of that length), else kept."""
+    for them, to the same length and ending (a final EOS is kept), so the group stays well formed; every proof
+    replaced by `proof` when given (a well-formed proof of another rollout of that length), else kept (the honest
+    rollout's: of other tokens). `consistent`: each made-up logprob is a function of the tokens up to it, as an
+    attacker who read the cheap checks makes them (rollouts sharing a prefix then claim the same values); else
+    independent draws."""
     rollouts = []
     for r in g.group.rollouts:
         n = len(r.completion_ids)
-        ids = r.completion_ids[:keep] + [rng.choice(ordinary) for _ in range(n - min(keep, n))]
-        lps = r.logprobs[:keep] + [-rng.uniform(0.5, 3.0) for _ in range(n - min(keep, n))]
-        rollouts.append(r.model_copy(update={"completion_ids": ids, "logprobs": lps, "finish_reason": "length",
+        end = n - 1 if r.finish_reason == "stop" else n  # the EOS of a stopped completion stays
+        ids = r.completion_ids[:keep] + [rng.choice(ordinary) for _ in range(end - min(keep, end))]
+        ids += r.completion_ids[end:]
+        lps = r.logprobs[:keep] + [
+            -0.5 - 2.5 * random.Random(repr(ids[:i + 1])).random() if consistent else -rng.uniform(0.5, 3.0)
+            for i in range(min(keep, n), n)]
+        rollouts.append(r.model_copy(update={"completion_ids": ids, "logprobs": lps,
                                              "proof": proof if proof is not None else r.proof}))
     return g.model_copy(update={"group": g.group.model_copy(update={"rollouts": rollouts})})
