@@ -11,7 +11,8 @@ A node process:
         peer.close()
 
 The coordinator runs `transfer.seed.DhtSeed` (a bootstrap peer that seeds its shard store).
-Modules: `config` (P2PConfig), `dht` (holder records and their validators), `swarm` (SwarmPeer), `serving`
+Modules: `config` (P2PConfig), `dht` (holder records and their validators), `host` (starting a daemon and a
+DHTNode: `open_dht`, and `DhtHost` for users of the bare DHT), `swarm` (SwarmPeer), `serving`
 (ShardServer: uploads, watch streams, seed hints; the wire protocol), `sources`
 (SwarmSource, PeerSource: the swarm as the fetcher sees it).
 Importing `swarm` imports hivemind (and torch): a few seconds, so it is imported only when needed.

@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hivemind.dht.node import DHTNode
-from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
@@ -38,16 +37,15 @@ from swarmrl.transfer.p2p.config import P2PConfig
 from swarmrl.transfer.p2p.dht import (
     CachingSignatureValidator,
     HolderRecord,
-    HolderRecordValidator,
     bitfield_indices,
     full_maddrs,
     holders_key,
-    load_or_create_rsa_identity,
     make_bitfield,
     manifest_info,
     manifest_tag,
     parse_holders,
 )
+from swarmrl.transfer.p2p.host import open_dht
 from swarmrl.transfer.p2p.serving import (
     BUSY,
     LATER,
@@ -204,31 +202,10 @@ class SwarmPeer:
 
     async def _start(self) -> None:
         cfg = self.config
-        key, path, temporary = load_or_create_rsa_identity(cfg.identity_path)
-        try:
-            self._p2p = await P2P.create(
-                initial_peers=self.initial_peers or None,
-                host_maddrs=cfg.host_maddrs,
-                announce_maddrs=cfg.announce_maddrs or None,
-                identity_path=str(path),
-                check_if_identity_free=False,
-                auto_nat=False,
-                nat_port_map=False,
-                use_relay=False,
-                use_auto_relay=False,
-                startup_timeout=cfg.startup_timeout_s,
-            )
-        finally:
-            if temporary:
-                path.unlink(missing_ok=True)
-        self._rsa = CachingSignatureValidator(key)
-        self._dht = await DHTNode.create(
-            p2p=self._p2p,
-            initial_peers=self.initial_peers or None,
-            record_validator=CompositeValidator([self._rsa, HolderRecordValidator()]),
-            wait_timeout=cfg.dht_wait_timeout_s,
-            num_workers=4,
-        )
+        self._p2p, self._dht, self._rsa = await open_dht(
+            initial_peers=self.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
+            identity_path=cfg.identity_path, startup_timeout_s=cfg.startup_timeout_s,
+            wait_timeout_s=cfg.dht_wait_timeout_s)
         self.peer_id = self._p2p.peer_id.to_base58()
         self.maddrs = full_maddrs(await self._p2p.get_visible_maddrs(), self._p2p.peer_id)
         self.server.start()
