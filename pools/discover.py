@@ -12,18 +12,11 @@ import time
 from dataclasses import dataclass, field
 
 from swarmrl.pools.config import BOOTSTRAP_ENV, PoolsConfig
+from swarmrl.pools.errors import PoolChoiceError, PoolLookupError
 from swarmrl.pools.records import POOLS_KEY, PoolRecordValidator, open_pools_dht
 from swarmrl.pools.trust import PoolTrust
 from swarmrl.protocol.pools import SignedPoolRecord, parse_signed_record, pool_record_problem
 from swarmrl.transfer.p2p.host import DhtHost
-
-
-class PoolLookupError(RuntimeError):
-    """The pools' DHT could not be read (no bootstrap peers, or none reachable)."""
-
-
-class PoolChoiceError(RuntimeError):
-    """No pool can be joined under the name asked for; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
