@@ -8,7 +8,7 @@ reads the DHT trusts nothing but that signature and `pool_record_problem`:
 
 - bad signature: the record was not signed by the key it names (a forgery, or a tampered copy);
 - mismatched: the record is stored under another key's slot than its own (`subkey`), or a DHT entry lives longer
-  than the record says it may (`dht_expiration`);
+  than the record says it may (`dht_expiration`: an old copy given a new life to shadow the newest);
 - expired, or issued in the future beyond the allowed clock skew;
 - pinned: a node that joined pool NAME once remembers its key, and a record of that name under another key is
   refused (someone else claims the name, or the operator changed keys: the node says which, loudly);
@@ -145,20 +145,20 @@ def pool_record_problem(
     seen: Seen | None = None,
 ) -> str | None:
     """Why `signed` is refused, or None when it is acceptable. Checks, in order: the signature; that it sits in
-    its own key's slot (`subkey`) and lives no longer in the DHT than it says (`dht_expiration`); its lifetime
-    against `now` (issued no later than `now + max_skew_s`, not expired); that its key is the one pinned for its
-    name (`pinned_key`); that it is not older than the newest record already `seen` for its key."""
+    its own key's slot (`subkey`); its lifetime against `now` (issued no later than `now + max_skew_s`, not
+    expired), and that it lives no longer in the DHT than it says (`dht_expiration`); that its key is the one
+    pinned for its name (`pinned_key`); that it is not older than the newest record already `seen` for its key."""
     rec = signed.record
     if not signed.signature_ok():
         return f"bad signature: not signed by the key it names ({rec.coordinator_key[:16]}…)"
     if subkey is not None and subkey != rec.coordinator_key:
         return f"mismatched: stored under key {str(subkey)[:16]}… but names key {rec.coordinator_key[:16]}…"
-    if dht_expiration is not None and dht_expiration > rec.expires_at:
-        return f"mismatched: stored to live {dht_expiration - rec.expires_at:.0f} s longer than it says it is valid"
     if rec.issued_at > now + max_skew_s:
         return f"issued {rec.issued_at - now:.0f} s in the future (more than the {max_skew_s:.0f} s clock skew allowed)"
     if rec.expires_at <= now:
         return f"expired {now - rec.expires_at:.0f} s ago"
+    if dht_expiration is not None and dht_expiration > rec.expires_at:
+        return f"mismatched: stored to live {dht_expiration - rec.expires_at:.0f} s longer than it says it is valid"
     if pinned_key is not None and pinned_key != rec.coordinator_key:
         return (f"key {rec.coordinator_key[:16]}… does not match the key pinned for pool {rec.name!r} "
                 f"({pinned_key[:16]}…)")
