@@ -206,7 +206,7 @@ def origin_app(cfg: dict[str, Any]) -> tuple[Any, str]:
         from swarmrl.coordinator.app import build_app
         from swarmrl.coordinator.config import CoordinatorConfig
 
-        ccfg = CoordinatorConfig(host=cfg["ip"], port=HTTP_PORT, data_dir=Path(cfg["data_dir"]), run_id=RUN_ID,
+        ccfg = CoordinatorConfig(host=cfg["ip"], port=HTTP_PORT, data_dir=Path(cfg["data_dir"]), run={"run_id": RUN_ID},
                                  key_path=Path(cfg["key_path"]))
         return build_app(ccfg, Identity.load(cfg["key_path"])), "swarmrl.coordinator.app"
     except Exception as e:  # noqa: BLE001 (the coordinator is someone else's moving target)
@@ -230,6 +230,7 @@ def origin_app(cfg: dict[str, Any]) -> tuple[Any, str]:
 def worker_origin(cfg: dict[str, Any]) -> None:
     """HTTP origin serving the shard store (and, in swarm mode, the coordinator's DHT seed)."""
     import uvicorn
+
     from swarmrl.protocol.manifest import SignedManifest
     from swarmrl.transfer.store import ShardStore
 

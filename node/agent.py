@@ -15,16 +15,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from transformers import PreTrainedTokenizerFast
+
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
+from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.transfer.connect import open_fetcher
 from swarmrl.transfer.fetcher import CheckpointFetcher
 from swarmrl.transfer.sources import ShardSource
-from transformers import PreTrainedTokenizerFast
 
 if TYPE_CHECKING:
     from swarmrl.transfer.p2p.swarm import SwarmPeer
@@ -140,8 +142,8 @@ class Node:
         loaded for it (the verifier bans a node that generates with them); when only such weights are
         coming, the node gives up waiting: its stale submission is refused, which frees the lease.
         """
-        while self.stats.held_version < lease.policy_version - max_staleness and not self._stop.is_set():
-            if time.time() > lease.expires_at:
+        while not is_fresh(self.stats.held_version, lease.policy_version, max_staleness) and not self._stop.is_set():
+            if time.time() > lease.expires_at or self.stats.held_version > lease.policy_version:
                 return
             with self._ready_lock:
                 if self._ready is not None and self._ready[0] > lease.policy_version:
@@ -177,7 +179,7 @@ class Node:
 
     def step(self) -> bool:
         """Lease, generate and submit once. False when there was no work (the caller waits)."""
-        run = self._run_info
+        run = self._run_info.spec
         self._swap_in_weights(run.sampling.temperature)
         if self.engine is None:
             return False

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
 from swarmrl.node.engine import EngineConfig
 from swarmrl.transfer.fetcher import FetchConfig
 from swarmrl.transfer.p2p.config import P2PConfig
@@ -12,6 +13,8 @@ from swarmrl.transfer.p2p.config import P2PConfig
 
 class NodeConfig(BaseModel):
     """Everything `swarmrl node` needs. Load from TOML with `runtime.config.load_config`."""
+
+    model_config = ConfigDict(extra="forbid")
 
     coordinator_url: str = Field("http://127.0.0.1:8470", description="Base URL of the pool's coordinator.")
     coordinator_key: str | None = Field(

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 import torch
+
 from swarmrl.models.weights import architecture_config
 from swarmrl.node.engine import (
     Completion,
@@ -92,9 +93,10 @@ class VLLMEngine(InferenceEngine):
 
     def _start(self, ckpt_dir: Path) -> None:
         _prepare_env()
-        from swarmrl.node.gumbel_processor import GumbelSamplingProcessor
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        from swarmrl.node.gumbel_processor import GumbelSamplingProcessor
 
         platform = current_platform.device_type
         if platform != self.device:
@@ -170,8 +172,9 @@ class VLLMEngine(InferenceEngine):
             raise RuntimeError("no checkpoint loaded")
         if not requests:
             return []
-        from swarmrl.node.gumbel_processor import PROOF_KEY, SEED_KEY, take_captured
         from vllm import SamplingParams, TokensPrompt
+
+        from swarmrl.node.gumbel_processor import PROOF_KEY, SEED_KEY, take_captured
 
         keys = [next(self._proof_keys) for _ in requests] if self.cfg.proofs else [None] * len(requests)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]

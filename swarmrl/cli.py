@@ -28,9 +28,12 @@ def _role_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(model: type, args: argparse.Namespace) -> Any:
-    from swarmrl.runtime.config import dump_toml, load_config
+    from swarmrl.runtime.config import ConfigError, dump_toml, load_config
 
-    cfg = load_config(model, args.config, args.overrides)
+    try:
+        cfg = load_config(model, args.config, args.overrides)
+    except (ConfigError, ValueError) as e:
+        sys.exit(str(e))
     if args.print_config:
         print(dump_toml(cfg), end="")
         sys.exit(0)

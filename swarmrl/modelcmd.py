@@ -8,17 +8,18 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
 from swarmrl.trainer.warmup import WarmupConfig, warm_start
 
 
-def build_and_warm(out: Path, target_accuracy: float = 0.25, seed: int = 0, task_name: str = "addition3",
+def build_and_warm(out: Path, target_accuracy: float = 0.25, seed: int = 0, task: TaskSpec | None = None,
                    console: Console | None = None) -> float:
     """Write a warm-started checkpoint to `out`; returns its greedy accuracy on the held-out set."""
     console = console or Console()
     torch.set_num_threads(1)
-    task = get_task(task_name)
+    spec = task or TaskSpec()
+    task = load_task(spec)
     tok = build_tokenizer()
     model = build_model(ModelConfig(seed=seed), tok)
     n_params = sum(p.numel() for p in model.parameters())
@@ -30,6 +31,6 @@ def build_and_warm(out: Path, target_accuracy: float = 0.25, seed: int = 0, task
             status.update(f"warm start: step {step}, loss {loss:.3f}, held-out accuracy {acc:.3f}")
 
         acc = warm_start(model, tok, task, WarmupConfig(target_accuracy=target_accuracy, seed=seed), on_eval)
-    save_checkpoint(model, tok, out, meta={"warmup_accuracy": acc, "task": task_name})
+    save_checkpoint(model, tok, out, meta={"warmup_accuracy": acc, "task": spec.model_dump()})
     console.print(f"[bold]model[/] warm start done in {time.time() - t0:.0f} s: accuracy {acc:.3f} -> {out}")
     return acc

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, build_engine
 from swarmrl.protocol import sampling
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
-from transformers import AutoModelForCausalLM
 
 T = 0.7  # not 1, so that the engines' temperature handling (vLLM: logit_scale) is exercised
 MAX_TOKENS = 24

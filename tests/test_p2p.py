@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import SignedManifest
 from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig
 from swarmrl.transfer.p2p.sources import SwarmSource
 from swarmrl.transfer.sources import SourceBusy
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-
 from tests.transfer_fixtures import SHARD, GatedStore, LyingStore, StoreSource, make_checkpoint, publish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,6 +63,7 @@ def swarm() -> Iterator[Callable[..., object]]:
 
 def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_path, published, swarm):
     from hivemind.utils.timed_storage import get_dht_time
+
     from swarmrl.transfer.p2p.dht import HolderRecord, holders_key, make_bitfield, manifest_tag
 
     signed, origin, _ = published

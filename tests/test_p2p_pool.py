@@ -20,8 +20,8 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 def test_nodes_share_a_published_checkpoint_through_the_coordinators_seed(tmp_path):
     trainer = Identity.generate()
-    cfg = CoordinatorConfig(data_dir=tmp_path / "coord", run_id="p2p-run", operator_keys=[trainer.public_key_hex],
-                            p2p={"host_maddrs": LOOPBACK, "seed_grace_s": 0.5})
+    cfg = CoordinatorConfig(data_dir=tmp_path / "coord", run={"run_id": "p2p-run"},
+                            operator_keys=[trainer.public_key_hex], p2p={"host_maddrs": LOOPBACK, "seed_grace_s": 0.5})
     coordinator_key = cfg.load_identity()
     with running_server(cfg, coordinator_key) as url:
         info = CoordinatorClient(url).info()
@@ -106,8 +106,8 @@ def test_a_verifier_with_p2p_takes_policy_versions_from_the_swarm(tmp_path):
     from swarmrl.verifier.models import ModelCache
 
     trainer = Identity.generate()
-    cfg = CoordinatorConfig(data_dir=tmp_path / "coord", run_id="p2p-run", operator_keys=[trainer.public_key_hex],
-                            p2p={"host_maddrs": LOOPBACK})
+    cfg = CoordinatorConfig(data_dir=tmp_path / "coord", run={"run_id": "p2p-run"},
+                            operator_keys=[trainer.public_key_hex], p2p={"host_maddrs": LOOPBACK})
     coordinator_key = cfg.load_identity()
     ckpt = make_checkpoint(tmp_path / "ckpt")
     with running_server(cfg, coordinator_key) as url:

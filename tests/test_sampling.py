@@ -1,6 +1,7 @@
 """The replayable sampling rule: a pure function of (logits, seed, position), and an exact sample."""
 
 import torch
+
 from swarmrl.protocol.sampling import gumbel_noise, sample, uniform_noise
 
 

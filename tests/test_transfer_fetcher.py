@@ -15,12 +15,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, ShardRef, SignedManifest
 from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig, ShardUnavailable
 from swarmrl.transfer.sources import WAIT, ShardNotHeld
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-
 from tests.transfer_fixtures import SHARD, FakePeer, StoreSource, make_checkpoint, publish, wait_for
 
 pytestmark = pytest.mark.timeout(180)

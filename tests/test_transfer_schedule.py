@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from swarmrl.protocol.manifest import ShardRef
 from swarmrl.transfer.fetcher import FetchConfig
 from swarmrl.transfer.schedule import (

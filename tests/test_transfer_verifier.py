@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
 from swarmrl.verifier.models import ModelCache, VersionUnavailable
 

@@ -1,10 +1,11 @@
-"""Greedy exact-match accuracy on the task's fixed held-out set."""
+"""Greedy accuracy on the task's fixed held-out set (`Task.is_correct`, with the task's evaluation settings)."""
 
 from __future__ import annotations
 
 import torch
-from swarmrl.protocol.tasks import Problem, Task
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from swarmrl.protocol.tasks import Problem, Task
 
 
 @torch.no_grad()
@@ -42,11 +43,12 @@ def correct_count(
     tokenizer: PreTrainedTokenizerFast,
     problems: tuple[Problem, ...] | list[Problem],
     task: Task,
-    max_new_tokens: int = 8,
+    max_new_tokens: int | None = None,
     batch_size: int = 500,
     synced_gpus: bool = False,
 ) -> int:
-    """How many of `problems` the greedy completion gets exactly right."""
+    """How many of `problems` the greedy completion gets right. `max_new_tokens`: default the task's."""
+    max_new_tokens = max_new_tokens or task.eval_settings.max_new_tokens
     correct = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
@@ -60,8 +62,8 @@ def accuracy(
     tokenizer: PreTrainedTokenizerFast,
     problems: tuple[Problem, ...] | list[Problem],
     task: Task,
-    max_new_tokens: int = 8,
+    max_new_tokens: int | None = None,
     batch_size: int = 500,
 ) -> float:
-    """Fraction of `problems` whose greedy completion is exactly right."""
+    """Fraction of `problems` whose greedy completion is right. `max_new_tokens`: default the task's."""
     return correct_count(model, tokenizer, problems, task, max_new_tokens, batch_size) / max(len(problems), 1)

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarmrl.protocol.messages import RunInfo
+from swarmrl.protocol.run import RunInfo
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig
 from swarmrl.transfer.p2p.config import P2PConfig

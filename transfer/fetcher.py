@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, ShardRef, SignedManifest, sha256_bytes
 from swarmrl.transfer.download import Download, FetchStats, ShardUnavailable
 from swarmrl.transfer.sources import ShardSource

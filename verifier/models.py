@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
 from swarmrl.models.weights import load_weights_in_place
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
-from swarmrl.protocol.messages import RunInfo
+from swarmrl.protocol.run import RunInfo
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.transfer.connect import open_fetcher
 from swarmrl.transfer.fetcher import ShardUnavailable
 from swarmrl.transfer.p2p.config import P2PConfig
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 log = logging.getLogger("swarmrl.verifier")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
+
 from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
 from swarmrl.transfer.p2p.config import P2PConfig
 from swarmrl.transfer.p2p.dht import make_bitfield, manifest_info

@@ -24,6 +24,7 @@ from typing import Any
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
+
 from swarmrl.protocol.manifest import CheckpointManifest
 from swarmrl.transfer.p2p.client import ShardClient
 from swarmrl.transfer.p2p.config import P2PConfig

@@ -26,6 +26,7 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
+
 from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
 from swarmrl.transfer.p2p.client import ShardClient
 from swarmrl.transfer.p2p.config import P2PConfig
