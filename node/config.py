@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.node.engine import EngineConfig
+from swarmrl.transfer.fetcher import FetchConfig
 from swarmrl.transfer.p2p.config import P2PConfig
 
 
@@ -37,3 +38,6 @@ class NodeConfig(BaseModel):
         default_factory=P2PConfig,
         description="Checkpoint sharing with other nodes over libp2p (hivemind DHT). Used when enabled and the pool "
         "(or p2p.initial_peers) names DHT bootstrap peers; the coordinator's HTTP origin stays the fallback.")
+    fetch: FetchConfig = Field(
+        default_factory=FetchConfig,
+        description="How a checkpoint's shards are scheduled over peers and the origin (parallel downloads, end game).")
