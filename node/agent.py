@@ -43,7 +43,8 @@ from swarmrl.protocol.messages import (
 from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.runtime.retry import RetryPolicy
-from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+from swarmrl.transfer.connect import open_fetcher
+from swarmrl.transfer.fetcher import CheckpointFetcher
 from swarmrl.transfer.sources import ShardSource
 
 if TYPE_CHECKING:
@@ -98,13 +99,15 @@ class Node:
         if current <= newest:
             return
         signed = self.client.latest_manifest()
+        # A node only ever moves forward: a version no newer than what it holds or has ready is not fetched (the
+        # fetcher checks the signature, so the version fetched is the one checked here).
         if signed is None or signed.manifest.version <= newest:
             return
         # For the panel only: the download's size as the (not yet verified) manifest states it.
         m = signed.manifest
         self.download = Download(m.version, len(m.shards()), m.total_bytes, self._shards_stored())
         try:
-            manifest, path = self.fetcher.fetch(signed, held_version=newest)
+            manifest, path = self.fetcher.fetch(signed)
         finally:
             self.download = None
         with self._ready_lock:
@@ -313,23 +316,10 @@ class Node:
         key = self.coordinator_key
         self.receipts = ReceiptBook(self.cfg.work_dir / RECEIPTS_FILE, self.identity.node_id, key)
         self.stats.receipts, self.stats.receipt_tokens = self.receipts.count, self.receipts.tokens
-        sources: list[ShardSource] = [*self._extra_sources]
-        p2p = self.cfg.p2p
-        bootstrap = p2p.initial_peers or reg.run.dht_peers
-        if p2p.enabled and bootstrap:
-            from swarmrl.transfer.p2p import (
-                start_swarm,  # hivemind starts a libp2p daemon: only when the pool has a swarm
-            )
-
-            # None when the daemon or DHT cannot start: the node then works from the HTTP origin alone.
-            self.swarm = start_swarm(p2p, reg.run.run_id, reg.run.dht_peers)
-            if self.swarm is not None:
-                sources.append(self.swarm.source())
-                log.info("joined the checkpoint swarm as %s", self.swarm.peer_id)
-        sources.append(HttpOrigin(self.client))
-        self.fetcher = CheckpointFetcher(self.cfg.work_dir / "checkpoints", key, sources,
-                                         keep_versions=self.cfg.keep_versions,
-                                         **(self.swarm.fetcher_options() if self.swarm is not None else {}))
+        # The swarm is None when the pool has none, p2p is off, or its daemon cannot start: the HTTP origin then.
+        self.fetcher, self.swarm = open_fetcher(
+            self.cfg.work_dir / "checkpoints", key, self.client, reg.run, p2p=self.cfg.p2p, fetch=self.cfg.fetch,
+            keep_versions=self.cfg.keep_versions, extra_sources=self._extra_sources)
         log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
 
     def run(self) -> NodeStats:

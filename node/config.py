@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.node.engine import EngineConfig
 from swarmrl.pools.config import PoolsConfig
+from swarmrl.transfer.fetcher import FetchConfig
 from swarmrl.transfer.p2p.config import P2PConfig
 
 
@@ -52,3 +53,6 @@ class NodeConfig(BaseModel):
         "(or p2p.initial_peers) names DHT bootstrap peers; the coordinator's HTTP origin stays the fallback.")
     pools: PoolsConfig = Field(default_factory=PoolsConfig, description="Where the public pools' DHT is (bootstrap "
                                "peers, or the SWARMRL_BOOTSTRAP environment variable), for `pool` and `pool list`.")
+    fetch: FetchConfig = Field(
+        default_factory=FetchConfig,
+        description="How a checkpoint's shards are scheduled over peers and the origin (parallel downloads, end game).")
