@@ -49,7 +49,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     host = config.host if ":" not in config.host else f"[{config.host}]"
     pool = attach_pool(app.state.coordinator, config, identity, f"http://{host}:{config.port}")
     if pool is not None:
-        print(f"  pool DHT:       {', '.join(pool.host.maddrs)}", flush=True)
+        print(f"  pool DHT:       {', '.join(pool.bootstrap_addresses)}", flush=True)
     print(f"swarmrl coordinator for run {config.run.run_id!r}", flush=True)
     print(f"  url:            http://{host}:{config.port}", flush=True)
     print(f"  coordinator key {identity.public_key_hex}", flush=True)

@@ -41,6 +41,11 @@ class PoolAnnouncer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def bootstrap_addresses(self) -> list[str]:
+        """This peer's multiaddrs others can dial (wildcard listen addresses left out): what an operator publishes."""
+        return [a for a in self.host.maddrs if "/ip4/0.0.0.0/" not in a and "/ip6/::/" not in a]
+
     def make_record(self) -> SignedPoolRecord:
         now = self.clock()
         self.seq = max(self.seq + 1, int(now * 1000))
