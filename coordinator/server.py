@@ -94,10 +94,10 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
             time.sleep(0.01)
         yield f"http://127.0.0.1:{port}"
     finally:
+        if pool is not None:  # first: its thread reads the store, which the server closes on its way out
+            pool.close()
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
-        if pool is not None:
-            pool.close()
         if seed is not None:
             seed.close()

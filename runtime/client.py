@@ -97,6 +97,8 @@ class CoordinatorClient:
                 args["headers"] = {**args.get("headers", {}), IDEMPOTENCY_HEADER: idempotency_key}
             try:
                 resp = self._http.request(method, path, **args)
+            except httpx.UnsupportedProtocol:
+                raise  # not an http(s) URL: no retry will change that
             except httpx.TransportError as e:
                 error: Exception = e
                 maybe_sent = maybe_sent or not isinstance(e, _NOT_SENT)

@@ -94,7 +94,7 @@ def cmd_node(args: argparse.Namespace) -> None:
     try:
         run_node(cfg)
     except PermanentRefusal as e:
-        Console(stderr=True, highlight=False).print(f"[bold red]node stopped for good:[/] {e}")
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]node stopped for good:[/] {e}")
         sys.exit(2)
     except (PoolChoiceError, PoolLookupError, ConnectionError) as e:  # no such pool, no DHT, coordinator not found
         sys.exit(f"swarmrl node: {e}")

@@ -311,5 +311,14 @@ def test_node_joins_by_name_pins_the_key_and_refuses_a_changed_one(pools: Pools,
     trust.save()
     with pytest.raises(PermanentRefusal, match="REFUSED: pool 'beta' is now announced under another key"):
         join_pool(cfg)
+    # The same through `swarmrl node --pool beta`: it stops for good (exit status 2) and says what to do.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "node", "--pool", "beta", "--set", "progress=false",
+                           "--set", f"work_dir={cfg.work_dir}", "--set", f"key_path={cfg.key_path}",
+                           "--set", f"pools.initial_peers={json.dumps(pools.bootstrap.maddrs)}",
+                           "--set", f"pools.host_maddrs={json.dumps(LOOPBACK)}"],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "node stopped for good" in proc.stderr and "remove 'beta' from the node's pools.json" in proc.stderr
     with pytest.raises(PoolChoiceError, match="no pool named 'gamma'"):
         join_pool(cfg.model_copy(update={"pool": "gamma"}))
