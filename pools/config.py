@@ -56,7 +56,7 @@ class PoolConfig(DhtAccess):
     """What a coordinator announces about its pool, and how it joins the pools' DHT to do so."""
 
     announce: bool = Field(True, description="Announce the pool in the DHT (refreshed every ttl_s / 3 while running).")
-    name: str = Field("", pattern=r"^$|" + POOL_NAME_PATTERN[1:],
+    name: str = Field("", pattern=r"^(|" + POOL_NAME_PATTERN[1:-1] + r")$",
                       description="The name nodes join by; empty: the run's run_id (lower-cased).")
     description: str = Field("", max_length=500, description="What the pool is for, shown by `swarmrl pool list`.")
     public_urls: list[str] = Field(

@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.pool import attach_pool, pool_name
 from swarmrl.coordinator.server import running_server
+from swarmrl.coordinator.service import Coordinator
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.join import join_pool
 from swarmrl.node.refusal import PermanentRefusal
@@ -37,6 +39,7 @@ from swarmrl.protocol.pools import (
     parse_signed_record,
     pool_record_problem,
 )
+from swarmrl.runtime.config import ConfigError, load_config
 from swarmrl.transfer.p2p.host import DhtHost
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -322,3 +325,21 @@ def test_node_joins_by_name_pins_the_key_and_refuses_a_changed_one(pools: Pools,
     assert "node stopped for good" in proc.stderr and "remove 'beta' from the node's pools.json" in proc.stderr
     with pytest.raises(PoolChoiceError, match="no pool named 'gamma'"):
         join_pool(cfg.model_copy(update={"pool": "gamma"}))
+
+
+def test_pool_settings_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    for bad in ("pool.name=Bad Name", "pool.ttl_s=1", "pool.status=sleeping", "pool.annouce=false"):
+        with pytest.raises(ConfigError, match="pool"):
+            load_config(CoordinatorConfig, None, [bad, f"data_dir={tmp_path / 'c'}"])
+    cfg = CoordinatorConfig(data_dir=tmp_path / "c", run={"run_id": "Some Run!"}, pool={"host_maddrs": LOOPBACK})
+    svc = Coordinator(cfg, cfg.load_identity())
+    try:
+        with pytest.raises(ValueError, match="nodes cannot dial: set pool.public_urls"):
+            attach_pool(svc, cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": "ok"})}),
+                        cfg.load_identity(), "http://0.0.0.0:8470")
+        # The run id made into a pool name ('some-run-'): a valid name, announced as such.
+        assert pool_name(cfg) == "some-run-"
+        assert attach_pool(svc, cfg.model_copy(update={"pool": cfg.pool.model_copy(update={"announce": False})}),
+                           cfg.load_identity(), "http://127.0.0.1:1") is None
+    finally:
+        svc.close()
