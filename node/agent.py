@@ -223,9 +223,9 @@ class Node:
         try:
             result = self.client.submit(submission)
         except CoordinatorError as e:
+            self._count_refused(submission, e)
             if permanent(e, self.cfg) is not None or is_unknown_node(e):
                 raise  # the main loop stops, or registers again
-            self._count_refused(submission, e)
             return True
         finally:
             self.stats.busy_seconds += time.perf_counter() - t0
