@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.protocol import quarantine
 from swarmrl.protocol.run import RunSpec
+from swarmrl.transfer.p2p.config import P2PConfig
 
 
 class Tolerances(BaseModel):
@@ -108,6 +109,9 @@ class VerifierConfig(BaseModel):
                                             "groups are deferred: left pending, unclaimed for claim_ttl_s, not "
                                             "drawn. None: no budget.")
     identity_budget_window_s: float = Field(600.0, gt=0, description="Refill period of `identity_budget_s`.")
+    p2p: P2PConfig | None = Field(
+        None, description="Fetch policy versions from the checkpoint swarm too (and serve them to it), when the pool "
+        "has one; None: from the coordinator's HTTP origin only.")
 
     def quarantine_rules(self) -> quarantine.Rules:
         return quarantine.Rules(warmup_checks=self.warmup_checks, sample_rate=self.sample_rate,
