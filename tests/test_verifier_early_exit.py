@@ -127,3 +127,33 @@ def test_chunked_prefill_equals_one_forward(setup):
     assert torch.allclose(first, whole[:, :20], atol=1e-5)
     assert torch.allclose(rest, whole[[0, 2, 5], 20:], atol=1e-5)
     assert pf.real_tokens(20, pf.width)[0] == len(seqs[0]) - 20
+
+
+def test_a_long_completion_of_a_large_vocabulary_is_scored_in_pieces(tmp_path, monkeypatch):
+    """512 tokens of a 152k vocabulary: [512, vocab] float64 would be 623 MB per rollout; at the default budget
+    the scoring never holds more than ~29 positions of it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from swarmrl.protocol import messages as m
+    from swarmrl.verifier.models import PolicyModel
+
+    vocab, n = 152_000, 512
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval()
+    policy = PolicyModel(version=0, path=tmp_path, model=model, tokenizer=TOK, eos_id=2, pad_id=0, hidden_size=32,
+                         max_positions=1024)
+    rng = random.Random(7)
+    rollout = m.Rollout(seed=1, completion_ids=[rng.randrange(4, vocab) for _ in range(n)], logprobs=[-1.0] * n,
+                        finish_reason="length")
+    g = m.PendingGroup(group_id=1, node_id="n", prompt_text="1+1=", answer="2", lease_version=0, policy_version=0,
+                       sampling=m.SamplingSpec(max_tokens=n, group_size=2), seeds=[1, 2],
+                       group=m.RolloutGroup(prompt_id="p", prompt_ids=[1, 5, 14, 5, 15], rollouts=[rollout]))
+    seen = []
+    real = fc.replay_gaps
+    monkeypatch.setattr(fc, "replay_gaps", lambda logits, *a: seen.append(logits.shape) or real(logits, *a))
+    (rep,) = full_check([g], policy, TOL, staging=Staging(early_exit=False))
+    assert rep.reason is not None and rep.tokens == n  # everything scored (no early exit here)
+    rows = (256 << 20) // (vocab * 8 * fc._TEMPORARIES)
+    assert max(s[0] for s in seen) == rows and sum(s[0] for s in seen) == n
+    assert all(s[1] == vocab for s in seen)
