@@ -286,7 +286,7 @@ def cost(out: Path, repeats: int) -> dict[str, Any]:
     (`garbage_verify_cost`, per honest group's check); and two cheaper garbages the cheap checks catch."""
     from swarmrl.protocol.run import RunSpec
     from swarmrl.protocol.tasks import TaskSpec, load_task
-    from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks
+    from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, score
 
     ckpt = make_long_model(out / "m27")
     policy = load_policy(ckpt, 0)
@@ -311,8 +311,8 @@ def cost(out: Path, repeats: int) -> dict[str, Any]:
                     comps = engine.generate(reqs, max_tokens)
             tokens = sum(len(c.token_ids) for c in comps)
             groups = pending_groups(texts, reqs, comps, group, temperature, max_tokens)
-            with Timer(row, "cheap_s"):
-                reasons = [cheap_checks(g, ctx)[0] for g in groups]
+            with Timer(row, "cheap_s"):  # the microsecond checks, and the rewards of groups that passed
+                reasons = [cheap_checks(g, ctx, scored=False)[0] or score(g, ctx)[1] for g in groups]
             assert reasons == [None] * len(groups), reasons
             with Timer(row, "full_s"):
                 reports = full_check(groups, policy, Tolerances())
@@ -322,17 +322,17 @@ def cost(out: Path, repeats: int) -> dict[str, Any]:
             fresh = [garbage(g, rng, ordinary).model_copy(update={"node_id": f"garbage-{rep}-{i}"})
                      for i, g in enumerate(groups)]
             with Timer(row, "garbage_s"):
-                reasons = [cheap_checks(g, ctx)[0] for g in fresh]
+                reasons = [cheap_checks(g, ctx, scored=False)[0] for g in fresh]
                 reports = full_check(fresh, policy, Tolerances())
             assert reasons == [None] * len(fresh) and all(r.stage == "probe" for r in reports), reasons
             own = [garbage(g, rng, ordinary) for g in groups]  # the node's own proofs again: the ledger
             inconsistent = [garbage(g, rng, ordinary, consistent=False).model_copy(update={"node_id": "other"})
                             for g in groups]
             with Timer(row, "garbage_own_proof_s"):
-                reasons = [cheap_checks(g, ctx)[0] for g in own]
+                reasons = [cheap_checks(g, ctx, scored=False)[0] for g in own]
             assert all(reasons)
             with Timer(row, "garbage_inconsistent_s"):
-                reasons = [cheap_checks(g, ctx)[0] for g in inconsistent]
+                reasons = [cheap_checks(g, ctx, scored=False)[0] for g in inconsistent]
             # Caught in microseconds where two rollouts share a first token (most groups with this vocabulary).
             row["garbage_inconsistent_caught_cheaply"] = sum(r is not None for r in reasons) / len(reasons)
             row["tokens"] = tokens

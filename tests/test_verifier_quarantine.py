@@ -252,3 +252,18 @@ def test_an_adaptive_attacker_with_free_identities_live(tmp_path, ckpt, k, poiso
         assert res["poisoned"] >= 1 and res["identities"] >= 2 and res["identities_banned"] >= 1
     else:
         assert res["poisoned"] == 0 and res["attacker_cheat_groups"] == 0 and res["identities"] == 1
+
+
+def test_rewards_are_computed_only_for_groups_that_are_held_or_passed(pool, monkeypatch):
+    """Rewarding can cost far more than checking (a sandbox runs code): garbage must not buy it."""
+    import swarmrl.verifier.service as service
+
+    scored = []
+    real = service.score
+    monkeypatch.setattr(service, "score", lambda g, ctx: scored.append(g.group_id) or real(g, ctx))
+    cheat = pool.node(bad.EditNode, name="garbage", max_prompts=2, edit=bad.made_up_completion)
+    rounds(pool, cheat, 1)  # fails its full check (warm-up): never scored
+    assert pool.node_row(cheat.node_id).banned and scored == []
+    node = pool.node(max_prompts=1)
+    rounds(pool, node, K + 1)  # K checked passes, then one held (p = 0): all scored
+    assert scored == [g["id"] for g in pool.groups(node.node_id)]

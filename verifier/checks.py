@@ -211,13 +211,26 @@ def missing_proof(g: PendingGroup, ctx: CheckContext) -> str | None:
     return None
 
 
-def cheap_checks(g: PendingGroup, ctx: CheckContext) -> tuple[str | None, list[float]]:
+def score(g: PendingGroup, ctx: CheckContext) -> tuple[list[float], str | None, bool]:
+    """(trusted rewards, reason to reject or None, whether the reason proves cheating): a claimed reward that is not
+    the trusted one does; a non-finite reward (`reward_problem`) does not. Rewarding can be costly (a sandbox
+    runs code), so the verifier scores a group only once it is held or has passed its full check."""
+    trusted = rewards(g, ctx)
+    if (reason := check_claimed_rewards(g, trusted)) is not None:
+        return trusted, reason, True
+    return trusted, reward_problem(trusted), False
+
+
+def cheap_checks(g: PendingGroup, ctx: CheckContext, scored: bool = True) -> tuple[str | None, list[float]]:
     """(reason to reject or None, trusted rewards). Every failure here proves the group was not made honestly,
     except a missing proof (see `missing_proof`, which callers check first to refuse without a ban) and a
-    non-finite reward (`reward_problem`, which callers check on the rewards returned)."""
+    non-finite reward (`reward_problem`, which callers check on the rewards returned). `scored=False`: the
+    microsecond checks only, no rewards (the verifier `score`s later)."""
     for check in (check_versions, check_shape, check_proofs_decode, check_logprob_consistency, check_proof_reuse):
         reason = check(g, ctx)
         if reason is not None:
             return reason, []
+    if not scored:
+        return None, []
     trusted = rewards(g, ctx)
     return check_claimed_rewards(g, trusted), trusted

@@ -3,13 +3,16 @@
 Per batch, in group-id order:
 1. the facts: the weights of the group's policy version (a version the coordinator can no longer supply, or a
    missing proof, is rejected without a ban), then the cheap checks (`verifier.checks`; a failure bans);
+   rewards come last (step 5): they can cost far more than the checks (a sandbox runs code);
 2. the budget: an identity that has used its verifier time (`verifier.budget`) has its groups deferred: no
    verdict, no draw; the coordinator hands them out again later;
 3. the draw (`verifier.policy`, the rule of `protocol.quarantine`): warm-up, sampled or overflow full check,
    or hold (an accepted verdict with `checked=False`; the coordinator holds it until later checks vouch);
 4. the full checks (`verifier.full_check`, early exit), by policy version: a failure bans. A full check that
    cannot be completed (a verifier error) is counted as failed and bans too: a check that was drawn must end in
-   a verdict with consequences, or a node could make the checks it would fail disappear.
+   a verdict with consequences, or a node could make the checks it would fail disappear;
+5. the rewards of each held group and each group that passed: recomputed from the completion (a claimed
+   reward that differs bans; a non-finite one is refused without a ban).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from swarmrl.protocol.run import RunSpec, check_run
 from swarmrl.protocol.tasks import Task, load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.verifier.budget import IdentityBudget
-from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, missing_proof, reward_problem
+from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, missing_proof, score
 from swarmrl.verifier.config import VerifierConfig
 from swarmrl.verifier.full_check import GroupReport, Staging, full_check
 from swarmrl.verifier.models import ModelCache, PolicyModel, VersionUnavailable
@@ -41,7 +44,7 @@ from swarmrl.verifier.policy import CheckPolicy
 log = logging.getLogger("swarmrl.verifier")
 MAX_REPORTS = 100_000
 
-Item = tuple[PendingGroup, list[float], quarantine.Check]
+Item = tuple[PendingGroup, CheckContext, quarantine.Check]
 
 
 @dataclass
@@ -117,7 +120,7 @@ class Verifier:
             self._connect()
         assert self.models is not None
         verdicts: list[Verdict] = []
-        passed: list[tuple[PendingGroup, list[float]]] = []
+        passed: list[tuple[PendingGroup, CheckContext]] = []
         banned_here: set[str] = set()
         for g in sorted(groups, key=lambda g: g.group_id):
             try:
@@ -130,7 +133,7 @@ class Verifier:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason))
                 continue
             try:
-                reason, rewards = cheap_checks(g, ctx)
+                reason, _ = cheap_checks(g, ctx, scored=False)
             except Exception as e:  # a bug here must not stop the verifier, nor pass the group
                 log.exception("cheap checks of group %d crashed", g.group_id)
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500]))
@@ -138,14 +141,12 @@ class Verifier:
             if reason is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=True))
                 banned_here.add(g.node_id)
-            elif (reason := reward_problem(rewards)) is not None:
-                verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason))
             else:
-                passed.append((g, rewards))
+                passed.append((g, ctx))
         # Nothing below may raise for one group without a verdict: every draw must end in one.
         full: dict[int, list[Item]] = defaultdict(list)
         held_here: Counter[str] = Counter()
-        for g, rewards in passed:
+        for g, ctx in passed:
             if g.node_id in banned_here:  # the ban drops it anyway: no draw, no check
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False,
                                         reason="not checked: another group of this node failed its checks"))
@@ -155,10 +156,10 @@ class Verifier:
                 continue
             check = self.policy.decide(g.node_checks_passed, g.node_held + held_here[g.node_id])
             if check.full:
-                full[g.policy_version].append((g, rewards, check))
+                full[g.policy_version].append((g, ctx, check))
             else:
                 held_here[g.node_id] += 1
-                verdicts.append(Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=False))
+                verdicts.append(self._scored(g, ctx, check))
         for version, items in full.items():
             try:
                 weights = self.models.get(version)
@@ -168,6 +169,18 @@ class Verifier:
                 continue
             verdicts.extend(self._full(weights, items))
         return sorted(verdicts, key=lambda v: v.group_id)
+
+    def _scored(self, g: PendingGroup, ctx: CheckContext, check: quarantine.Check) -> Verdict:
+        """The verdict of a group that is held or passed its full check: its trusted rewards decide the rest."""
+        try:
+            rewards, reason, ban = score(g, ctx)
+        except Exception as e:  # the task's bug; whatever the draw, this group would end here
+            log.exception("rewarding group %d crashed", g.group_id)
+            return Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500])
+        if reason is not None:
+            return Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=ban)
+        return Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=check.full,
+                       vouches=check.vouches)
 
     def _full(self, weights: PolicyModel, items: list[Item]) -> list[Verdict]:
         t0 = time.perf_counter()
@@ -180,7 +193,7 @@ class Verifier:
             reports = [self._full_one(g, weights) for g, _, _ in items]
         self.stats.check_seconds += time.perf_counter() - t0
         out = []
-        for (g, rewards, check), rep in zip(items, reports, strict=True):
+        for (g, ctx, check), rep in zip(items, reports, strict=True):
             if rep is None:
                 out.append(Verdict(group_id=g.group_id, accepted=False, ban=True,
                                    reason="the full check could not be completed (verifier error): counted as failed"))
@@ -195,7 +208,7 @@ class Verifier:
             if rep.skipped:  # its node failed another group here: the ban drops this one anyway
                 out.append(Verdict(group_id=g.group_id, accepted=False, reason=rep.reason or "not checked"))
             elif rep.reason is None:
-                out.append(Verdict(group_id=g.group_id, accepted=True, rewards=rewards, vouches=check.vouches))
+                out.append(self._scored(g, ctx, check))
             else:
                 out.append(Verdict(group_id=g.group_id, accepted=False, reason=rep.reason, ban=True))
         return out
