@@ -13,8 +13,10 @@
   other such tokens, in one group or anywhere in the node's recent groups (`ProofLedger`), is a copied proof.
   Only the node's own groups are compared, so no node can be framed by another submitting a proof first.
 
-The reward is recomputed here from the decoded completion, never taken from the node. All of this costs
-microseconds per group; the prefill-based checks are in `verifier.full_check`.
+The reward is recomputed here (`score`) from the decoded completion, never taken from the node. The checks
+cost microseconds per group; a reward may cost much more (a task can run code in a sandbox), so the verifier
+scores only groups it holds or that passed their full check. The prefill-based checks are in
+`verifier.full_check`.
 """
 
 from __future__ import annotations
