@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
 from swarmrl.protocol.identity import Identity
@@ -23,7 +24,7 @@ from swarmrl.protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollo
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
 from swarmrl.transfer.sources import ShardSource
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
     from swarmrl.transfer.p2p.swarm import SwarmPeer
@@ -78,7 +79,7 @@ class Node:
         self._ready: tuple[int, Path] | None = None  # newest verified checkpoint not yet loaded
         self._ready_lock = threading.Lock()
         self.engine: InferenceEngine | None = None
-        self.tokenizer: PreTrainedTokenizerFast | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.fetcher: CheckpointFetcher | None = None
         self.swarm: SwarmPeer | None = None
 
@@ -123,7 +124,7 @@ class Node:
             if self.engine is not None:
                 self.engine.close()
             self.engine = build_engine(self.cfg.engine, path, temperature)
-            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            self.tokenizer = load_tokenizer(path)
         else:
             self.engine.load(path)
         self.stats.held_version = version
@@ -155,7 +156,7 @@ class Node:
         requests, owners = [], []
         prompt_ids: dict[str, list[int]] = {}
         for p in lease.prompts:
-            prompt_ids[p.prompt_id] = self.tokenizer(p.text).input_ids
+            prompt_ids[p.prompt_id] = render_prompt(self.tokenizer, p.text)
             for seed in p.seeds:
                 requests.append(GenerationRequest(prompt_ids=prompt_ids[p.prompt_id], seed=seed))
                 owners.append(p.prompt_id)

@@ -41,9 +41,9 @@ def test_honest_group_passes_with_trusted_rewards():
 
 
 @pytest.mark.parametrize("rollouts,kw,expected", [
-    ([rollout(DIGITS, "stop", 1), GOOD[1]], {}, "'stop' without EOS"),
+    ([rollout(DIGITS, "stop", 1), GOOD[1]], {}, "'stop' without a stop token"),
     ([rollout(DIGITS, "length", 1), GOOD[1]], {}, "'length' before max_tokens"),
-    ([rollout(DIGITS[:1] + [EOS] + DIGITS[:2], "length", 1), GOOD[1]], {}, "tokens after EOS"),
+    ([rollout(DIGITS[:1] + [EOS] + DIGITS[:2], "length", 1), GOOD[1]], {}, "tokens after a stop token"),
     ([rollout(DIGITS + [EOS], "stop", 1), rollout(DIGITS[:3] + [EOS], "length", 2)], {}, "'length' before"),
     ([rollout(DIGITS * 2, "length", 1), GOOD[1]], {}, "longer than max_tokens"),
     ([rollout([], "length", 1), GOOD[1]], {}, "empty completion"),

@@ -1,8 +1,9 @@
 """The cheap checks every group gets: facts only the trusted side knows, and the trusted reward.
 
 - prompt tokens must be the leased prompt's, seeds the leased seeds, every token id in the vocabulary;
-- termination: EOS only at the end and exactly when "stop"; "length" only at max_tokens or at the model's
-  length limit; no completion longer than max_tokens;
+- prompt tokens as `models.prompts.render_prompt` makes them (the chat template when the tokenizer has one);
+- termination: a stop token (any of the model's) only at the end and exactly when "stop"; "length" only at
+  max_tokens or at the model's length limit; no completion longer than max_tokens;
 - versions: generated with a version no newer than the lease's and within the pool's staleness bound;
 - logprobs finite and <= 0; a claimed reward, if any, must be the trusted one; a proof, when required,
   must decode with the pool's parameters (a malformed proof is rejected, never a crash; a missing one is
@@ -17,17 +18,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from swarmrl.models.prompts import render_prompt
 from swarmrl.protocol import proofs
 from swarmrl.protocol.messages import PendingGroup
 from swarmrl.protocol.tasks import Task
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 REWARD_CLAIM_TOL = 1e-6
 
 
 @dataclass
 class CheckContext:
-    tokenizer: PreTrainedTokenizerFast
+    tokenizer: PreTrainedTokenizerBase
     task: Task
     max_staleness: int = 0
     max_positions: int | None = None
@@ -36,6 +38,10 @@ class CheckContext:
     proof_chunk_tokens: int = proofs.CHUNK_TOKENS
     proof_topk: int = proofs.TOPK
     hidden_size: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+    """The model's stop tokens (`PolicyModel.stop_ids`); empty: the tokenizer's eos only."""
+    vocab_size: int | None = None
+    """Rows of the model's logits; None: the tokenizer's size."""
 
 
 def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
@@ -50,13 +56,13 @@ def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
 def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
     """The reason the group's shape or termination is inconsistent with its lease, or None."""
     tok = ctx.tokenizer
-    expected_prompt = tok(g.prompt_text).input_ids
+    expected_prompt = render_prompt(tok, g.prompt_text)
     if g.group.prompt_ids != expected_prompt:
         return "prompt tokens do not match the leased prompt"
     if sorted(r.seed for r in g.group.rollouts) != sorted(g.seeds):
         return "rollout seeds do not match the lease"
-    vocab = len(tok)
-    eos = tok.eos_token_id
+    vocab = ctx.vocab_size or len(tok)
+    stops = ctx.stop_ids or frozenset({tok.eos_token_id})
     for i, r in enumerate(g.group.rollouts):
         ids = r.completion_ids
         if len(ids) != len(r.logprobs):
@@ -69,11 +75,11 @@ def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
             return f"rollout {i}: longer than max_tokens"
         if ctx.max_positions is not None and len(expected_prompt) + len(ids) > ctx.max_positions:
             return f"rollout {i}: longer than the model's length limit"
-        if eos in ids[:-1]:
-            return f"rollout {i}: tokens after EOS"
-        ends_eos = ids[-1] == eos
+        if any(t in stops for t in ids[:-1]):
+            return f"rollout {i}: tokens after a stop token"
+        ends_eos = ids[-1] in stops
         if r.finish_reason == "stop" and not ends_eos:
-            return f"rollout {i}: finish 'stop' without EOS"
+            return f"rollout {i}: finish 'stop' without a stop token"
         at_limit = len(ids) == g.sampling.max_tokens or (
             ctx.max_positions is not None and len(expected_prompt) + len(ids) == ctx.max_positions)
         if r.finish_reason == "length" and (ends_eos or not at_limit):

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from swarmrl.protocol import proofs
 
 
 class Tolerances(BaseModel):
-    """Thresholds of the full check. The defaults are for float32 on the CPU (both engines' default there).
+    """Thresholds of the full check. The field defaults are for float32 (both engines' default on the CPU); the
+    verifier's dtype picks its set (`for_dtype`), and a config's `tolerances` fields override single values.
 
     Calibration (bench/byzantine.py, calibration part; table in bench/RESULTS.md): groups of 8 rollouts made by
     the vLLM and torch engines are recomputed by the verifier's prefill (transformers, fp32, CPU, batched as in
@@ -39,12 +40,15 @@ class Tolerances(BaseModel):
       repeat across positions (see verifier.proofs).
     - `proof_boundary_rel` = 1e-3 skips entries within 0.1% of the (k+1)-th magnitude: 370x that noise.
 
-    A larger model in fp32 will have larger noise: rerun the calibration for it. bf16 on GPUs was not measured
-    (no GPU here). Measure there the same way first: bf16 activations carry ~2^-8 relative error, so expect
-    `logprob_abs` near 1e-2, `tie_margin` near 0.05-0.1 (replay then excuses a few tokens in 10^3 as
-    near-ties), and proof entries off by several fp16 ulps honestly: per-entry bounds of ~16-32 ulp and mean
-    bounds of ~4-8 ulp, i.e. TOPLOC-style statistics; whether 0.1% perturbations stay detectable there must be
-    measured, not assumed.
+    A larger model in fp32 will have larger noise: rerun the calibration for it.
+
+    bfloat16 (and float16, given the same values): `BF16_ESTIMATES`, NOT MEASURED yet (no GPU here);
+    bench/gpu_check.py measures them on a GPU (torch engine and verifier in bf16 on CUDA, honest groups; it prints
+    what it saw). The estimates: bf16 activations carry ~2^-8 relative error, so expect logprob errors near
+    1e-2 (`logprob_abs` 5e-2), near-ties within ~0.05 (`tie_margin` 0.1: replay then excuses a few tokens in
+    10^3), and proof entries off by several fp16 ulps honestly (per-entry bound 32 ulp, mean bound 8 ulp, i.e.
+    TOPLOC-style statistics). Whether 0.1% weight perturbations stay detectable there must be measured, not
+    assumed.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -57,6 +61,17 @@ class Tolerances(BaseModel):
     proof_max_ulp: float = Field(1.0, gt=0, description="Largest error of one compared proof entry, fp16 ulps.")
     proof_mean_ulp: float = Field(0.55, gt=0, description="Largest mean error over a group's compared proof "
                                                           "entries, fp16 ulps.")
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> Tolerances:
+        """The thresholds for a recomputation in `dtype` ('float32', 'bfloat16', 'float16')."""
+        return cls(**_DTYPE_TOLERANCES.get(dtype, {}))
+
+
+BF16_ESTIMATES: dict[str, float] = {"logprob_abs": 5e-2, "tie_margin": 0.1, "proof_boundary_rel": 1e-2,
+                                    "proof_max_ulp": 32.0, "proof_mean_ulp": 8.0}
+"""bfloat16 thresholds: estimates, not measurements (see Tolerances); float16 uses them too until measured."""
+_DTYPE_TOLERANCES: dict[str, dict[str, float]] = {"bfloat16": BF16_ESTIMATES, "float16": BF16_ESTIMATES}
 
 
 class VerifierConfig(BaseModel):
@@ -80,7 +95,8 @@ class VerifierConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the recomputation.")
     device: str = Field("cpu", description="Device of the recomputation (cpu, cuda).")
     max_batch_tokens: int = Field(16384, ge=64, description="Padded tokens per recomputation forward.")
-    tolerances: Tolerances = Field(default_factory=Tolerances, description="Thresholds; see Tolerances.")
+    tolerances: Tolerances = Field(default_factory=Tolerances, description="Thresholds; see Tolerances. Fields "
+                                   "not given take the defaults of `dtype` (Tolerances.for_dtype).")
     require_proof: bool = Field(True, description="Reject rollouts without an activation proof.")
     proof_chunk_tokens: int = Field(proofs.CHUNK_TOKENS, ge=1, le=255, description="Required proof chunk size.")
     proof_topk: int = Field(proofs.TOPK, ge=1, le=255, description="Required proof entries per token.")
@@ -88,3 +104,13 @@ class VerifierConfig(BaseModel):
     sample_rate: float = Field(1.0, ge=0, le=1, description="p: after K passes, the share of groups fully checked; "
                                                             "the others are held until a later check passes.")
     policy_seed: int | None = Field(None, description="Seed of the p draws (tests only); None: OS randomness.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tolerances_of_dtype(cls, data: Any) -> Any:
+        """Fill the tolerances from the dtype's defaults; fields given in the config win."""
+        if isinstance(data, dict) and not isinstance(data.get("tolerances"), Tolerances):
+            dtype = data.get("dtype", cls.model_fields["dtype"].default)
+            given = data.get("tolerances") or {}
+            data = {**data, "tolerances": {**Tolerances.for_dtype(dtype).model_dump(), **given}}
+        return data

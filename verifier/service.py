@@ -78,7 +78,8 @@ class Verifier:
         return CheckContext(tokenizer=weights.tokenizer, task=self.task, max_staleness=self.max_staleness,
                             max_positions=weights.max_positions, require_proof=self.cfg.require_proof,
                             proof_chunk_tokens=self.cfg.proof_chunk_tokens, proof_topk=self.cfg.proof_topk,
-                            hidden_size=weights.hidden_size)
+                            hidden_size=weights.hidden_size, stop_ids=weights.stop_ids,
+                            vocab_size=weights.vocab_size)
 
     def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
         """Verdicts for `groups` (in group-id order, so holds are applied before later passes release them)."""
