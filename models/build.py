@@ -19,13 +19,14 @@ the stop tokens about that likely per token, so that random models end completio
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from swarmrl.models.prompts import load_tokenizer
+from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.models.tokenizers import tokenizer_stop_ids
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -68,11 +69,13 @@ class ModelConfig(BaseModel):
     max_positions: int = Field(64, gt=1, description="max_position_embeddings: longest prompt + completion.")
     vocab_size: int | None = Field(None, gt=0, description="Embedding rows; None: the tokenizer's size. Larger pads "
                                                            "the vocabulary, as Qwen's 151936 rows for 151665 tokens.")
-    tie_embeddings: bool = Field(True, description="Share the input embedding and the LM head.")
+    tie_embeddings: bool = Field(True, description="Share the input embedding and the LM head (not with stop_rate).")
     rms_norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
     stop_rate: float | None = Field(None, gt=0, lt=1, description="Make the stop tokens together about this "
-                                    "likely per token (random models only; None leaves the initialisation).")
+                                    "likely per token, roughly (calibrated on a few prompts; others can be a few "
+                                    "times off), for random models; None leaves the initialisation. Unties the "
+                                    "LM head, so that the stop tokens' input embeddings stay as initialised.")
     seed: int = Field(0, description="Seed of the initial weights.")
 
     @model_validator(mode="after")
@@ -133,7 +136,7 @@ def hf_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
         max_position_embeddings=cfg.max_positions,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings,
+        tie_word_embeddings=cfg.tie_embeddings and cfg.stop_rate is None,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -165,21 +168,33 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
 def _set_stop_rate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stops: list[int], rate: float,
                    gen: torch.Generator) -> None:
     """Point the stop tokens' output embeddings along the mean final hidden state, scaled (by bisection) so that
-    on random inputs the stop tokens together have a mean probability of `rate` per token."""
-    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in set(stops)])
-    ids = ordinary[torch.randint(0, len(ordinary), (32, 32), generator=gen)]
-    # Stop tokens are not among the inputs, so the hidden states do not depend on their (tied) embeddings.
-    states = model.get_decoder()(input_ids=ids).last_hidden_state.reshape(2, -1, model.config.hidden_size)
+    they together have a mean probability of `rate` per completion token: measured on prompts rendered as every
+    role renders them (`render_prompt`), each followed by random tokens standing in for a completion."""
+    rng = random.Random(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+    ordinary = [i for i in range(len(tokenizer)) if i not in set(stops)]
+    completion = 24
+    rows, where = [], []
+    for k in range(64):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        text = f"{a}+{b}=" if k % 2 else f"What is {a} plus {b}? Answer briefly."
+        prompt = render_prompt(tokenizer, text)
+        rows.append(prompt + [rng.choice(ordinary) for _ in range(completion)])
+        where.append(len(prompt) - 1)
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows])  # right padding: causal, never attended
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+    states = torch.stack([hidden[i, w:w + completion] for i, w in enumerate(where)])  # [64, completion, hidden]
     # The direction from one half, the scale from the other: a mean taken over the very states it is measured on
     # points at them in particular (each state is part of it), and the rate would come out too high elsewhere.
-    mean, hidden = states[0].mean(0), states[1]
+    mean = states[:32].reshape(-1, states.shape[-1]).mean(0)
+    held_out = states[32:].reshape(-1, states.shape[-1])
     direction = mean / mean.norm() ** 2
     head = model.get_output_embeddings()
 
     def stop_rate(scale: float) -> float:
         for s in stops:
             head.weight[s] = scale * direction
-        return float(torch.softmax(head(hidden).float(), dim=-1)[:, stops].sum(-1).mean())
+        return float(torch.softmax(head(held_out).float(), dim=-1)[:, stops].sum(-1).mean())
 
     lo, hi = -60.0, 60.0
     for _ in range(40):
