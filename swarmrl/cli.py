@@ -97,8 +97,8 @@ _MODEL_FIELDS = {"hidden": "hidden_size", "layers": "num_layers", "heads": "num_
 
 def cmd_model(args: argparse.Namespace) -> None:
     _single_thread()
-    from swarmrl.models.build import ModelConfig
     from swarmrl.modelcmd import DEFAULT_BPE_VOCAB, build_checkpoint
+    from swarmrl.models.build import ModelConfig
 
     given = {field: getattr(args, arg) for arg, field in _MODEL_FIELDS.items() if getattr(args, arg) is not None}
     bpe_vocab = DEFAULT_BPE_VOCAB

@@ -8,11 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarmrl.models.build import ARCHS, PRESETS, ModelConfig, build_model, count_parameters, load_causal_lm, save_checkpoint
+from swarmrl.models.build import (
+    ARCHS,
+    PRESETS,
+    ModelConfig,
+    build_model,
+    count_parameters,
+    load_causal_lm,
+    save_checkpoint,
+)
 from swarmrl.models.prompts import load_tokenizer, pad_token_id, render_prompt, stop_token_ids
 from swarmrl.models.tokenizers import END_OF_TEXT, IM_END, build_bpe_tokenizer, build_char_tokenizer
-from swarmrl.modelcmd import build_checkpoint
 from transformers import LlamaForCausalLM
+
+from swarmrl.modelcmd import build_checkpoint
 
 ARCH_NAMES = ["llama", "qwen2", "qwen3"]
 TEXTS = ["123+456=", "Hello, wörld!\n\tTabs  and  spaces ", "naïve café ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "", "<|im_end|> is special",
@@ -163,3 +172,53 @@ def test_swarmrl_model_builds_any_arch(tmp_path):
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == 512
     assert load_tokenizer(tmp_path / "q3").chat_template
     assert json.loads((tmp_path / "q3" / "swarmrl.json").read_text())["parameters"] == count_parameters(model)
+
+
+# -- the trainer's side: FSDP units, evaluation and warm start on any architecture --------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_fsdp_units_come_from_the_model(arch, ckpts):
+    from swarmrl.trainer.distributed import wrap_classes
+
+    model = load_causal_lm(ckpts[arch])
+    names = wrap_classes(model)
+    assert names == {f"{arch.capitalize()}DecoderLayer"}
+    assert sum(type(m).__name__ in names for m in model.modules()) == model.config.num_hidden_layers
+
+
+@torch.no_grad()
+def test_greedy_evaluation_stops_at_any_stop_token(tmp_path, bpe):
+    """trainer.evaluate.greedy_complete (left-padded batch, chat template, every stop token) gives what a plain
+    one-prompt-at-a-time greedy loop gives."""
+    from swarmrl.trainer.evaluate import greedy_complete
+
+    ckpt = save_checkpoint(build_model(ModelConfig.preset("mini", arch="qwen2", stop_rate=0.15), bpe), bpe,
+                           tmp_path / "q")
+    model, tok = load_causal_lm(ckpt), load_tokenizer(ckpt)
+    stops = stop_token_ids(ckpt)
+    texts = ["1+1=", "What is the sum of 123 and 456, please?", "Hi", "x"]
+    got = greedy_complete(model, tok, texts, max_new_tokens=12)
+    ended = set()
+    for text, out in zip(texts, got, strict=True):
+        ids = render_prompt(tok, text)
+        new: list[int] = []
+        while len(new) < 12:
+            nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt in stops:
+                ended.add(nxt)
+                break
+            new.append(nxt)
+        assert out == tok.decode(new, skip_special_tokens=True)
+    assert ended  # at least one prompt ended at a stop token rather than at max_new_tokens
+
+
+def test_warm_start_runs_on_a_chat_model(tmp_path, bpe):
+    from swarmrl.protocol.tasks import get_task
+    from swarmrl.trainer.warmup import WarmupConfig, warm_start
+
+    model = build_model(ModelConfig.preset("mini", arch="qwen3"), bpe)
+    before = model.model.layers[0].self_attn.q_norm.weight.clone()
+    acc = warm_start(model, bpe, get_task("addition3"), WarmupConfig(max_steps=2, batch_size=4, eval_every=1000))
+    assert acc == 0.0  # no evaluation within 2 steps
+    assert not torch.equal(before, model.model.layers[0].self_attn.q_norm.weight)

@@ -42,13 +42,16 @@ class Tolerances(BaseModel):
 
     A larger model in fp32 will have larger noise: rerun the calibration for it.
 
-    bfloat16 (and float16, given the same values): `BF16_ESTIMATES`, NOT MEASURED yet (no GPU here);
-    bench/gpu_check.py measures them on a GPU (torch engine and verifier in bf16 on CUDA, honest groups; it prints
-    what it saw). The estimates: bf16 activations carry ~2^-8 relative error, so expect logprob errors near
-    1e-2 (`logprob_abs` 5e-2), near-ties within ~0.05 (`tie_margin` 0.1: replay then excuses a few tokens in
-    10^3), and proof entries off by several fp16 ulps honestly (per-entry bound 32 ulp, mean bound 8 ulp, i.e.
-    TOPLOC-style statistics). Whether 0.1% weight perturbations stay detectable there must be measured, not
-    assumed.
+    bfloat16 (and float16, given the same values): `BF16_ESTIMATES`, NOT MEASURED on a GPU yet (none here);
+    bench/gpu_check.py measures them there (torch engine and verifier in bf16 on CUDA, honest groups; it prints
+    what it saw and suggests values). The estimates: bf16 activations carry ~2^-8 relative error. The same script
+    on this CPU in bf16 (random "mini" models of the three architectures, 24 groups of 8 x 32 tokens; CPU bf16
+    kernels, not CUDA's) saw logprob errors up to 1.1e-2, replay gaps of mismatched tokens up to 1e-2, proof
+    entries off by up to 24 fp16 ulp (means 1.2-1.6), and top-k state entries 2.2% apart between engine and
+    verifier, which made the boundary skip of 1e-2 too narrow (a group rejected). Hence: `logprob_abs` 5e-2,
+    `tie_margin` 0.1 (replay then excuses a few tokens in 10^3 as near-ties), `proof_boundary_rel` 6e-2,
+    `proof_max_ulp` 48 and `proof_mean_ulp` 8, i.e. TOPLOC-style statistics. Whether 0.1% weight perturbations
+    stay detectable there must be measured, not assumed.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -68,8 +71,8 @@ class Tolerances(BaseModel):
         return cls(**_DTYPE_TOLERANCES.get(dtype, {}))
 
 
-BF16_ESTIMATES: dict[str, float] = {"logprob_abs": 5e-2, "tie_margin": 0.1, "proof_boundary_rel": 1e-2,
-                                    "proof_max_ulp": 32.0, "proof_mean_ulp": 8.0}
+BF16_ESTIMATES: dict[str, float] = {"logprob_abs": 5e-2, "tie_margin": 0.1, "proof_boundary_rel": 6e-2,
+                                    "proof_max_ulp": 48.0, "proof_mean_ulp": 8.0}
 """bfloat16 thresholds: estimates, not measurements (see Tolerances); float16 uses them too until measured."""
 _DTYPE_TOLERANCES: dict[str, dict[str, float]] = {"bfloat16": BF16_ESTIMATES, "float16": BF16_ESTIMATES}
 
