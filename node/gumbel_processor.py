@@ -84,9 +84,11 @@ def take_records(keys: list[int], _model: torch.nn.Module | None = None
     states [n, hidden] float32 (row i produced token i)); either is None when a position is missing or nothing was
     recorded. Forgets everything recorded."""
     logprobs: dict[int, dict[int, float]] = {}
-    for step_keys, positions, values in _step_logprobs:  # in step order: a later record of a position wins
-        for key, pos, value in zip(step_keys, positions, values.cpu().tolist(), strict=True):
-            logprobs.setdefault(key, {})[pos] = value
+    # One device-to-host copy for the whole generation; then in step order (a later record of a position wins).
+    values = torch.cat([v for _, _, v in _step_logprobs]).cpu().tolist() if _step_logprobs else []
+    flat = ((k, p) for step_keys, positions, _ in _step_logprobs for k, p in zip(step_keys, positions, strict=True))
+    for (key, pos), value in zip(flat, values, strict=True):
+        logprobs.setdefault(key, {})[pos] = value
     out = {key: (_in_order(logprobs.get(key, {})), _stack(_states.get(key, {}))) for key in keys}
     _step_logprobs.clear()
     _states.clear()
