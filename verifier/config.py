@@ -95,7 +95,9 @@ class VerifierConfig(BaseModel):
     long_poll_s: float = Field(2.0, ge=0, le=10, description="Ask the coordinator to hold an empty poll this long "
                                "until a group is submitted, so a group is checked as soon as it arrives.")
     keep_versions: int = Field(3, ge=1, description="Policy versions kept loaded (>= the pool's max_staleness + 1).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the recomputation.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the recomputation; its tolerances are the defaults (Tolerances.for_dtype). "
+                               "A pool whose nodes run bf16 needs bf16 tolerances even with an fp32 verifier.")
     device: str = Field("cpu", description="Device of the recomputation (cpu, cuda).")
     max_batch_tokens: int = Field(16384, ge=64, description="Padded tokens per recomputation forward.")
     tolerances: Tolerances = Field(default_factory=Tolerances, description="Thresholds; see Tolerances. Fields "
