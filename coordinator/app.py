@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from swarmrl.coordinator import dashboard, metrics
 from swarmrl.coordinator.auth import Refused
 from swarmrl.coordinator.config import CoordinatorConfig

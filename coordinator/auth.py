@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
+
 from swarmrl.protocol.signing import SignatureError, SignedEnvelope, verify
 
 T = TypeVar("T", bound=BaseModel)

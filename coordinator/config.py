@@ -1,6 +1,6 @@
 """The coordinator's configuration: one pydantic model, loadable from TOML with `runtime.config.load_config`.
 
-    cfg = load_config(CoordinatorConfig, "coordinator.toml", ["port=9000", "sampling.group_size=4"])
+    cfg = load_config(CoordinatorConfig, "coordinator.toml", ["port=9000", "run.sampling.group_size=4"])
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.messages import SamplingSpec
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.run import RunSpec
+from swarmrl.protocol.tasks import task_options
 from swarmrl.transfer.p2p.config import P2PConfig
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -29,14 +30,8 @@ class CoordinatorConfig(BaseModel):
         Path("runs/coordinator"),
         description="Where the SQLite database, shards and (by default) the coordinator key live.",
     )
-    run_id: str = Field("swarmrl", min_length=1, max_length=128, description="Name of the run; manifests carry it.")
-    task: str = Field("addition3", description="Task prompts are drawn from (a name in protocol.tasks.TASKS).")
-    sampling: SamplingSpec = Field(
-        default_factory=SamplingSpec, description="How every rollout is sampled; sent with each lease."
-    )
-    max_staleness: int = Field(
-        2, ge=0, description="A submission made with a policy more than this many versions behind is refused."
-    )
+    run: RunSpec = Field(default_factory=RunSpec, description="The run description (task, sampling, staleness "
+                         "bound, proofs): the one source of these facts; every role reads it from /v1/info.")
     lease_ttl_s: float = Field(60.0, gt=0, description="Seconds a node has to submit a lease's groups.")
     max_outstanding_leases: int = Field(
         4, ge=1, description="Unexpired, unfinished leases one node may hold at once; more are refused (429)."
@@ -88,20 +83,21 @@ class CoordinatorConfig(BaseModel):
                 raise ValueError(f"operator key {k[:80]!r} is not a 64-character hex Ed25519 public key")
         return out
 
-    @field_validator("task")
+    @field_validator("run")
     @classmethod
-    def _known_task(cls, name: str) -> str:
-        get_task(name)  # raises ValueError naming the known tasks
-        return name
+    def _known_task(cls, run: RunSpec) -> RunSpec:
+        task_options(run.task)  # raises ValueError naming the known tasks, or the options refused
+        return run
 
     @model_validator(mode="after")
     def _keep_enough(self) -> CoordinatorConfig:
         # A verifier re-runs a group with the weights it was generated with, which may be up to
         # max_staleness versions old: those shards must still be served.
-        if self.keep_versions < self.max_staleness + 1:
+        if self.keep_versions < self.run.max_staleness + 1:
             raise ValueError(
-                f"keep_versions ({self.keep_versions}) must be at least max_staleness + 1 ({self.max_staleness + 1}):"
-                " verifiers need the weights of every version a group may still be submitted with"
+                f"keep_versions ({self.keep_versions}) must be at least run.max_staleness + 1 "
+                f"({self.run.max_staleness + 1}): verifiers need the weights of every version a group may still be "
+                "submitted with"
             )
         return self
 

@@ -102,7 +102,8 @@ async function poll() {
     if (!r.ok) throw new Error("status " + r.status);
     const s = await r.json();
     $("err").textContent = "";
-    $("run").textContent = s.run.run_id + " \\u00b7 " + s.run.task + " \\u00b7 group size " + s.run.sampling.group_size;
+    const spec = s.run.spec;
+    $("run").textContent = [spec.run_id, spec.task.name, "group size " + spec.sampling.group_size].join(" \\u00b7 ");
     $("version").textContent = s.run.current_version;
     $("pending").textContent = s.groups_pending;
     $("accepted").textContent = s.groups_accepted;

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
+
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.protocol.identity import Identity
@@ -27,7 +28,7 @@ def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
     from swarmrl.transfer.seed import DhtSeed  # hivemind is heavy: import it only when the swarm is on
 
     svc = app.state.coordinator
-    seed = DhtSeed(config.p2p, run_id=config.run_id, store=svc.shards, keep_versions=config.keep_versions).start()
+    seed = DhtSeed(config.p2p, run_id=config.run.run_id, store=svc.shards, keep_versions=config.keep_versions).start()
     for version in sorted(v for v in (svc.current_version() - i for i in range(config.keep_versions)) if v >= 0):
         signed = svc.manifest(version)
         if signed is not None:
@@ -45,7 +46,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     if seed is not None:
         print(f"  DHT seed:       {', '.join(app.state.coordinator.dht_peers)}", flush=True)
     host = config.host if ":" not in config.host else f"[{config.host}]"
-    print(f"swarmrl coordinator for run {config.run_id!r}", flush=True)
+    print(f"swarmrl coordinator for run {config.run.run_id!r}", flush=True)
     print(f"  url:            http://{host}:{config.port}", flush=True)
     print(f"  coordinator key {identity.public_key_hex}", flush=True)
     print(f"  data dir:       {config.data_dir.resolve()}", flush=True)

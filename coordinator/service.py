@@ -13,13 +13,13 @@ import random
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
+
 from swarmrl.coordinator.auth import Refused, check_signature, parse_envelope, typed_payload
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.store import Row, Store
@@ -27,7 +27,8 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity, node_id_from_public_key
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.protocol.signing import SignedEnvelope
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.tasks import load_task
+from swarmrl.protocol.validation import group_problem, staleness_problem
 from swarmrl.transfer.store import ShardStore
 
 T = TypeVar("T", bound=BaseModel)
@@ -69,7 +70,7 @@ class Coordinator:
         self.publish_hooks: list[Callable[[CheckpointManifest], None]] = []
         self.identity = identity
         self.clock = clock
-        self.task = get_task(config.task)
+        self.task = load_task(config.run.task)
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(config.data_dir / "coordinator.sqlite")
         self.shards = ShardStore(config.data_dir / "shards")
@@ -126,10 +127,8 @@ class Coordinator:
         return self.store.get_int("current_version", -1)
 
     def run_info(self) -> m.RunInfo:
-        c = self.config
-        return m.RunInfo(run_id=c.run_id, task=c.task, coordinator_key=self.identity.public_key_hex,
-                         sampling=c.sampling, max_staleness=c.max_staleness, current_version=self.current_version(),
-                         dht_peers=list(self.dht_peers))
+        return m.RunInfo(spec=self.config.run, coordinator_key=self.identity.public_key_hex,
+                         current_version=self.current_version(), dht_peers=list(self.dht_peers))
 
     def manifest(self, version: int | None = None) -> SignedManifest | None:
         """The manifest of `version` (default: the current one), or None."""
@@ -216,14 +215,14 @@ class Coordinator:
         body: m.LeaseRequest = req.payload
         now = self.clock()
         version = self.current_version()
-        cfg = self.config
+        cfg, run = self.config, self.config.run
         if version < 0:
             self.store.touch_node(req.signer, now, body.held_version)
             return None
         if cfg.max_buffered_groups is not None:
             # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
             cursor = self.store.get_int("trainer_cursor", 0)
-            if self.store.buffered_work(version - cfg.max_staleness, cursor, now) >= cfg.max_buffered_groups:
+            if self.store.buffered_work(version - run.max_staleness, cursor, now) >= cfg.max_buffered_groups:
                 self.store.touch_node(req.signer, now, body.held_version)
                 return None
         with self.store.transaction():
@@ -237,13 +236,13 @@ class Coordinator:
             prompts = []
             for i in range(body.max_prompts):
                 problem = self.task.sample(rng)
-                seeds = [secrets.randbits(63) for _ in range(cfg.sampling.group_size)]
+                seeds = [secrets.randbits(63) for _ in range(run.sampling.group_size)]
                 prompts.append((f"{lease_id}.{i}", problem.prompt, problem.answer, seeds))
             expires_at = now + cfg.lease_ttl_s
             self.store.insert_lease(lease_id, req.signer, version, now, expires_at,
-                                    cfg.sampling.model_dump(mode="json"), prompts)
+                                    run.sampling.model_dump(mode="json"), prompts)
             self.store.touch_node(req.signer, now, body.held_version)
-        return m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=cfg.sampling,
+        return m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=run.sampling,
                        prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
 
     def submit(self, req: Signed) -> m.SubmitResult:
@@ -254,9 +253,9 @@ class Coordinator:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
+        stale = staleness_problem(sub.policy_version, self.current_version(), self.config.run.max_staleness)
         lease = self.store.get_lease(sub.lease_id)
-        current, k = self.current_version(), self.config.max_staleness
-        if lease is not None and lease["node_id"] == req.signer and not current - k <= sub.policy_version <= current:
+        if lease is not None and lease["node_id"] == req.signer and stale is not None:
             # None of its groups can be accepted any more: close the lease so it stops holding one of the node's
             # max_outstanding_leases slots (the refusal below still says why).
             self.store.close_lease(sub.lease_id)
@@ -268,16 +267,21 @@ class Coordinator:
                 raise Refused(403, "lease belongs to another node")
             if lease["expires_at"] < now:
                 raise Refused(410, "lease expired")
-            current, k = self.current_version(), self.config.max_staleness
-            if not current - k <= sub.policy_version <= current:
-                raise Refused(409, f"stale policy version {sub.policy_version}: current is {current}, accepted "
-                                   f"versions are {max(current - k, 0)}..{current}")
+            stale = staleness_problem(sub.policy_version, self.current_version(), self.config.run.max_staleness)
+            if stale is not None:
+                raise Refused(409, f"stale submission, against the current version: {stale}")
             prompts = self.store.lease_prompts(sub.lease_id)
             sampling = m.SamplingSpec.model_validate(lease["sampling"])
             accepted: list[str] = []
             rejected: dict[str, str] = {}
             for group in sub.groups:
-                reason = _group_problem(group, prompts.get(group.prompt_id), sampling)
+                leased = prompts.get(group.prompt_id)
+                if leased is None:
+                    reason: str | None = "unknown prompt id for this lease"
+                elif leased["submitted"]:
+                    reason = "already submitted"
+                else:
+                    reason = group_problem(group, leased["seeds"], sampling)
                 if reason is None and not self.store.mark_prompt_submitted(sub.lease_id, group.prompt_id):
                     reason = "already submitted"
                 if reason is not None:
@@ -390,13 +394,10 @@ class Coordinator:
         body: m.BatchRequest = req.payload
         if body.after_id > self.store.get_int("trainer_cursor", 0):
             self.store.set_int("trainer_cursor", body.after_id)
-        groups = []
-        for r in self._long_poll(lambda: self.store.accepted_after(body.after_id, body.limit), body.wait_s):
-            rollouts = r["payload"]["rollouts"]
-            groups.append(m.TrainingGroup(
-                group_id=r["accepted_seq"], policy_version=r["policy_version"], prompt_ids=r["payload"]["prompt_ids"],
-                completions=[x["completion_ids"] for x in rollouts], logprobs=[x["logprobs"] for x in rollouts],
-                finish_reasons=[x["finish_reason"] for x in rollouts], rewards=r["rewards"]))
+        rows = self._long_poll(lambda: self.store.accepted_after(body.after_id, body.limit), body.wait_s)
+        groups = [m.TrainingGroup(group_id=r["accepted_seq"], policy_version=r["policy_version"],
+                                  group=m.RolloutGroup.model_validate(r["payload"]), rewards=r["rewards"])
+                  for r in rows]
         return m.TrainingBatch(current_version=self.current_version(), groups=groups)
 
     def check_shard_upload(self, sha256: str, header: str | None) -> m.ShardUpload:
@@ -433,8 +434,8 @@ class Coordinator:
         """Sign and publish a manifest whose shards are all here; it becomes the current version."""
         manifest: CheckpointManifest = req.payload.manifest
         with self._publish_lock:  # one publish (and its shard collection) at a time
-            if manifest.run_id != self.config.run_id:
-                raise Refused(409, f"manifest is for run {manifest.run_id!r}, this run is {self.config.run_id!r}")
+            if manifest.run_id != self.config.run.run_id:
+                raise Refused(409, f"manifest is for run {manifest.run_id!r}, this run is {self.config.run.run_id!r}")
             current = self.current_version()
             if manifest.version <= current:
                 raise Refused(409, f"version {manifest.version} is not newer than the current version {current}")
@@ -484,24 +485,3 @@ class Coordinator:
 def _is_sha256(s: str) -> bool:
     return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
 
-
-def _group_problem(group: m.RolloutGroup, leased: Row | None, sampling: m.SamplingSpec) -> str | None:
-    """Why `group` cannot be taken for the leased prompt `leased`, or None when it can."""
-    if leased is None:
-        return "unknown prompt id for this lease"
-    if leased["submitted"]:
-        return "already submitted"
-    if len(group.rollouts) != sampling.group_size:
-        return f"expected {sampling.group_size} rollouts, got {len(group.rollouts)}"
-    if Counter(r.seed for r in group.rollouts) != Counter(leased["seeds"]):
-        return "rollout seeds do not match the leased seeds"
-    for i, r in enumerate(group.rollouts):
-        if len(r.logprobs) != len(r.completion_ids):
-            return f"rollout {i}: {len(r.logprobs)} logprobs for {len(r.completion_ids)} tokens"
-        if len(r.completion_ids) > sampling.max_tokens:
-            return f"rollout {i}: {len(r.completion_ids)} tokens exceed max_tokens {sampling.max_tokens}"
-        if any(t < 0 for t in r.completion_ids) or any(t < 0 for t in group.prompt_ids):
-            return f"rollout {i}: negative token id"
-        if not all(math.isfinite(lp) and lp <= 0.0 for lp in r.logprobs):
-            return f"rollout {i}: logprobs must be finite and <= 0"
-    return None

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
 from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.models.tokenizers import tokenizer_stop_ids
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)

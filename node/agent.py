@@ -15,16 +15,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from transformers import PreTrainedTokenizerBase
+
 from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
+from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+from swarmrl.transfer.connect import open_fetcher
+from swarmrl.transfer.fetcher import CheckpointFetcher
 from swarmrl.transfer.sources import ShardSource
-from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
     from swarmrl.transfer.p2p.swarm import SwarmPeer
@@ -94,9 +97,11 @@ class Node:
         if self.client.info().current_version <= newest:
             return
         signed = self.client.latest_manifest()
+        # A node only ever moves forward: a version no newer than what it holds or has ready is not fetched (the
+        # fetcher checks the signature, so the version fetched is the one checked here).
         if signed is None or signed.manifest.version <= newest:
             return
-        manifest, path = self.fetcher.fetch(signed, held_version=newest)
+        manifest, path = self.fetcher.fetch(signed)
         with self._ready_lock:
             self._ready = (manifest.version, path)
 
@@ -138,8 +143,8 @@ class Node:
         loaded for it (the verifier bans a node that generates with them); when only such weights are
         coming, the node gives up waiting: its stale submission is refused, which frees the lease.
         """
-        while self.stats.held_version < lease.policy_version - max_staleness and not self._stop.is_set():
-            if time.time() > lease.expires_at:
+        while not is_fresh(self.stats.held_version, lease.policy_version, max_staleness) and not self._stop.is_set():
+            if time.time() > lease.expires_at or self.stats.held_version > lease.policy_version:
                 return
             with self._ready_lock:
                 if self._ready is not None and self._ready[0] > lease.policy_version:
@@ -175,7 +180,7 @@ class Node:
 
     def step(self) -> bool:
         """Lease, generate and submit once. False when there was no work (the caller waits)."""
-        run = self._run_info
+        run = self._run_info.spec
         self._swap_in_weights(run.sampling.temperature)
         if self.engine is None:
             return False
@@ -223,23 +228,10 @@ class Node:
         reg = self._register()
         self._run_info = reg.run
         key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
-        sources: list[ShardSource] = [*self._extra_sources]
-        p2p = self.cfg.p2p
-        bootstrap = p2p.initial_peers or reg.run.dht_peers
-        if p2p.enabled and bootstrap:
-            from swarmrl.transfer.p2p import (
-                start_swarm,  # hivemind starts a libp2p daemon: only when the pool has a swarm
-            )
-
-            # None when the daemon or DHT cannot start: the node then works from the HTTP origin alone.
-            self.swarm = start_swarm(p2p, reg.run.run_id, reg.run.dht_peers)
-            if self.swarm is not None:
-                sources.append(self.swarm.source())
-                log.info("joined the checkpoint swarm as %s", self.swarm.peer_id)
-        sources.append(HttpOrigin(self.client))
-        self.fetcher = CheckpointFetcher(self.cfg.work_dir / "checkpoints", key, sources,
-                                         keep_versions=self.cfg.keep_versions,
-                                         **(self.swarm.fetcher_options() if self.swarm is not None else {}))
+        # The swarm is None when the pool has none, p2p is off, or its daemon cannot start: the HTTP origin then.
+        self.fetcher, self.swarm = open_fetcher(
+            self.cfg.work_dir / "checkpoints", key, self.client, reg.run, p2p=self.cfg.p2p, fetch=self.cfg.fetch,
+            keep_versions=self.cfg.keep_versions, extra_sources=self._extra_sources)
         log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
 
     def run(self) -> NodeStats:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
 from swarmrl.node.engine import EngineConfig
+from swarmrl.transfer.fetcher import FetchConfig
 from swarmrl.transfer.p2p.config import P2PConfig
 
 
 class NodeConfig(BaseModel):
     """Everything `swarmrl node` needs. Load from TOML with `runtime.config.load_config`."""
+
+    model_config = ConfigDict(extra="forbid")
 
     coordinator_url: str = Field("http://127.0.0.1:8470", description="Base URL of the pool's coordinator.")
     coordinator_key: str | None = Field(
@@ -34,3 +38,6 @@ class NodeConfig(BaseModel):
         default_factory=P2PConfig,
         description="Checkpoint sharing with other nodes over libp2p (hivemind DHT). Used when enabled and the pool "
         "(or p2p.initial_peers) names DHT bootstrap peers; the coordinator's HTTP origin stays the fallback.")
+    fetch: FetchConfig = Field(
+        default_factory=FetchConfig,
+        description="How a checkpoint's shards are scheduled over peers and the origin (parallel downloads, end game).")

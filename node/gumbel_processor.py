@@ -26,11 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from swarmrl.protocol import sampling
 from vllm import SamplingParams
 from vllm.config import VllmConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from swarmrl.protocol import sampling
 
 SEED_KEY = "swarmrl_seed"
 """Key of the rollout seed in `SamplingParams.extra_args`."""

@@ -8,6 +8,7 @@ import threading
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
 from swarmrl.node.agent import Node, NodeStats
 from swarmrl.node.config import NodeConfig
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+
 from swarmrl.models.build import load_causal_lm
 from swarmrl.models.weights import architecture_config, load_weights_in_place
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, resolve_device

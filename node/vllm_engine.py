@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 import torch
+
 from swarmrl.models.weights import architecture_config
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, resolve_device
 
@@ -89,9 +90,10 @@ class VLLMEngine(InferenceEngine):
 
     def _start(self, ckpt_dir: Path) -> None:
         _prepare_env()
-        from swarmrl.node.gumbel_processor import GumbelSamplingProcessor
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        from swarmrl.node.gumbel_processor import GumbelSamplingProcessor
 
         platform = current_platform.device_type
         if platform != self.device:
@@ -169,8 +171,9 @@ class VLLMEngine(InferenceEngine):
             raise RuntimeError("no checkpoint loaded")
         if not requests:
             return []
-        from swarmrl.node.gumbel_processor import CAPTURE_KEY, SEED_KEY, STATES_KEY, TEMP_KEY, take_records
         from vllm import SamplingParams, TokensPrompt
+
+        from swarmrl.node.gumbel_processor import CAPTURE_KEY, SEED_KEY, STATES_KEY, TEMP_KEY, take_records
 
         keys = [next(self._capture_keys) for _ in requests]
         stops = sorted(self.stop_ids)

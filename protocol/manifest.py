@@ -14,6 +14,7 @@ import re
 from pathlib import PurePosixPath
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from swarmrl.protocol.identity import Identity, verify_signature
 from swarmrl.protocol.signing import canonical_json
 

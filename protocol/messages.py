@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
+from swarmrl.protocol.run import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, RunInfo, SamplingSpec
 
 # Envelope kinds: the receiver refuses an envelope whose kind does not match the endpoint.
 KIND_REGISTER = "register"
@@ -24,9 +26,7 @@ KIND_TRAINER_SHARD = "trainer.shard"
 KIND_TRAINER_PUBLISH = "trainer.publish"
 KIND_TRAINER_METRICS = "trainer.metrics"
 
-MAX_GROUP_SIZE = 64
 MAX_PROMPTS_PER_LEASE = 256
-MAX_COMPLETION_TOKENS = 4096
 MAX_PROMPT_TOKENS = 8192
 
 
@@ -34,26 +34,6 @@ class Strict(BaseModel):
     """Unknown fields are an error, not silently dropped: a sender learns its message was wrong."""
 
     model_config = ConfigDict(extra="forbid")
-
-
-class SamplingSpec(Strict):
-    """How every rollout of a lease is sampled. Fixed by the coordinator, never chosen by a node."""
-
-    temperature: float = Field(1.0, gt=0, le=10, description="Softmax temperature.")
-    max_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length cap.")
-    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="Rollouts per prompt (the GRPO group).")
-
-
-class RunInfo(Strict):
-    """Public description of a training run (a pool): what a node needs to join it."""
-
-    run_id: str
-    task: str = Field(description="Task name, e.g. 'addition3'.")
-    coordinator_key: str = Field(description="Ed25519 public key that signs manifests, hex.")
-    sampling: SamplingSpec
-    max_staleness: int = Field(description="A group more than this many versions behind is refused.")
-    current_version: int = Field(description="Newest published policy version; -1 before the first.")
-    dht_peers: list[str] = Field(default_factory=list, description="libp2p multiaddrs to bootstrap the DHT.")
 
 
 class ChallengeRequest(Strict):
@@ -196,13 +176,19 @@ class BatchRequest(Strict):
 
 
 class TrainingGroup(Strict):
-    group_id: int
+    """A verified group as the trainer takes it: the group as the node submitted it (its shape checked by
+    `protocol.validation.group_problem` at submission), with the trusted rewards, one per rollout."""
+
+    group_id: int = Field(description="The trainer feed's cursor value of this group.")
     policy_version: int
-    prompt_ids: list[int]
-    completions: list[list[int]]
-    logprobs: list[list[float]]
-    finish_reasons: list[str]
-    rewards: list[float]
+    group: RolloutGroup
+    rewards: list[float] = Field(description="Trusted rewards, one per rollout (in rollout order).")
+
+    @model_validator(mode="after")
+    def _one_reward_per_rollout(self) -> TrainingGroup:
+        if len(self.rewards) != len(self.group.rollouts):
+            raise ValueError(f"{len(self.rewards)} rewards for {len(self.group.rollouts)} rollouts")
+        return self
 
 
 class TrainingBatch(Strict):
@@ -254,4 +240,5 @@ class RunStatus(BaseModel):
     groups_held: int = Field(0, description="Accepted by cheap checks, waiting for a later full check of the node.")
 
 
-__all__ = [name for name in dir() if not name.startswith("_")] + ["CheckpointManifest", "SignedManifest"]
+__all__ = [name for name in dir() if not name.startswith("_")] + ["CheckpointManifest", "SignedManifest", "RunInfo",
+                                                                   "SamplingSpec"]

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from pydantic import BaseModel, Field
+
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.identity import Identity, node_id_from_public_key, verify_signature
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel
+
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest

@@ -15,4 +15,12 @@ py="${PYTHON:-python3}"
 # torch 2.13.0+cpu and break `import transformers` ("operator torchvision::nms does not exist").
 # Nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# The code task runs model-written programs in a bubblewrap sandbox and refuses to load without one.
+if ! command -v bwrap >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null
+    else
+        echo "note: bubblewrap (bwrap) is missing; install it to use the code task (apt-get install bubblewrap)" >&2
+    fi
+fi
 .venv/bin/python -c "import torch, transformers, hivemind, fastapi; print('swarmrl installed: torch', torch.__version__)"

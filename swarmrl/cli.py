@@ -28,9 +28,12 @@ def _role_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(model: type, args: argparse.Namespace) -> Any:
-    from swarmrl.runtime.config import dump_toml, load_config
+    from swarmrl.runtime.config import ConfigError, dump_toml, load_config
 
-    cfg = load_config(model, args.config, args.overrides)
+    try:
+        cfg = load_config(model, args.config, args.overrides)
+    except (ConfigError, ValueError) as e:
+        sys.exit(str(e))
     if args.print_config:
         print(dump_toml(cfg), end="")
         sys.exit(0)
@@ -99,6 +102,7 @@ def cmd_model(args: argparse.Namespace) -> None:
     _single_thread()
     from swarmrl.modelcmd import DEFAULT_BPE_VOCAB, build_checkpoint
     from swarmrl.models.build import ModelConfig
+    from swarmrl.protocol.tasks import TaskSpec
 
     given = {field: getattr(args, arg) for arg, field in _MODEL_FIELDS.items() if getattr(args, arg) is not None}
     bpe_vocab = DEFAULT_BPE_VOCAB
@@ -112,7 +116,7 @@ def cmd_model(args: argparse.Namespace) -> None:
     except ValueError as e:
         sys.exit(f"swarmrl model: {e}")
     build_checkpoint(Path(args.out), cfg, args.tokenizer, bpe_vocab=bpe_vocab, warmup_accuracy=args.warmup_accuracy,
-                     task_name=args.task)
+                     task=TaskSpec(name=args.task))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     pm.add_argument("--warmup-accuracy", type=float, default=None,
                     help="warm start on the task to this accuracy; default 0.25 with the char tokenizer, none with "
                          "bpe; 0 skips it")
-    pm.add_argument("--task", default="addition3", help="task of the warm start")
+    pm.add_argument("--task", default="addition", help="task of the warm start (a registered task name)")
     pm.add_argument("--seed", type=int, default=None, help="seed of the weights (and of the BPE corpus)")
     pm.set_defaults(fn=cmd_model)
 

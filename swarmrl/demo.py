@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
@@ -35,6 +35,8 @@ from swarmrl.runtime.config import deep_update, dump_toml
 
 class DemoConfig(BaseModel):
     """The local swarm's shape. Every field can be set with `--set name=value`."""
+
+    model_config = ConfigDict(extra="forbid")
 
     run_dir: Path | None = Field(None, description="Where keys, data, logs and results go (default runs/demo-<time>).")
     nodes: int = Field(2, ge=1, description="Worker nodes to start.")
@@ -185,21 +187,18 @@ def plot(status: RunStatus, path: Path) -> None:
 
 def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Path) -> tuple[int, float]:
     """Fetch the newest published checkpoint like a node would and measure its held-out accuracy."""
-    from swarmrl.protocol.tasks import get_task
+    from swarmrl.protocol.tasks import load_task
     from swarmrl.trainer.evaluate import accuracy
     from swarmrl.trainer.model import load_checkpoint
-    from swarmrl.transfer.store import ShardStore, assemble_checkpoint
+    from swarmrl.transfer.fetcher import CheckpointFetcher
+    from swarmrl.transfer.sources import HttpOrigin
 
     signed = client.latest_manifest()
     assert signed is not None, "nothing was published"
-    manifest = signed.verify(coordinator_key)
-    store = ShardStore(work / "shards")
-    for s in store.missing(manifest):
-        store.put(s.sha256, client.shard(s.sha256))
-    out = assemble_checkpoint(manifest, store.get, work / f"v{manifest.version:08d}")
+    manifest, out = CheckpointFetcher(work, coordinator_key, [HttpOrigin(client)]).fetch(signed)
     model, tok = load_checkpoint(out)
-    task = get_task("addition3")
-    return manifest.version, accuracy(model, tok, task.eval_set, task)
+    task = load_task(client.info().spec.task)
+    return manifest.version, accuracy(model, tok, task.eval_set(), task)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -226,10 +225,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     swarm = Swarm(run_dir, cfg.roles)
     try:
         swarm.start("coordinator", "coordinator", {
-            "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"), "run_id": run_id,
-            "task": "addition3", "key_path": str(run_dir / "keys" / "coordinator.key"),
-            "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size},
-            "max_staleness": cfg.max_staleness,
+            "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"),
+            "key_path": str(run_dir / "keys" / "coordinator.key"),
+            "run": {"run_id": run_id, "model": "tiny Llama (0.86M), character tokenizer",
+                    "task": {"name": "addition"}, "max_staleness": cfg.max_staleness,
+                    "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size}},
             "max_buffered_groups": cfg.batch_groups * max(cfg.max_staleness, 1),
             "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
             "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
@@ -250,7 +250,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         for name in verifier_names:
             swarm.start(name, "verifier", {
                 "coordinator_url": url, "key_path": str(run_dir / "keys" / f"{name}.key"),
-                "work_dir": str(run_dir / name), "task": "addition3",
+                "work_dir": str(run_dir / name),
             }, VerifierConfig)
 
         init_dir = run_dir / "init"
@@ -260,9 +260,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
         swarm.start("trainer", "trainer", {
             "coordinator_url": url, "key_path": str(run_dir / "keys" / "trainer.key"),
-            "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(init_dir), "run_id": run_id,
-            "task": "addition3", "lr": cfg.lr, "batch_groups": cfg.batch_groups, "max_staleness": cfg.max_staleness,
-            "max_steps": cfg.max_steps, "eval_every": cfg.eval_every, "progress": False,
+            "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(init_dir),
+            "lr": cfg.lr, "batch_groups": cfg.batch_groups, "max_steps": cfg.max_steps,
+            "eval_every": cfg.eval_every, "progress": False,
         }, TrainerConfig)
 
         client = CoordinatorClient(url)

@@ -17,7 +17,8 @@ import random
 from swarmrl.models.prompts import render_prompt
 from swarmrl.node.engine import Completion, GenerationRequest
 from swarmrl.protocol import messages as m
-from swarmrl.protocol.tasks import Task, get_task
+from swarmrl.protocol.run import RunSpec
+from swarmrl.protocol.tasks import Task, TaskSpec, load_task
 from swarmrl.verifier.checks import CheckContext, cheap_checks
 from swarmrl.verifier.config import Tolerances
 from swarmrl.verifier.full_check import GroupReport, full_check
@@ -48,16 +49,23 @@ def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list[
     return out
 
 
+_ADDITION: Task | None = None
+
+
 def verify_groups(policy: PolicyModel, groups: list[m.PendingGroup], tol: Tolerances | None = None,
-                  task: Task | None = None, max_batch_tokens: int = 16384
+                  task: Task | None = None, run: RunSpec | None = None, max_batch_tokens: int = 16384
                   ) -> tuple[list[str | None], list[GroupReport | None]]:
     """(reason per group: None when it passed every check; the full check's report, None where a cheap check
-    already failed). `tol` defaults to the tolerances of the policy's dtype."""
+    already failed). `tol` defaults to the tolerances of the policy's dtype, `task` to addition (rewards only),
+    `run` to the default run description (proofs required, the protocol's proof parameters)."""
+    global _ADDITION
+    if task is None:
+        _ADDITION = _ADDITION or load_task(TaskSpec(name="addition"))
+        task = _ADDITION
     dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
     tol = tol or Tolerances.for_dtype(dtype)
-    ctx = CheckContext(tokenizer=policy.tokenizer, task=task or get_task("addition3"),
-                       max_positions=policy.max_positions, require_proof=True, hidden_size=policy.hidden_size,
-                       stop_ids=policy.stop_ids, vocab_size=policy.vocab_size)
+    ctx = CheckContext(tokenizer=policy.tokenizer, task=task, run=run or RunSpec(), max_positions=policy.max_positions,
+                       hidden_size=policy.hidden_size, stop_ids=policy.stop_ids, vocab_size=policy.vocab_size)
     reasons: list[str | None] = [cheap_checks(g, ctx)[0] for g in groups]
     passed = [i for i, r in enumerate(reasons) if r is None]
     reports: list[GroupReport | None] = [None] * len(groups)

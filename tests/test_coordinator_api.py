@@ -17,10 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.server import running_server
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.signing import SignedEnvelope, canonical_json, sign
 from swarmrl.runtime.client import ENVELOPE_HEADER, CoordinatorClient, CoordinatorError
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
@@ -64,7 +66,7 @@ class Run:
         (ckpt / "config.json").write_text(json.dumps({"version": version, "tag": tag}))
         (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(2500))
         local = ShardStore(self.tmp / "trainer-shards")
-        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run_id, version=version, store=local, shard_size=1024)
+        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run.run_id, version=version, store=local, shard_size=1024)
         for ref in manifest.shards():
             self.op.upload_shard(ref.sha256, local.get(ref.sha256))
         return self.op.publish(manifest)
@@ -85,9 +87,10 @@ def run_factory(tmp_path: Path) -> Iterator:
 
     def start(data_dir: Path | None = None, clock: Clock | None = None, **overrides) -> Run:
         op_key = overrides.pop("op_key", None) or Identity.generate()
-        settings = dict(data_dir=data_dir or tmp_path / "coord", run_id="test-run",
+        run = dict(run_id="test-run", sampling=m.SamplingSpec(group_size=GROUP, max_tokens=MAX_TOKENS))
+        run.update({k: overrides.pop(k) for k in ("max_staleness", "task", "proofs") if k in overrides})
+        settings = dict(data_dir=data_dir or tmp_path / "coord", run=RunSpec(**run),
                         operator_keys=[op_key.public_key_hex],
-                        sampling=m.SamplingSpec(group_size=GROUP, max_tokens=MAX_TOKENS),
                         max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024, claim_ttl_s=30.0)
         settings.update(overrides)
         cfg = CoordinatorConfig(**settings)
@@ -214,7 +217,7 @@ def test_lease_and_submit_happy_path(run: Run) -> None:
     node = run.node()
     lease = node.lease(3, held_version=0)
     assert lease is not None and lease.policy_version == 0
-    assert lease.sampling == run.cfg.sampling and len(lease.prompts) == 3
+    assert lease.sampling == run.cfg.run.sampling and len(lease.prompts) == 3
     assert all(len(p.seeds) == GROUP for p in lease.prompts)
     assert len({p.prompt_id for p in lease.prompts}) == 3
     assert all(p.text.endswith("=") for p in lease.prompts)
@@ -360,9 +363,9 @@ def test_stale_policy_version_refused(run: Run) -> None:
     for v in (1, 2, 3):
         run.publish(v)
     before = run.accepted_state()
-    err = refused(lambda: node.submit(submission(lease, policy_version=0)), 409, "stale policy version")
+    err = refused(lambda: node.submit(submission(lease, policy_version=0)), 409, "stale submission")
     assert "1..3" in err.reason
-    refused(lambda: node.submit(submission(lease, policy_version=4)), 409, "stale policy version")
+    refused(lambda: node.submit(submission(lease, policy_version=4)), 409, "stale submission")
     assert run.accepted_state() == before
     result = node.submit(submission(lease, policy_version=1))  # exactly max_staleness behind: taken
     assert len(result.accepted) == 2
@@ -556,7 +559,7 @@ def test_verifier_flow_and_trainer_cursor(run: Run) -> None:
         a, b = leased.text[:-1].split("+")
         assert pg.answer == str(int(a) + int(b))
         assert (pg.lease_version, pg.policy_version, pg.node_id) == (0, 0, node.identity.node_id)
-        assert pg.sampling == run.cfg.sampling and len(pg.group.rollouts) == GROUP
+        assert pg.sampling == run.cfg.run.sampling and len(pg.group.rollouts) == GROUP
     assert run.op.pending(limit=10) == []  # claimed: a second verifier gets nothing
     run.clock.advance(run.cfg.claim_ttl_s + 1)
     assert len(run.op.pending(limit=10)) == 3  # claims expire
@@ -578,9 +581,10 @@ def test_verifier_flow_and_trainer_cursor(run: Run) -> None:
     assert batch.current_version == 0
     assert [g.group_id for g in batch.groups] == [1, 2]  # the cursor, in verdict order
     first = batch.groups[0]
-    assert first.rewards == [1.0, 0.0, 0.5] and first.prompt_ids == [7, 8, 9]
-    assert first.completions == [[1, 2]] * GROUP and first.logprobs == [[-0.5, -1.25]] * GROUP
-    assert first.finish_reasons == ["stop"] * GROUP and first.policy_version == 0
+    assert first.rewards == [1.0, 0.0, 0.5] and first.group.prompt_ids == [7, 8, 9]
+    assert [r.completion_ids for r in first.group.rollouts] == [[1, 2]] * GROUP
+    assert [r.logprobs for r in first.group.rollouts] == [[-0.5, -1.25]] * GROUP
+    assert [r.finish_reason for r in first.group.rollouts] == ["stop"] * GROUP and first.policy_version == 0
     assert [g.group_id for g in run.op.training_batch(after_id=1, limit=10).groups] == [2]
     assert [g.group_id for g in run.op.training_batch(after_id=0, limit=1).groups] == [1]
     assert run.op.training_batch(after_id=2, limit=10).groups == []
@@ -629,7 +633,7 @@ def test_publish_rules_and_shard_serving(run_factory) -> None:
     (ckpt / "model.safetensors").write_bytes(payload)
     (ckpt / "config.json").write_text("{}")
     local = ShardStore(run.tmp / "local")
-    manifest = cut_checkpoint(ckpt, run_id=run.cfg.run_id, version=0, store=local, shard_size=1024)
+    manifest = cut_checkpoint(ckpt, run_id=run.cfg.run.run_id, version=0, store=local, shard_size=1024)
     refs = manifest.shards()
 
     err = refused(lambda: run.op.publish(manifest), 409, "missing")

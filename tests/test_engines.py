@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from swarmrl.models.build import ModelConfig as MConfig
 from swarmrl.models.tokenizers import END_OF_TEXT, IM_END, build_bpe_tokenizer
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, build_engine
@@ -20,7 +22,6 @@ from swarmrl.protocol import sampling
 from swarmrl.testing.local import group_requests, pending_groups, verify_groups
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
 from swarmrl.verifier.models import load_policy
-from transformers import AutoModelForCausalLM
 
 T = 0.7  # not 1, so that the engines' temperature handling is exercised
 MAX_TOKENS = 24

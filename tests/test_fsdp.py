@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from swarmrl.protocol.messages import TrainingGroup
-from swarmrl.protocol.tasks import get_task
+
+from swarmrl.protocol.tasks import TaskSpec, load_task
+from swarmrl.testing.groups import training_group
 from swarmrl.trainer.evaluate import correct_count
 from swarmrl.trainer.grpo import Batch, GRPOConfig, build_batch, grpo_step, make_optimizer
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer
@@ -36,7 +37,7 @@ def fixed_batch(tok) -> Batch:
     def group(gid, prompt, texts, rewards):
         comps = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
         lps = [(-2.5 + 0.8 * torch.randn(len(c), generator=gen)).tolist() for c in comps]
-        return TrainingGroup(group_id=gid, policy_version=0, prompt_ids=tok(prompt).input_ids, completions=comps,
+        return training_group(group_id=gid, policy_version=0, prompt_ids=tok(prompt).input_ids, completions=comps,
                              logprobs=lps, finish_reasons=["stop"] * len(comps), rewards=rewards)
 
     return build_batch([group(1, "12+34=", ["46", "99", "4"], [1.0, 0.0, 0.2]),
@@ -47,6 +48,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
+
     from swarmrl.trainer.distributed import DistEnv, fsdp_grpo_step, full_state, shard_model, unsharded_copy
     from swarmrl.trainer.state import TrainerState, save_state
 
@@ -73,8 +75,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     save_state(Path(out_dir) / "state", unsharded_copy(model, msd), tok, osd,
                                TrainerState(step=1, version=1, cursor=7))
             if name == "plain":
-                problems = get_task("addition3").eval_set[:EVAL_N]
-                correct = correct_count(model, tok, problems[rank::world], get_task("addition3"),
+                task = load_task(TaskSpec())
+                problems = task.eval_set()[:EVAL_N]
+                correct = correct_count(model, tok, problems[rank::world], task,
                                         synced_gpus=True)
                 t = torch.tensor([correct])
                 dist.all_reduce(t)
@@ -146,8 +149,8 @@ def test_fsdp_save_and_eval_match(fsdp_results):
     for k in theirs:
         assert torch.allclose(mine[k]["exp_avg"], theirs[k]["exp_avg"]), k
     # Sharded greedy evaluation (synced generation, shares summed) = one-process evaluation.
-    task = get_task("addition3")
-    assert results["eval_correct"] == correct_count(loaded.model, loaded.tokenizer, task.eval_set[:EVAL_N], task)
+    task = load_task(TaskSpec())
+    assert results["eval_correct"] == correct_count(loaded.model, loaded.tokenizer, task.eval_set()[:EVAL_N], task)
 
 
 # -- run_trainer under torchrun-style launch ------------------------------------------------------------
@@ -157,8 +160,8 @@ def _trainer_worker(rank: int, world: int, init_file: str, tmp: str, init: str) 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from swarmrl.trainer.loop import run_trainer
 
+    from swarmrl.trainer.loop import run_trainer
     from tests.test_trainer_resume import FakeCoordinator, trainer_cfg
 
     # torchrun would set RANK/WORLD_SIZE/MASTER_* and let run_trainer join by env://; a file rendezvous
@@ -181,7 +184,6 @@ def test_run_trainer_under_fsdp_matches_one_process(tmp_path):
     from swarmrl.trainer.loop import run_trainer
     from swarmrl.trainer.model import load_checkpoint, save_checkpoint
     from swarmrl.trainer.state import latest, load_state
-
     from tests.test_trainer_resume import FakeCoordinator, trainer_cfg
 
     torch.set_num_threads(1)

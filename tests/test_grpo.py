@@ -6,7 +6,9 @@ import copy
 
 import pytest
 import torch
+
 from swarmrl.protocol.messages import TrainingGroup
+from swarmrl.testing.groups import training_group
 from swarmrl.trainer.grpo import (
     Batch,
     GRPOConfig,
@@ -43,13 +45,14 @@ def on_policy_group(model, tok, prompt: str, texts: list[str], rewards: list[flo
     """A group whose sampler logprobs are the model's own (ratio 1): what an honest, fresh node sends."""
     prompt_ids = tok(prompt).input_ids
     comps = [completion_ids(tok, t) for t in texts]
-    g = TrainingGroup(group_id=group_id, policy_version=version, prompt_ids=prompt_ids, completions=comps,
-                      logprobs=[[0.0] * len(c) for c in comps], finish_reasons=["stop"] * len(comps),
-                      rewards=rewards)
+    g = training_group(group_id=group_id, policy_version=version, prompt_ids=prompt_ids, completions=comps,
+                       logprobs=[[0.0] * len(c) for c in comps], finish_reasons=["stop"] * len(comps),
+                       rewards=rewards)
     batch = build_batch([g], tok.pad_token_id)
     with torch.no_grad():
         lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
-    g.logprobs = [lp[i][batch.loss_mask[i] > 0].tolist() for i in range(len(comps))]
+    for i, r in enumerate(g.group.rollouts):
+        r.logprobs = lp[i][batch.loss_mask[i] > 0].tolist()
     return g
 
 
@@ -61,7 +64,7 @@ def seq_logprob(model, batch: Batch) -> torch.Tensor:
 
 def make_group(rewards: list[float], gid: int = 1, comp_len: int = 3) -> TrainingGroup:
     n = len(rewards)
-    return TrainingGroup(group_id=gid, policy_version=0, prompt_ids=[1, 4, 5], completions=[[6] * comp_len] * n,
+    return training_group(group_id=gid, policy_version=0, prompt_ids=[1, 4, 5], completions=[[6] * comp_len] * n,
                          logprobs=[[-1.0] * comp_len] * n, finish_reasons=["stop"] * n, rewards=rewards)
 
 
@@ -80,20 +83,18 @@ def test_advantages_normalise_within_each_group():
     assert torch.allclose(batch.advantages, torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-3)
 
 
-def test_zero_advantage_and_malformed_groups_are_filtered():
+def test_zero_advantage_groups_are_filtered_and_a_group_without_one_reward_per_rollout_cannot_exist():
     good, flat = make_group([0.0, 1.0, 0.5], gid=1), make_group([1.0, 1.0, 1.0], gid=2)
-    bad = make_group([0.0, 1.0], gid=3)
-    bad.logprobs = [[-1.0], [-1.0, -1.0, -1.0]]  # one logprob short
-    keep, drop = filter_groups([good, flat, bad])
-    assert [g.group_id for g in keep] == [1] and sorted(g.group_id for g in drop) == [2, 3]
+    keep, drop = filter_groups([good, flat])
+    assert [g.group_id for g in keep] == [1] and [g.group_id for g in drop] == [2]
     keep, _ = filter_groups([good, flat], filter_zero_advantage=False)
     assert [g.group_id for g in keep] == [1, 2]
-    with pytest.raises(ValueError):
-        build_batch([bad], pad_id=0)
+    with pytest.raises(ValueError, match="2 rewards for 3 rollouts"):
+        TrainingGroup.model_validate({**good.model_dump(), "rewards": [0.0, 1.0]})
 
 
 def test_batch_masks_only_completion_tokens(tok):
-    g = TrainingGroup(group_id=1, policy_version=0, prompt_ids=[1, 4, 5, 14], completions=[[6, 2], [7, 8, 9, 2]],
+    g = training_group(group_id=1, policy_version=0, prompt_ids=[1, 4, 5, 14], completions=[[6, 2], [7, 8, 9, 2]],
                       logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5, -0.6]], finish_reasons=["stop", "stop"],
                       rewards=[0.0, 1.0])
     b = build_batch([g], pad_id=tok.pad_token_id)
@@ -188,8 +189,9 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
 def test_a_far_off_sampler_logprob_is_clipped_in_a_real_step(tok):
     model = fresh_model(tok)
     g = on_policy_group(model, tok, "12+34=", ["46", "99"], [1.0, 0.0])
-    g.logprobs[0] = [lp - 3.0 for lp in g.logprobs[0]]  # sampler thought "46" far less likely: ratio e^3
-    g.logprobs[1] = [lp + 3.0 for lp in g.logprobs[1]]  # and "99" far more likely: ratio e^-3
+    r0, r1 = g.group.rollouts[0], g.group.rollouts[1]
+    r0.logprobs = [lp - 3.0 for lp in r0.logprobs]  # sampler thought "46" far less likely: ratio e^3
+    r1.logprobs = [lp + 3.0 for lp in r1.logprobs]  # and "99" far more likely: ratio e^-3
     batch = build_batch([g], tok.pad_token_id)
     before = [p.detach().clone() for p in model.parameters()]
     stats = grpo_step(model, make_optimizer(model), batch, GRPOConfig())

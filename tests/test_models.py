@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
+
+from swarmrl.modelcmd import build_checkpoint
 from swarmrl.models.build import (
     ARCHS,
     PRESETS,
@@ -19,9 +22,6 @@ from swarmrl.models.build import (
 )
 from swarmrl.models.prompts import load_tokenizer, pad_token_id, render_prompt, stop_token_ids
 from swarmrl.models.tokenizers import END_OF_TEXT, IM_END, build_bpe_tokenizer, build_char_tokenizer
-from transformers import LlamaForCausalLM
-
-from swarmrl.modelcmd import build_checkpoint
 
 ARCH_NAMES = ["llama", "qwen2", "qwen3"]
 TEXTS = ["123+456=", "Hello, wörld!\n\tTabs  and  spaces ", "naïve café ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "", "<|im_end|> is special",
@@ -214,11 +214,12 @@ def test_greedy_evaluation_stops_at_any_stop_token(tmp_path, bpe):
 
 
 def test_warm_start_runs_on_a_chat_model(tmp_path, bpe):
-    from swarmrl.protocol.tasks import get_task
+    from swarmrl.protocol.tasks import TaskSpec, load_task
     from swarmrl.trainer.warmup import WarmupConfig, warm_start
 
     model = build_model(ModelConfig.preset("mini", arch="qwen3"), bpe)
     before = model.model.layers[0].self_attn.q_norm.weight.clone()
-    acc = warm_start(model, bpe, get_task("addition3"), WarmupConfig(max_steps=2, batch_size=4, eval_every=1000))
+    task = load_task(TaskSpec(name="addition"))
+    acc = warm_start(model, bpe, task, WarmupConfig(max_steps=2, batch_size=4, eval_every=1000))
     assert acc == 0.0  # no evaluation within 2 steps
     assert not torch.equal(before, model.model.layers[0].self_attn.q_norm.weight)

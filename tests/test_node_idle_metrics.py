@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from pydantic import ValidationError
+
 from swarmrl.coordinator.service import COUNTER_SLACK_FRAC, COUNTER_SLACK_S
 from swarmrl.coordinator.store import Store
 from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
 from swarmrl.protocol import messages as m
-
 from tests import test_coordinator_api as api
 from tests.test_coordinator_api import Run, post, signed_at, submission
 

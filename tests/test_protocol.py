@@ -7,11 +7,11 @@ import threading
 
 import pytest
 from pydantic import BaseModel, ValidationError
+
 from swarmrl.protocol.identity import Identity, IdentityError, node_id_from_public_key
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.protocol.messages import RolloutSubmission
 from swarmrl.protocol.signing import SignatureError, SignedEnvelope, sign, verify
-from swarmrl.protocol.tasks import Addition
 from swarmrl.runtime.config import deep_update, dump_toml, load_config
 from swarmrl.transfer.store import CheckpointAssembly, ShardStore, assemble_checkpoint, cut_checkpoint
 
@@ -229,20 +229,3 @@ def test_dump_toml_reads_back_nested_tables(tmp_path):
     # A role's extra settings merge into the demo's own, nested sections included.
     assert deep_update({"engine": {"kind": "auto", "dtype": "float32"}, "name": "n0"}, again.roles["node"]) == {
         "engine": {"kind": "torch", "dtype": "float32"}, "name": "n0"}
-
-
-def test_addition_task():
-    task = Addition()
-    assert len({p.prompt for p in task.eval_set}) == 500
-    rng = random.Random(1)
-    eval_prompts = {p.prompt for p in task.eval_set}
-    drawn = [task.sample(rng) for _ in range(2000)]
-    assert not eval_prompts & {p.prompt for p in drawn}
-    p = drawn[0]
-    a, b = p.prompt.rstrip("=").split("+")
-    assert int(p.answer) == int(a) + int(b)
-    assert task.reward(p.answer, p.answer) == 1.0
-    assert task.reward("", p.answer) == 0.0
-    wrong = str(int(p.answer) + 1)
-    assert 0.0 < task.reward(wrong, p.answer) < 1.0
-

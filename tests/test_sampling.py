@@ -3,9 +3,10 @@ wherever it is computed, and computed on the device of the logits."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from swarmrl.protocol import sampling
 from swarmrl.protocol.sampling import gumbel_noise, perturbed_scores, sample, sample_with_logprobs, uniform_noise
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def test_noise_is_a_pure_function_of_its_arguments():

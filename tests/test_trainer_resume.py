@@ -13,9 +13,12 @@ import threading
 
 import pytest
 import torch
+
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
-from swarmrl.protocol.messages import RunInfo, SamplingSpec, TrainingBatch, TrainingGroup
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.messages import TrainingBatch, TrainingGroup
+from swarmrl.protocol.run import RunInfo, RunSpec, SamplingSpec
+from swarmrl.protocol.tasks import TaskSpec, load_task
+from swarmrl.testing.groups import training_group
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.trainer.distributed import optimizer_state
 from swarmrl.trainer.grpo import GRPOConfig, build_batch, grpo_step, make_optimizer
@@ -40,8 +43,10 @@ TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=
 class FakeCoordinator:
     """In-memory coordinator for the trainer's calls. `offsets` cycles the staleness of the groups it makes."""
 
-    def __init__(self, tmp, offsets=(0, 1, 3), group_size: int = 4, run_id: str = "test-run", flat_until: int = 0):
+    def __init__(self, tmp, offsets=(0, 1, 3), group_size: int = 4, run_id: str = "test-run", flat_until: int = 0,
+                 max_staleness: int = 2):
         self.run_id = run_id
+        self.max_staleness = max_staleness
         self.version = -1
         self.offsets = offsets
         self.group_size = group_size
@@ -52,14 +57,14 @@ class FakeCoordinator:
         self.fail_publish = 0
         self.flat_until = flat_until  # groups with ids up to this one all have one reward for every rollout
         self.tok = build_tokenizer()
-        self.task = get_task("addition3")
+        self.task = load_task(TaskSpec())
         self.rng = random.Random(0)
         self.lock = threading.Lock()  # the publisher thread and the main thread call in concurrently
 
     def info(self) -> RunInfo:
-        return RunInfo(run_id=self.run_id, task="addition3", coordinator_key="0" * 64,
-                       sampling=SamplingSpec(temperature=1.0, max_tokens=6, group_size=self.group_size),
-                       max_staleness=2, current_version=self.version)
+        spec = RunSpec(run_id=self.run_id, max_staleness=self.max_staleness,
+                       sampling=SamplingSpec(temperature=1.0, max_tokens=6, group_size=self.group_size))
+        return RunInfo(spec=spec, coordinator_key="0" * 64, current_version=self.version)
 
     def _group(self) -> TrainingGroup:
         self.next_id += 1
@@ -71,7 +76,7 @@ class FakeCoordinator:
                      for _ in range(self.group_size)]
         comps = [self.tok(t, add_special_tokens=False).input_ids + [self.tok.eos_token_id] for t in texts]
         offset = self.offsets[self.next_id % len(self.offsets)]
-        return TrainingGroup(
+        return training_group(
             group_id=self.next_id, policy_version=max(self.version, 0) - offset,
             prompt_ids=self.tok(p.prompt).input_ids, completions=comps,
             logprobs=[[-2.4 + 0.1 * self.rng.random() for _ in c] for c in comps],
@@ -123,7 +128,7 @@ def trainer_cfg(tmp_path, init_ckpt, **kw) -> TrainerConfig:
 def test_state_round_trip_after_kill(tmp_path, init_ckpt):
     model, tok = load_checkpoint(init_ckpt)
     opt = make_optimizer(model, lr=1e-3)
-    g = TrainingGroup(group_id=5, policy_version=0, prompt_ids=tok("12+34=").input_ids,
+    g = training_group(group_id=5, policy_version=0, prompt_ids=tok("12+34=").input_ids,
                       completions=[[10, 2], [13, 2]], logprobs=[[-2.0, -1.0], [-2.0, -1.0]],
                       finish_reasons=["stop"] * 2, rewards=[1.0, 0.0])
     grpo_step(model, opt, build_batch([g], tok.pad_token_id), GRPOConfig())
@@ -239,8 +244,8 @@ def test_a_lost_publish_is_made_up_at_restart(tmp_path, init_ckpt):
 
 
 def test_synchronous_mode_uses_only_current_version_groups(tmp_path, init_ckpt):
-    fake = FakeCoordinator(tmp_path, offsets=(0, 1))
-    cfg = trainer_cfg(tmp_path, init_ckpt, max_steps=2, eval_every=0, max_staleness=0)
+    fake = FakeCoordinator(tmp_path, offsets=(0, 1), max_staleness=0)
+    cfg = trainer_cfg(tmp_path, init_ckpt, max_steps=2, eval_every=0)
     run_trainer(cfg, client=fake)
     for step, _, m in fake.metrics_posted:
         assert m["staleness_0"] == m["groups_used"] > 0 and "staleness_1" not in m, (step, m)
@@ -269,7 +274,7 @@ def _feed_swarm(url: str, verifier_key, stop: threading.Event) -> None:
     from swarmrl.protocol.messages import Rollout, RolloutGroup, RolloutSubmission, Verdict
     from swarmrl.runtime.client import CoordinatorClient
 
-    tok, task, rng = build_tokenizer(), get_task("addition3"), random.Random(1)
+    tok, task, rng = build_tokenizer(), load_task(TaskSpec()), random.Random(1)
     node = CoordinatorClient(url, Identity.generate())
     node.register(name="test-node", engine="fake")
     verifier = CoordinatorClient(url, verifier_key)
@@ -311,9 +316,9 @@ def test_run_trainer_against_the_real_coordinator(tmp_path, init_ckpt):
 
     trainer_key = Identity.load_or_create(tmp_path / "trainer.key")
     verifier_key = Identity.generate()
-    ccfg = CoordinatorConfig(data_dir=tmp_path / "coord", run_id="real-run", port=0,
-                             operator_keys=[trainer_key.public_key_hex, verifier_key.public_key_hex],
-                             sampling=SamplingSpec(group_size=4, max_tokens=6))
+    ccfg = CoordinatorConfig(data_dir=tmp_path / "coord", port=0,
+                             run=RunSpec(run_id="real-run", sampling=SamplingSpec(group_size=4, max_tokens=6)),
+                             operator_keys=[trainer_key.public_key_hex, verifier_key.public_key_hex])
     with server.running_server(ccfg) as url:
         stop = threading.Event()
         feeder = threading.Thread(target=_feed_swarm, args=(url, verifier_key, stop), daemon=True)

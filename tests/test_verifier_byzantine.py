@@ -8,6 +8,7 @@ bench/byzantine.py runs the same suite with many more attempts, >= 1,000 honest 
 from __future__ import annotations
 
 import pytest
+
 from swarmrl.testing.byzantine.attacks import ATTACKS, run_suite
 from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from swarmrl.node.proof import build_proof
 from swarmrl.protocol import messages as m
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.run import RunSpec
+from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.trainer.model import build_tokenizer
 from swarmrl.verifier.checks import CheckContext, cheap_checks
 from swarmrl.verifier.policy import CheckPolicy
@@ -30,8 +32,8 @@ def group(rollouts: list[m.Rollout], *, prompt: str = "123+456=", max_tokens: in
                           group=m.RolloutGroup(prompt_id="p", prompt_ids=TOK(prompt).input_ids, rollouts=rollouts))
 
 
-CTX = CheckContext(tokenizer=TOK, task=get_task("addition3"), max_staleness=1, max_positions=13, require_proof=True,
-                   proof_chunk_tokens=32, proof_topk=4, hidden_size=16)
+CTX = CheckContext(tokenizer=TOK, task=load_task(TaskSpec()), run=RunSpec(max_staleness=1), max_positions=13,
+                   hidden_size=16)
 GOOD = [rollout(DIGITS + [EOS], "stop", 1), rollout([DIGITS[0]] * 4, "length", 2)]
 
 
@@ -58,12 +60,12 @@ def test_any_stop_token_of_the_model_ends_a_completion():
     ([rollout(DIGITS, "length", 1), GOOD[1]], {}, "'length' before max_tokens"),
     ([rollout(DIGITS[:1] + [EOS] + DIGITS[:2], "length", 1), GOOD[1]], {}, "tokens after a stop token"),
     ([rollout(DIGITS + [EOS], "stop", 1), rollout(DIGITS[:3] + [EOS], "length", 2)], {}, "'length' before"),
-    ([rollout(DIGITS * 2, "length", 1), GOOD[1]], {}, "longer than max_tokens"),
+    ([rollout(DIGITS * 2, "length", 1), GOOD[1]], {}, "exceed max_tokens"),
     ([rollout([], "length", 1), GOOD[1]], {}, "empty completion"),
     ([rollout([99], "length", 1), GOOD[1]], {}, "outside the vocabulary"),
     ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 7)], {}, "seeds do not match"),
     (GOOD, {"prompt": "999+456="}, "prompt tokens"),
-    (GOOD, {"policy_version": 4}, "newer than the lease"),
+    (GOOD, {"policy_version": 4}, "newer than 3"),
     (GOOD, {"policy_version": 1}, "versions behind"),
     ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, proof=None)], {}, "no activation proof"),
     ([GOOD[0], rollout([DIGITS[0]] * 4, "length", 2, proof="AAAA")], {}, "malformed activation proof"),

@@ -10,6 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+
 from swarmrl.node.proof import build_proof, build_proofs
 from swarmrl.protocol import proofs, sampling
 from swarmrl.verifier.logprobs import compare_logprobs, compare_logprobs_many, policy_logprobs

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import pytest
+
 from swarmrl.protocol import messages as m
 from swarmrl.runtime.client import CoordinatorError
 from swarmrl.testing.byzantine import nodes as bad

@@ -5,6 +5,7 @@ the same engine with perturbed weights is caught."""
 from __future__ import annotations
 
 import pytest
+
 from swarmrl.testing.byzantine import nodes as bad
 from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
 

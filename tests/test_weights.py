@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+
 from swarmrl.models.weights import architecture_config, load_weights_in_place
 from swarmrl.testing.byzantine.harness import make_checkpoint, perturb_checkpoint
 from swarmrl.trainer.model import ModelConfig

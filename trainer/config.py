@@ -10,6 +10,8 @@ component its own slice of the job config.
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from swarmrl.protocol.run import RunSpec
 from swarmrl.trainer.grpo import GRPOConfig
 
 
@@ -30,8 +32,8 @@ class TrainerConfig(BaseModel):
     init_checkpoint: str | None = Field(
         None, description="HF checkpoint directory of the warm-started model; used when state_dir holds no state."
     )
-    run_id: str = Field("", description="Run id for manifests; empty = take the coordinator's.")
-    task: str = Field("", description="Task name for evaluation, e.g. 'addition3'; empty = the coordinator's.")
+    run: RunSpec | None = Field(None, description="The run this trainer is meant for (the pool's [run] table); when "
+                                "set, the trainer refuses to start against a coordinator whose run differs.")
 
     # -- optimiser ----------------------------------------------------------------------------------
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate (1e-3 collapsed the tiny model).")
@@ -39,31 +41,17 @@ class TrainerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
 
-    # -- batch and staleness ------------------------------------------------------------------------
+    # -- batch and loss -----------------------------------------------------------------------------
     batch_groups: int = Field(32, ge=1, description="Groups (prompts x group_size rollouts) per optimizer step.")
     micro_batch_size: int = Field(
         0, ge=0, description="Sequences per forward/backward (gradient accumulation); 0 = the whole batch at once."
     )
-    max_staleness: int = Field(
-        2, ge=0, description="k: train on groups sampled by versions >= current - k; 0 = synchronous on-policy."
-    )
-
-    # -- loss ---------------------------------------------------------------------------------------
-    clip_low: float = Field(0.2, ge=0, lt=1, description="Ratio clipped below at 1 - clip_low.")
-    clip_high: float = Field(0.28, ge=0, description="Ratio clipped above at 1 + clip_high.")
-    clip_ratio_max: float = Field(
-        4.0, gt=1, description="INTELLECT-2 two-sided cap: for negative advantages the ratio counts at most this."
-    )
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the initial model; 0 = no reference.")
-    filter_zero_advantage: bool = Field(
-        True, description="Skip groups whose rewards are all equal; they carry no signal (counted, not trained)."
-    )
+    loss: GRPOConfig = Field(default_factory=GRPOConfig, description="Advantages and the clipped loss.")
     fill_with_informative: bool = Field(
         False,
         description="Keep pulling until batch_groups groups with non-zero advantage are in (DAPO's dynamic "
         "sampling); default: batch_groups fresh groups are taken and the zero-advantage ones among them skipped.",
     )
-    adv_eps: float = Field(1e-4, gt=0, description="Advantage = (r - mean) / (std + adv_eps) within a group.")
 
     # -- schedule -----------------------------------------------------------------------------------
     max_steps: int = Field(200, ge=0, description="Stop after this many optimizer steps (counted across restarts).")
@@ -78,8 +66,7 @@ class TrainerConfig(BaseModel):
     shard_mb: float = Field(
         2.0, gt=0, description="Size of the content-addressed shards that checkpoints are cut into for nodes to "
         "exchange, MiB. A node shares a shard only once it holds all of it, so smaller shards spread sooner, "
-        "while each costs some CPU (bench/RESULTS.md, N=8 nodes on 2 cores: at 100 Mbit/s 2 MiB took 22 s, "
-        "4 MiB 24.5 s and 1 MiB 23 s with the CPU full; at 25 Mbit/s 1 MiB took 83 s, 4 MiB 95 s).",
+        "while each costs some CPU (measured in bench/RESULTS.md).",
     )
     publish_in_background: bool = Field(
         True, description="Upload and publish checkpoints on a background thread while training goes on."
@@ -91,15 +78,3 @@ class TrainerConfig(BaseModel):
     )
     threads: int = Field(1, ge=0, description="torch.set_num_threads in the trainer; 0 = leave torch's default.")
     progress: bool = Field(True, description="Show a live rich progress line (rank 0 only).")
-
-    def grpo(self, temperature: float = 1.0) -> GRPOConfig:
-        """The loss's slice of this config. `temperature` is the sampler's (the coordinator's SamplingSpec)."""
-        return GRPOConfig(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            clip_ratio_max=self.clip_ratio_max,
-            kl_coef=self.kl_coef,
-            temperature=temperature,
-            filter_zero_advantage=self.filter_zero_advantage,
-            adv_eps=self.adv_eps,
-        )

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from swarmrl.trainer.grpo import Batch, GRPOConfig, grpo_step
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from swarmrl.trainer.grpo import Batch, GRPOConfig, grpo_step
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ def fsdp_grpo_step(
     cfg: GRPOConfig,
     env: DistEnv,
     *,
+    temperature: float = 1.0,
     grad_clip: float = 1.0,
     micro_batch_size: int = 0,
     ref_model: nn.Module | None = None,
@@ -155,11 +157,12 @@ def fsdp_grpo_step(
     (up to float summation order). Every rank must call it with the same batch.
     """
     if not env.distributed:
-        return grpo_step(model, optimizer, batch, cfg, grad_clip=grad_clip, micro_batch_size=micro_batch_size,
-                         ref_model=ref_model)
+        return grpo_step(model, optimizer, batch, cfg, temperature=temperature, grad_clip=grad_clip,
+                         micro_batch_size=micro_batch_size, ref_model=ref_model)
     local = rank_slice(batch, env)
     return grpo_step(
         model, optimizer, local, cfg,
+        temperature=temperature,
         grad_clip=grad_clip,
         micro_batch_size=micro_batch_size,
         ref_model=ref_model,

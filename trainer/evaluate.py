@@ -1,4 +1,4 @@
-"""Greedy exact-match accuracy on the task's fixed held-out set.
+"""Greedy accuracy on the task's fixed held-out set (`Task.is_correct`, with the task's evaluation settings).
 
 Prompts are tokenized with `models.prompts.render_prompt` (the chat template when the tokenizer has one), as
 nodes and the verifier do, and a completion ends at any of the model's stop tokens.
@@ -7,12 +7,10 @@ nodes and the verifier do, and a completion ends at any of the model's stop toke
 from __future__ import annotations
 
 import torch
-from swarmrl.models.prompts import pad_token_id, render_prompt, stop_token_ids
-from swarmrl.protocol.tasks import Problem, Task
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-EVAL_MAX_NEW_TOKENS = 8
-"""Completion length of evaluations when the caller does not say (the addition task's answers need <= 5)."""
+from swarmrl.models.prompts import pad_token_id, render_prompt, stop_token_ids
+from swarmrl.protocol.tasks import Problem, Task
 
 
 @torch.no_grad()
@@ -58,11 +56,12 @@ def correct_count(
     tokenizer: PreTrainedTokenizerBase,
     problems: tuple[Problem, ...] | list[Problem],
     task: Task,
-    max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+    max_new_tokens: int | None = None,
     batch_size: int = 500,
     synced_gpus: bool = False,
 ) -> int:
-    """How many of `problems` the greedy completion gets exactly right."""
+    """How many of `problems` the greedy completion gets right. `max_new_tokens`: default the task's."""
+    max_new_tokens = max_new_tokens or task.eval_settings.max_new_tokens
     correct = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
@@ -76,8 +75,8 @@ def accuracy(
     tokenizer: PreTrainedTokenizerBase,
     problems: tuple[Problem, ...] | list[Problem],
     task: Task,
-    max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+    max_new_tokens: int | None = None,
     batch_size: int = 500,
 ) -> float:
-    """Fraction of `problems` whose greedy completion is exactly right."""
+    """Fraction of `problems` whose greedy completion is right. `max_new_tokens`: default the task's."""
     return correct_count(model, tokenizer, problems, task, max_new_tokens, batch_size) / max(len(problems), 1)

@@ -20,28 +20,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
-from swarmrl.protocol.messages import TrainingGroup
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from swarmrl.protocol.messages import TrainingGroup
 
-@dataclass
-class GRPOConfig:
-    """Knobs of the loss (built from `TrainerConfig.grpo`)."""
 
-    clip_low: float = 0.2
-    """The ratio is clipped below at 1 - clip_low (for A < 0)."""
-    clip_high: float = 0.28
-    """The ratio is clipped above at 1 + clip_high (for A > 0). Higher than clip_low, as in DAPO."""
-    clip_ratio_max: float = 4.0
-    """For A < 0 the ratio counts at most this much (INTELLECT-2's two-sided cap)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL estimate to the reference policy; 0 means no reference model is needed."""
-    temperature: float = 1.0
-    """The sampler's softmax temperature: its logprobs are log_softmax(logits / T), so ours must be too."""
-    filter_zero_advantage: bool = True
-    """Drop groups whose rewards are all equal."""
-    adv_eps: float = 1e-4
-    """Added to the group's reward std before dividing."""
+class GRPOConfig(BaseModel):
+    """Knobs of the advantages and the loss (the trainer config's `[loss]` table).
+
+    The sampler's temperature is not one of them: it is the run's (`RunSpec.sampling`), handed to `grpo_step`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    clip_low: float = Field(0.2, ge=0, lt=1, description="The ratio is clipped below at 1 - clip_low (A < 0).")
+    clip_high: float = Field(0.28, ge=0, description="The ratio is clipped above at 1 + clip_high (A > 0); higher "
+                             "than clip_low, as in DAPO.")
+    clip_ratio_max: float = Field(4.0, gt=1, description="For A < 0 the ratio counts at most this much "
+                                  "(INTELLECT-2's two-sided cap).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the initial model; 0: no reference model.")
+    filter_zero_advantage: bool = Field(True, description="Skip groups whose rewards are all equal; they carry no "
+                                        "signal (counted, not trained).")
+    adv_eps: float = Field(1e-4, gt=0, description="Advantage = (r - mean) / (std + adv_eps) within a group.")
 
 
 # -- 1. advantages ----------------------------------------------------------------------------------
@@ -61,24 +62,13 @@ def is_informative(group: TrainingGroup) -> bool:
     return len(set(group.rewards)) > 1
 
 
-def is_well_formed(group: TrainingGroup) -> bool:
-    """True when every rollout has one logprob per completion token and one reward (what build_batch needs)."""
-    n = len(group.completions)
-    return (
-        n > 0
-        and len(group.logprobs) == n
-        and len(group.rewards) == n
-        and all(len(c) == len(lp) for c, lp in zip(group.completions, group.logprobs, strict=True))
-    )
-
-
 def filter_groups(groups: Sequence[TrainingGroup], filter_zero_advantage: bool = True
                   ) -> tuple[list[TrainingGroup], list[TrainingGroup]]:
-    """Split groups into (trainable, dropped). Dropped: malformed ones, and zero-advantage ones if asked."""
+    """Split groups into (trainable, dropped): dropped are the zero-advantage ones, if asked. (Their shape was
+    checked at submission, `protocol.validation.group_problem`, and TrainingGroup holds one reward per rollout.)"""
     keep, drop = [], []
     for g in groups:
-        ok = is_well_formed(g) and (is_informative(g) or not filter_zero_advantage)
-        (keep if ok else drop).append(g)
+        (keep if is_informative(g) or not filter_zero_advantage else drop).append(g)
     return keep, drop
 
 
@@ -125,25 +115,20 @@ class Batch:
 
 
 def build_batch(groups: Sequence[TrainingGroup], pad_id: int, adv_eps: float = 1e-4) -> Batch:
-    """Right-padded rows for every rollout of `groups`; loss only on completion tokens.
-
-    Raises ValueError on a malformed group (see `is_well_formed`): silently truncating would misalign
-    logprobs with tokens.
-    """
+    """Right-padded rows for every rollout of `groups`; loss only on completion tokens."""
     rows: list[list[int]] = []
     starts: list[int] = []
     lps: list[list[float]] = []
     advs: list[Tensor] = []
     rewards: list[float] = []
     for g in groups:
-        if not is_well_formed(g):
-            raise ValueError(f"group {g.group_id} is malformed (logprobs/rewards do not match completions)")
         advs.append(group_advantages(torch.tensor(g.rewards), adv_eps))
         rewards.extend(g.rewards)
-        for completion, lp in zip(g.completions, g.logprobs, strict=True):
-            rows.append(list(g.prompt_ids) + list(completion))
-            starts.append(len(g.prompt_ids))
-            lps.append(lp)
+        prompt = g.group.prompt_ids
+        for r in g.group.rollouts:
+            rows.append(list(prompt) + list(r.completion_ids))
+            starts.append(len(prompt))
+            lps.append(r.logprobs)
     if not rows:
         raise ValueError("no rollouts to build a batch from")
     B, L = len(rows), max(len(r) for r in rows)
@@ -264,6 +249,7 @@ def grpo_step(
     batch: Batch,
     cfg: GRPOConfig,
     *,
+    temperature: float = 1.0,
     grad_clip: float = 1.0,
     micro_batch_size: int = 0,
     ref_model: nn.Module | None = None,
@@ -272,6 +258,7 @@ def grpo_step(
     reduce_sums: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, float]:
     """One optimizer step of GRPO on `batch`; returns the step's stats (means per token, loss, grad_norm).
+    `temperature` is the sampler's: its logprobs are log_softmax(logits / T), so ours must be too.
 
     `normaliser`, `loss_scale` and `reduce_sums` exist for data parallelism (see trainer.distributed): the
     token count of the global batch, the factor that undoes the gradient averaging across ranks, and an
@@ -285,13 +272,13 @@ def grpo_step(
     sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=device)
     for mb in batch.micro_batches(micro_batch_size):
         mb = mb.to(device)
-        new_lp, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, cfg.temperature)
+        new_lp, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
         ref_lp = None
         if cfg.kl_coef > 0:
             if ref_model is None:
                 raise ValueError("kl_coef > 0 needs a ref_model")
             with torch.no_grad():
-                ref_lp, _ = token_logprobs(ref_model, mb.input_ids, mb.attention_mask, cfg.temperature)
+                ref_lp, _ = token_logprobs(ref_model, mb.input_ids, mb.attention_mask, temperature)
         loss, s = grpo_loss(new_lp, mb, cfg, normaliser=normaliser, ref_logprobs=ref_lp, entropy=entropy)
         (loss * loss_scale).backward()
         sums += s

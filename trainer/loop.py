@@ -33,11 +33,14 @@ import httpx
 import torch
 import torch.distributed as dist
 import transformers
+
 from swarmrl.models.prompts import pad_token_id
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.messages import RunInfo, TrainingBatch, TrainingGroup
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.run import check_run
+from swarmrl.protocol.tasks import load_task
+from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.trainer.distributed import (
@@ -105,20 +108,20 @@ def collect_groups(
     cursor: int,
     version: int,
     cfg: TrainerConfig,
+    max_staleness: int,
     stop: threading.Event | None = None,
     on_wait: Callable[[int], None] | None = None,
 ) -> Collected | None:
     """Pull groups after `cursor` until `cfg.batch_groups` fresh ones are in; None if `stop` was set.
 
-    A group is fresh when its policy_version >= version - max_staleness (with max_staleness 0: only
-    groups sampled by the current weights). Of the fresh groups, the zero-advantage (and malformed) ones
+    A group is fresh when `protocol.validation.is_fresh` says so against `version` with the run's
+    `max_staleness` (0: only groups sampled by the current weights). Of the fresh groups, the zero-advantage ones
     are filtered out of `groups`; with `fill_with_informative` they do not count towards the batch
     either, so the step always gets `batch_groups` trainable groups. A poll that finds nothing new is held by
     the coordinator for up to `long_poll_s`; rides out coordinator restarts.
     """
     t0 = time.monotonic()
     out = Collected(groups=[], fresh=[], cursor=cursor)
-    oldest = version - cfg.max_staleness
 
     def have() -> int:
         return len(out.groups) if cfg.fill_with_informative else len(out.fresh)
@@ -139,11 +142,11 @@ def collect_groups(
             if g.group_id <= out.cursor:  # a coordinator bug must not make us train twice on a group
                 continue
             out.cursor = g.group_id
-            if g.policy_version < oldest:
+            if not is_fresh(g.policy_version, version, max_staleness):
                 out.stale += 1
                 continue
             out.fresh.append(g)
-            keep, drop = filter_groups([g], cfg.filter_zero_advantage)
+            keep, drop = filter_groups([g], cfg.loss.filter_zero_advantage)
             out.groups += keep
             out.filtered += len(drop)
         # We never ask for more than we still need, so every group returned was consumed above.
@@ -220,12 +223,12 @@ class _Run:
 
         # The run: rank 0 asks, everyone hears.
         info: RunInfo = broadcast_object(client.info() if env.is_main else None, env)  # type: ignore[union-attr]
-        if cfg.run_id and cfg.run_id != info.run_id:
-            raise ValueError(f"configured run_id {cfg.run_id!r} but the coordinator runs {info.run_id!r}")
+        check_run(info.spec, cfg.run, "trainer")
         self.info = info
         self.run_id = info.run_id
-        self.task = get_task(cfg.task or info.task)
-        self.gcfg = cfg.grpo(info.sampling.temperature)
+        self.task = load_task(info.spec.task)
+        self.max_staleness = info.spec.max_staleness
+        self.temperature = info.spec.sampling.temperature
 
         # Weights, optimizer and counters: from the newest state, else from the warm-started checkpoint.
         if env.is_main:
@@ -246,7 +249,7 @@ class _Run:
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
         self.ref_model = None
-        if self.gcfg.kl_coef > 0:
+        if cfg.loss.kl_coef > 0:
             if not cfg.init_checkpoint:
                 raise ValueError("kl_coef > 0 needs init_checkpoint (the reference policy)")
             self.ref_model, _ = load_checkpoint(cfg.init_checkpoint)
@@ -295,7 +298,7 @@ class _Run:
         """Greedy exact match on the task's held-out problems, as `trainer.evaluate.accuracy` measures it
         (FSDP: each rank a share, summed)."""
         t0 = time.monotonic()
-        problems = list(self.task.eval_set[: self.cfg.eval_size])
+        problems = list(self.task.eval_set()[: self.cfg.eval_size])
         mine = problems[self.env.rank :: self.env.world_size]
         correct = correct_count(self.model, self.tokenizer, mine, self.task, synced_gpus=self.env.distributed)
         acc = all_reduce_int(correct, self.env) / max(len(problems), 1)
@@ -360,9 +363,9 @@ class _Run:
         cfg, env, ts = self.cfg, self.env, self.ts
         collected = None
         if env.is_main:
-            collected = collect_groups(self.client, ts.cursor, ts.version, cfg, self.stop,  # type: ignore[arg-type]
-                                       on_wait=lambda n: self.display.status(
-                                           f"v{ts.version}: waiting for groups ({n}/{cfg.batch_groups})"))
+            collected = collect_groups(
+                self.client, ts.cursor, ts.version, cfg, self.max_staleness, self.stop,  # type: ignore[arg-type]
+                on_wait=lambda n: self.display.status(f"v{ts.version}: waiting for groups ({n}/{cfg.batch_groups})"))
         groups = broadcast_object(None if collected is None else collected.groups, env)
         if groups is None:
             return False
@@ -375,9 +378,10 @@ class _Run:
         used_version = ts.version
 
         t0 = time.monotonic()
-        batch = build_batch(groups, pad_token_id(self.tokenizer), cfg.adv_eps)
-        stats = fsdp_grpo_step(self.model, self.optimizer, batch, self.gcfg, env, grad_clip=cfg.grad_clip,
-                               micro_batch_size=cfg.micro_batch_size, ref_model=self.ref_model)
+        batch = build_batch(groups, pad_token_id(self.tokenizer), cfg.loss.adv_eps)
+        stats = fsdp_grpo_step(self.model, self.optimizer, batch, cfg.loss, env, temperature=self.temperature,
+                               grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size,
+                               ref_model=self.ref_model)
         step_s = time.monotonic() - t0
 
         ts.step += 1
@@ -400,7 +404,7 @@ class _Run:
             metrics: dict[str, float] = {
                 **rollout_metrics(collected.fresh),
                 **{k: v for k, v in stats.items()},
-                **staleness_histogram(collected.groups, used_version, cfg.max_staleness),
+                **staleness_histogram(collected.groups, used_version, self.max_staleness),
                 "trainer_idle_s": collected.idle_s,
                 "step_s": step_s,
                 "save_s": save_s,

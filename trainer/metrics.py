@@ -9,6 +9,7 @@ from types import TracebackType
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from swarmrl.protocol.messages import TrainingGroup
 
 EXACT_REWARD = 1.0

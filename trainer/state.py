@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from swarmrl.trainer.model import load_checkpoint, save_checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from swarmrl.trainer.model import load_checkpoint, save_checkpoint
 
 STATE_PREFIX = "state-"
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from swarmrl.models.prompts import pad_token_id, render_prompt
 from swarmrl.protocol.tasks import Task
 from swarmrl.trainer.evaluate import accuracy
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -71,7 +72,7 @@ def warm_start(
         # the warm start stops close to the target rather than far past it.
         every = cfg.eval_every if acc < cfg.target_accuracy / 4 else max(1, cfg.eval_every // 5)
         if step % every == 0:
-            acc = accuracy(model, tokenizer, task.eval_set, task)
+            acc = accuracy(model, tokenizer, task.eval_set(), task)
             if on_eval is not None:
                 on_eval(step, loss.item(), acc)
             if acc >= cfg.target_accuracy:

@@ -15,14 +15,16 @@ microseconds per group; the prefill-based checks are in `verifier.full_check`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
 
 from swarmrl.models.prompts import render_prompt
 from swarmrl.protocol import proofs
 from swarmrl.protocol.messages import PendingGroup
+from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import Task
-from transformers import PreTrainedTokenizerBase
+from swarmrl.protocol.validation import group_problem, staleness_problem
 
 REWARD_CLAIM_TOL = 1e-6
 
@@ -31,12 +33,10 @@ REWARD_CLAIM_TOL = 1e-6
 class CheckContext:
     tokenizer: PreTrainedTokenizerBase
     task: Task
-    max_staleness: int = 0
+    run: RunSpec
+    """The run's description (staleness bound, proof parameters), as the coordinator serves it."""
     max_positions: int | None = None
     """The model's length limit (prompt + completion); None: not known, only max_tokens ends a completion."""
-    require_proof: bool = False
-    proof_chunk_tokens: int = proofs.CHUNK_TOKENS
-    proof_topk: int = proofs.TOPK
     hidden_size: int | None = None
     stop_ids: frozenset[int] = frozenset()
     """The model's stop tokens (`PolicyModel.stop_ids`); empty: the tokenizer's eos only."""
@@ -45,12 +45,8 @@ class CheckContext:
 
 
 def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
-    if g.policy_version > g.lease_version:
-        return f"policy version {g.policy_version} is newer than the lease's {g.lease_version}"
-    if g.policy_version < g.lease_version - ctx.max_staleness:
-        return (f"policy version {g.policy_version} is more than {ctx.max_staleness} versions behind the lease's "
-                f"{g.lease_version}")
-    return None
+    problem = staleness_problem(g.policy_version, g.lease_version, ctx.run.max_staleness)
+    return None if problem is None else f"against the lease's version: {problem}"
 
 
 def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
@@ -59,20 +55,14 @@ def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
     expected_prompt = render_prompt(tok, g.prompt_text)
     if g.group.prompt_ids != expected_prompt:
         return "prompt tokens do not match the leased prompt"
-    if sorted(r.seed for r in g.group.rollouts) != sorted(g.seeds):
-        return "rollout seeds do not match the lease"
+    if (problem := group_problem(g.group, g.seeds, g.sampling)) is not None:
+        return problem
     vocab = ctx.vocab_size or len(tok)
     stops = ctx.stop_ids or frozenset({tok.eos_token_id})
     for i, r in enumerate(g.group.rollouts):
         ids = r.completion_ids
-        if len(ids) != len(r.logprobs):
-            return f"rollout {i}: {len(ids)} tokens but {len(r.logprobs)} logprobs"
-        if not ids:
-            return f"rollout {i}: empty completion"
-        if any(t < 0 or t >= vocab for t in ids):
+        if any(t >= vocab for t in ids):
             return f"rollout {i}: token id outside the vocabulary"
-        if len(ids) > g.sampling.max_tokens:
-            return f"rollout {i}: longer than max_tokens"
         if ctx.max_positions is not None and len(expected_prompt) + len(ids) > ctx.max_positions:
             return f"rollout {i}: longer than the model's length limit"
         if any(t in stops for t in ids[:-1]):
@@ -84,8 +74,6 @@ def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
             ctx.max_positions is not None and len(expected_prompt) + len(ids) == ctx.max_positions)
         if r.finish_reason == "length" and (ends_eos or not at_limit):
             return f"rollout {i}: finish 'length' before max_tokens"
-        if any(not (math.isfinite(lp) and lp <= 0.0) for lp in r.logprobs):
-            return f"rollout {i}: a logprob that is not finite and <= 0"
     return None
 
 
@@ -93,7 +81,7 @@ def check_proofs_decode(g: PendingGroup, ctx: CheckContext) -> str | None:
     """Every rollout's proof must be present (when required), well formed and fit its completion."""
     for i, r in enumerate(g.group.rollouts):
         if r.proof is None:
-            if ctx.require_proof:
+            if ctx.run.proofs.required:
                 return f"rollout {i}: no activation proof (this pool requires them)"
             continue
         try:
@@ -102,7 +90,7 @@ def check_proofs_decode(g: PendingGroup, ctx: CheckContext) -> str | None:
             return f"rollout {i}: malformed activation proof ({e})"
         if p.n_tokens != len(r.completion_ids):
             return f"rollout {i}: proof covers {p.n_tokens} tokens, completion has {len(r.completion_ids)}"
-        if (p.chunk_tokens, p.topk) != (ctx.proof_chunk_tokens, ctx.proof_topk):
+        if (p.chunk_tokens, p.topk) != (ctx.run.proofs.chunk_tokens, ctx.run.proofs.topk):
             return f"rollout {i}: proof parameters {p.chunk_tokens}x{p.topk} are not the pool's"
         if ctx.hidden_size is not None and p.hidden_size != ctx.hidden_size:
             return f"rollout {i}: proof hidden size {p.hidden_size}, the model's is {ctx.hidden_size}"
@@ -129,7 +117,7 @@ def check_claimed_rewards(g: PendingGroup, trusted: list[float]) -> str | None:
 def missing_proof(g: PendingGroup, ctx: CheckContext) -> str | None:
     """A rollout without a proof where the pool requires one: refused, but not proof of cheating (a node
     configured without proofs), so it earns no ban."""
-    if ctx.require_proof:
+    if ctx.run.proofs.required:
         for i, r in enumerate(g.group.rollouts):
             if r.proof is None:
                 return f"rollout {i}: no activation proof (this pool requires them)"

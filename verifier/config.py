@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from swarmrl.protocol import proofs
+
+from swarmrl.protocol.run import RunSpec
+from swarmrl.transfer.p2p.config import P2PConfig
 
 
 class Tolerances(BaseModel):
@@ -88,13 +90,16 @@ class VerifierConfig(BaseModel):
     key_path: Path = Field(Path("verifier.key"), description="Operator identity; its key must be in the "
                            "coordinator's operator_keys.")
     work_dir: Path = Field(Path("verifier-data"), description="Checkpoints fetched for checking are kept here.")
-    task: str = Field("addition3", description="Task whose reward is recomputed.")
+    run: RunSpec | None = Field(None, description="The run this verifier is meant for (the pool's [run] table); "
+                                "when set, the verifier refuses to start against a coordinator whose run differs. "
+                                "The task, staleness bound and proof parameters always come from the coordinator.")
     batch: int = Field(64, ge=1, description="Pending groups claimed per poll.")
     poll_interval_s: float = Field(0.2, gt=0, description="Wait between polls when nothing is pending and the "
                                    "coordinator did not wait (long_poll_s = 0, or an error).")
     long_poll_s: float = Field(2.0, ge=0, le=10, description="Ask the coordinator to hold an empty poll this long "
                                "until a group is submitted, so a group is checked as soon as it arrives.")
-    keep_versions: int = Field(3, ge=1, description="Policy versions kept loaded (>= the pool's max_staleness + 1).")
+    keep_versions: int = Field(3, ge=1, description="Policy versions kept loaded (at least the run's "
+                                                     "max_staleness + 1 are).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the recomputation; its tolerances are the defaults (Tolerances.for_dtype). "
                                "A pool whose nodes run bf16 needs bf16 tolerances even with an fp32 verifier.")
@@ -102,13 +107,13 @@ class VerifierConfig(BaseModel):
     max_batch_tokens: int = Field(16384, ge=64, description="Padded tokens per recomputation forward.")
     tolerances: Tolerances = Field(default_factory=Tolerances, description="Thresholds; see Tolerances. Fields "
                                    "not given take the defaults of `dtype` (Tolerances.for_dtype).")
-    require_proof: bool = Field(True, description="Reject rollouts without an activation proof.")
-    proof_chunk_tokens: int = Field(proofs.CHUNK_TOKENS, ge=1, le=255, description="Required proof chunk size.")
-    proof_topk: int = Field(proofs.TOPK, ge=1, le=255, description="Required proof entries per token.")
     warmup_checks: int = Field(8, ge=0, description="K: every group of a node is fully checked until it passed K.")
     sample_rate: float = Field(1.0, ge=0, le=1, description="p: after K passes, the share of groups fully checked; "
                                                             "the others are held until a later check passes.")
     policy_seed: int | None = Field(None, description="Seed of the p draws (tests only); None: OS randomness.")
+    p2p: P2PConfig | None = Field(
+        None, description="Fetch policy versions from the checkpoint swarm too (and serve them to it), when the pool "
+        "has one; None: from the coordinator's HTTP origin only.")
 
     @model_validator(mode="before")
     @classmethod

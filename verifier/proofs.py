@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from swarmrl.protocol import proofs
 
 

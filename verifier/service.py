@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import httpx
 import torch
+
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import PendingGroup, Verdict
-from swarmrl.protocol.tasks import get_task
+from swarmrl.protocol.run import RunSpec, check_run
+from swarmrl.protocol.tasks import Task, load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.verifier.checks import CheckContext, cheap_checks, missing_proof
 from swarmrl.verifier.config import VerifierConfig
@@ -48,13 +50,13 @@ class Verifier:
         self.cfg = cfg
         self.identity = identity or Identity.load_or_create(cfg.key_path)
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity)
-        self.task = get_task(cfg.task)
+        self.task: Task | None = None
         self.policy = CheckPolicy(cfg.warmup_checks, cfg.sample_rate, cfg.policy_seed)
         self.stats = VerifierStats()
         self.reports: dict[int, GroupReport] = {}
         """Full-check reports by group id, the most recent `MAX_REPORTS` (for logs, tests and the bench)."""
         self.models: ModelCache | None = None
-        self.max_staleness = 0
+        self.run_spec: RunSpec | None = None
 
     # kept for callers of the first cut
     @property
@@ -70,16 +72,19 @@ class Verifier:
         key = self.cfg.coordinator_key or info.coordinator_key
         if self.cfg.coordinator_key and info.coordinator_key != self.cfg.coordinator_key:
             raise RuntimeError("the coordinator presents a different key than the one configured: refusing")
-        self.max_staleness = info.max_staleness
-        self.models = ModelCache(self.client, key, self.cfg.work_dir, keep=self.cfg.keep_versions,
-                                 dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
+        check_run(info.spec, self.cfg.run, "verifier")
+        self.run_spec = info.spec
+        self.task = load_task(info.spec.task)
+        keep = max(self.cfg.keep_versions, info.spec.max_staleness + 1)  # a group may be that many versions old
+        self.models = ModelCache(self.client, key, self.cfg.work_dir, keep=keep,
+                                 dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device, p2p=self.cfg.p2p,
+                                 run=info)
 
     def _context(self, weights: PolicyModel) -> CheckContext:
-        return CheckContext(tokenizer=weights.tokenizer, task=self.task, max_staleness=self.max_staleness,
-                            max_positions=weights.max_positions, require_proof=self.cfg.require_proof,
-                            proof_chunk_tokens=self.cfg.proof_chunk_tokens, proof_topk=self.cfg.proof_topk,
-                            hidden_size=weights.hidden_size, stop_ids=weights.stop_ids,
-                            vocab_size=weights.vocab_size)
+        assert self.task is not None and self.run_spec is not None
+        return CheckContext(tokenizer=weights.tokenizer, task=self.task, run=self.run_spec,
+                            max_positions=weights.max_positions, hidden_size=weights.hidden_size,
+                            stop_ids=weights.stop_ids, vocab_size=weights.vocab_size)
 
     def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
         """Verdicts for `groups` (in group-id order, so holds are applied before later passes release them)."""
@@ -166,12 +171,16 @@ class Verifier:
         """Poll until `stop_after_s` (forever by default). Coordinator errors and unreachable or inconsistent
         weights are logged and retried: claimed groups left without a verdict are claimed again later."""
         t0 = time.time()
-        while stop_after_s is None or time.time() - t0 < stop_after_s:
-            t_poll = time.monotonic()
-            try:
-                worked = self.poll_once()
-            except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
-                log.error("poll failed: %s", e)
-                worked = 0
-            if worked == 0 and time.monotonic() - t_poll < self.cfg.poll_interval_s:
-                time.sleep(self.cfg.poll_interval_s)  # the coordinator did not hold the poll: do not spin
+        try:
+            while stop_after_s is None or time.time() - t0 < stop_after_s:
+                t_poll = time.monotonic()
+                try:
+                    worked = self.poll_once()
+                except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
+                    log.error("poll failed: %s", e)
+                    worked = 0
+                if worked == 0 and time.monotonic() - t_poll < self.cfg.poll_interval_s:
+                    time.sleep(self.cfg.poll_interval_s)  # the coordinator did not hold the poll: do not spin
+        finally:
+            if self.models is not None:
+                self.models.close()  # leaves the checkpoint swarm, if it joined one

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import sign
@@ -91,7 +92,7 @@ def _node_attack(make: Callable[[Pool, int], ScriptedNode], tries: int = 1) -> C
 def _honest_submission(pool: Pool, name: str) -> tuple[ScriptedNode, m.Lease, m.RolloutSubmission]:
     """A node with an honestly generated, not yet submitted submission (for protocol-level attacks)."""
     node = pool.node(name=name, max_prompts=1)
-    node._swap_in_weights(node._run_info.sampling.temperature)
+    node._swap_in_weights(node._run_info.spec.sampling.temperature)
     lease = node.client.lease(1, held_version=node.stats.held_version)
     sub = node._generate(lease)
     node.engine.close()
@@ -132,9 +133,9 @@ def stale_policy_version(pool: Pool, i: int) -> Attempt:
     the current version (needs a newer published version: the pool publishes perturbed weights once)."""
     from swarmrl.testing.byzantine.harness import perturb_checkpoint
 
-    if len(pool.versions) < pool.cfg.max_staleness + 2:
+    if len(pool.versions) < pool.cfg.run.max_staleness + 2:
         base = pool.versions[max(pool.versions)]
-        for _ in range(pool.cfg.max_staleness + 2 - len(pool.versions)):
+        for _ in range(pool.cfg.run.max_staleness + 2 - len(pool.versions)):
             nxt = perturb_checkpoint(base, pool.root / f"published-v{len(pool.versions)}", 0.01, len(pool.versions))
             pool.publish(nxt)
     current = max(pool.versions)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.server import running_server
 from swarmrl.node.agent import Node
@@ -19,9 +20,12 @@ from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import EngineConfig
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.run import RunSpec
+from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
-from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+from swarmrl.transfer.fetcher import CheckpointFetcher
+from swarmrl.transfer.sources import HttpOrigin
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 from swarmrl.verifier.config import VerifierConfig
 from swarmrl.verifier.service import Verifier
@@ -112,7 +116,7 @@ class ScriptedNode(Node):
 
     def _catch_up(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
         # No fetch thread here: fetch now if the lease needs newer weights than this node holds.
-        if self.stats.held_version < lease.policy_version - max_staleness:
+        if not is_fresh(self.stats.held_version, lease.policy_version, max_staleness):
             self.sync()
         super()._catch_up(lease, max_staleness, temperature)
 
@@ -138,7 +142,7 @@ class Pool:
         """Publish `ckpt` as the next version, as the trainer does (shards uploaded, manifest signed)."""
         version = max(self.versions, default=-1) + 1
         local = ShardStore(self.root / "trainer-shards")
-        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run_id, version=version, store=local)
+        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run.run_id, version=version, store=local)
         for ref in manifest.shards():
             self.op.upload_shard(ref.sha256, local.get(ref.sha256))
         self.op.publish(manifest)
@@ -184,9 +188,10 @@ def open_pool(root: Path, checkpoint: Path, *, sampling: m.SamplingSpec | None =
               verifier: dict | None = None, **coordinator: object) -> Iterator[Pool]:
     """A coordinator on loopback with `checkpoint` published as version 0, and a verifier for it."""
     op_key = Identity.generate()
-    settings: dict = dict(data_dir=root / "coordinator", run_id="byzantine", operator_keys=[op_key.public_key_hex],
-                          sampling=sampling or m.SamplingSpec(temperature=0.8, max_tokens=8, group_size=8),
-                          max_staleness=max_staleness, keep_versions=max_staleness + 2, max_body_bytes=2 << 20,
+    run = RunSpec(run_id="byzantine", max_staleness=max_staleness,
+                  sampling=sampling or m.SamplingSpec(temperature=0.8, max_tokens=8, group_size=8))
+    settings: dict = dict(data_dir=root / "coordinator", run=run, operator_keys=[op_key.public_key_hex],
+                          keep_versions=max_staleness + 2, max_body_bytes=2 << 20,
                           max_outstanding_leases=64, lease_ttl_s=600.0)
     settings.update(coordinator)
     cfg = CoordinatorConfig(**settings)

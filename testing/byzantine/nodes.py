@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.proof import build_proof
 from swarmrl.protocol import messages as m
@@ -20,7 +22,6 @@ from swarmrl.trainer.model import save_checkpoint
 from swarmrl.verifier.logprobs import policy_logprobs
 from swarmrl.verifier.prefill import recompute
 from swarmrl.verifier.replay import replay
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 
 class Truth:
@@ -188,9 +189,9 @@ class ClaimNode(ScriptedNode):
     can score its own completions: it sees the prompt, and the task's answer follows from it)."""
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        from swarmrl.protocol.tasks import get_task
+        from swarmrl.protocol.tasks import load_task
 
-        task = get_task(self._run_info.task)
+        task = load_task(self._run_info.spec.task)
         texts = {p.prompt_id: p.text for p in lease.prompts}
         groups = []
         for g in submission.groups:

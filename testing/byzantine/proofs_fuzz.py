@@ -8,6 +8,7 @@ import random
 import struct
 
 import torch
+
 from swarmrl.node.proof import build_proof
 from swarmrl.protocol import messages as m
 from swarmrl.protocol import proofs

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import EngineConfig
 from swarmrl.runtime.client import CoordinatorError

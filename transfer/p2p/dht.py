@@ -31,6 +31,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
+
 from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
 
 RECORD_KIND = "swarmrl.holders.v1"

@@ -1,0 +1,87 @@
+"""The run description: the one source of every fact of a training run that the roles must agree on.
+
+The operator writes it once, as the `[run]` table of the coordinator's config. The coordinator serves it in
+`RunInfo` (GET /v1/info) with the facts that change while the run goes on (the current policy version, the DHT
+bootstrap peers); every other role reads it from there instead of keeping its own copy:
+
+- nodes: how to sample (`sampling`), how stale their weights may be (`max_staleness`), which proofs to attach;
+- the verifier: the task whose reward it recomputes, the staleness bound, the proof parameters it requires;
+- the trainer: the task it evaluates on, the staleness bound, the sampling temperature its loss must use.
+
+A verifier or trainer whose own config names a `run` refuses to start when it differs (`RunSpec.mismatch`),
+so a role configured for another run cannot quietly train or verify against the wrong facts.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from swarmrl.protocol import proofs
+from swarmrl.protocol.tasks import TaskSpec
+
+MAX_COMPLETION_TOKENS = 4096
+MAX_GROUP_SIZE = 64
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingSpec(_Strict):
+    """How every rollout of a lease is sampled. Fixed by the run, never chosen by a node."""
+
+    temperature: float = Field(1.0, gt=0, le=10, description="Softmax temperature.")
+    max_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length cap.")
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="Rollouts per prompt (the GRPO group).")
+
+
+class ProofSpec(_Strict):
+    """The activation proofs (`protocol.proofs`) every rollout carries."""
+
+    required: bool = Field(True, description="Rollouts without a proof are refused (without a ban).")
+    chunk_tokens: int = Field(proofs.CHUNK_TOKENS, ge=1, le=255, description="Tokens per proof chunk.")
+    topk: int = Field(proofs.TOPK, ge=1, le=255, description="Hidden-state entries committed per token.")
+
+
+class RunSpec(_Strict):
+    """The facts of one training run (a pool) that never change while it runs."""
+
+    run_id: str = Field("swarmrl", min_length=1, max_length=128, description="Name of the run; manifests carry it.")
+    model: str = Field("", max_length=256, description="What is being trained, in words (e.g. the base model's "
+                       "name); shown to people joining the pool.")
+    task: TaskSpec = Field(default_factory=TaskSpec, description="The task prompts are drawn from and scored by.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How every rollout is sampled.")
+    max_staleness: int = Field(2, ge=0, le=1_000_000, description="k: a group generated with a policy more than "
+                               "k versions behind the reference version (the lease's, the coordinator's current "
+                               "one, the trainer's) is refused or dropped; 0: synchronous on-policy.")
+    proofs: ProofSpec = Field(default_factory=ProofSpec, description="Activation proofs rollouts must carry.")
+
+    def mismatch(self, expected: RunSpec) -> str | None:
+        """Why this run is not the `expected` one (each differing field, both values), or None when equal."""
+        mine, theirs = self.model_dump(mode="json"), expected.model_dump(mode="json")
+        diffs = [f"{k}: the coordinator's is {mine[k]!r}, this role's config says {theirs[k]!r}"
+                 for k in mine if mine[k] != theirs[k]]
+        return "; ".join(diffs) or None
+
+
+class RunInfo(_Strict):
+    """What GET /v1/info answers: the run description, the coordinator's key, and what changes as it runs."""
+
+    spec: RunSpec
+    coordinator_key: str = Field(description="Ed25519 public key that signs manifests, hex.")
+    current_version: int = Field(description="Newest published policy version; -1 before the first.")
+    dht_peers: list[str] = Field(default_factory=list, description="libp2p multiaddrs to bootstrap the DHT.")
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.run_id
+
+
+def check_run(actual: RunSpec, expected: RunSpec | None, role: str) -> None:
+    """Raise ValueError, saying what differs, when a role configured for run `expected` meets `actual`."""
+    if expected is None:
+        return
+    why = actual.mismatch(expected)
+    if why is not None:
+        raise ValueError(f"the {role} is configured for another run than the coordinator's: {why}")
+

@@ -1,0 +1,58 @@
+"""The invariants of a rollout group, each checked by one function that every role calls where it must.
+
+- `staleness_problem`: a group generated with policy version v is usable against reference version r (the
+  lease's version for the verifier, the coordinator's current version at submission, the trainer's version
+  when it trains) iff r - k <= v <= r, with k the run's `max_staleness`. Nodes use it to know whether the
+  weights they hold are recent enough for a lease.
+- `group_problem`: the shape of a submitted group against what was leased: one rollout per leased seed, one
+  logprob per token, lengths within the run's max_tokens, token ids that can be token ids, logprobs that can be
+  logprobs. The coordinator calls it on every submission, so everything behind it (the verifier's checks,
+  the trainer) sees only groups of this shape; what needs the model's tokenizer (prompt tokens, vocabulary,
+  stop tokens, termination) is the verifier's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from swarmrl.protocol.messages import RolloutGroup
+from swarmrl.protocol.run import SamplingSpec
+
+
+def staleness_problem(version: int, reference: int, max_staleness: int) -> str | None:
+    """Why a group of policy `version` cannot be used against `reference`, or None when it can."""
+    accepted = f"accepted: {max(reference - max_staleness, 0)}..{reference}"
+    if version > reference:
+        return f"policy version {version} is newer than {reference} ({accepted})"
+    if version < reference - max_staleness:
+        return f"policy version {version} is more than {max_staleness} versions behind {reference} ({accepted})"
+    return None
+
+
+def is_fresh(version: int, reference: int, max_staleness: int) -> bool:
+    """`staleness_problem(...) is None`."""
+    return staleness_problem(version, reference, max_staleness) is None
+
+
+def group_problem(group: RolloutGroup, seeds: Sequence[int], sampling: SamplingSpec) -> str | None:
+    """Why `group` does not have the shape of a group leased with `seeds` and `sampling`, or None."""
+    if len(group.rollouts) != sampling.group_size:
+        return f"expected {sampling.group_size} rollouts, got {len(group.rollouts)}"
+    if Counter(r.seed for r in group.rollouts) != Counter(seeds):
+        return "rollout seeds do not match the leased seeds"
+    if any(t < 0 for t in group.prompt_ids):
+        return "negative token id in the prompt"
+    for i, r in enumerate(group.rollouts):
+        if not r.completion_ids:
+            return f"rollout {i}: empty completion"
+        if len(r.logprobs) != len(r.completion_ids):
+            return f"rollout {i}: {len(r.logprobs)} logprobs for {len(r.completion_ids)} tokens"
+        if len(r.completion_ids) > sampling.max_tokens:
+            return f"rollout {i}: {len(r.completion_ids)} tokens exceed max_tokens {sampling.max_tokens}"
+        if any(t < 0 for t in r.completion_ids):
+            return f"rollout {i}: negative token id"
+        if not all(math.isfinite(lp) and lp <= 0.0 for lp in r.logprobs):
+            return f"rollout {i}: logprobs must be finite and <= 0"
+    return None

@@ -1,0 +1,10 @@
+"""The built-in tasks, registered in the `swarmrl.tasks` entry-point group like any third-party task.
+
+- `addition` (alias `addition3`, `swarmrl.tasks.addition`): `123+456=` -> `579`, the demo's task.
+- `math` (`swarmrl.tasks.math`): questions with final answers from a JSONL file; answers are compared for
+  mathematical equivalence by math-verify (sympy underneath).
+- `code` (`swarmrl.tasks.code`): programming problems with stdin/stdout test cases from a JSONL file; every
+  completion runs in a bubblewrap sandbox (`swarmrl.tasks.sandbox`).
+
+The interface they implement, and how to write another, is in `swarmrl.protocol.tasks`.
+"""

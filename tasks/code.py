@@ -1,0 +1,104 @@
+"""`code`: programming problems with stdin/stdout test cases, read from a pinned JSONL file.
+
+Each line is `{"prompt": "...", "tests": [{"input": "1 2\\n", "output": "3\\n"}, ...]}`: the completion is a
+Python program that reads a case's `input` on stdin and must print its `output` (compared line by line,
+trailing whitespace ignored). The tests are the problem's answer: they stay on the trusted side.
+
+Why input/output cases and not asserts run next to the program: a program shares its interpreter with
+whatever runs in it, so it could forge an assert harness's verdict (exit 0 early, patch `AssertionError`,
+read the expected values from the harness). Here the expected output never enters the sandbox, and the
+verdict is taken outside it.
+
+The program is the last fenced block of the completion (```python ... ```), or the whole completion if it
+has none. Every case runs in its own sandbox (`swarmrl.tasks.sandbox`). Reward: the share of cases whose
+run exits 0 with the expected output; 0 as soon as a run hits a limit (time, output, CPU, file size), so a
+completion that loops, forks without end or floods output scores 0 and costs at most one wall-clock limit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from swarmrl.protocol.tasks import Problem, Task
+from swarmrl.tasks.data import FileTaskOptions, load_split
+from swarmrl.tasks.sandbox import Sandbox, SandboxConfig
+
+MAX_CASES = 64
+_FENCE = re.compile(r"```[A-Za-z0-9_+-]*[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+class CodeOptions(FileTaskOptions):
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits of each test run.")
+
+
+def extract_program(completion: str) -> str:
+    """The last fenced code block of `completion` (an unclosed one at the end counts), else all of it."""
+    blocks = _FENCE.findall(completion)
+    return blocks[-1] if blocks else completion
+
+
+def same_output(got: bytes, expected: str) -> bool:
+    """Equal up to trailing whitespace on each line and blank lines at the end."""
+    def norm(text: str) -> list[str]:
+        return [line.rstrip() for line in text.rstrip().splitlines()]
+    return norm(got.decode("utf-8", errors="replace")) == norm(expected)
+
+
+def parse_tests(raw: Any) -> list[dict[str, str]]:
+    """Test cases as stored in a problem's answer; ValueError when they are not a 1..MAX_CASES list of
+    {"input": str, "output": str}."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_CASES:
+        raise ValueError(f"tests must be a list of 1 to {MAX_CASES} cases")
+    cases = []
+    for case in raw:
+        if not (isinstance(case, dict) and set(case) == {"input", "output"}
+                and all(isinstance(v, str) for v in case.values())):
+            raise ValueError('each test case must be {"input": str, "output": str}')
+        cases.append({"input": case["input"], "output": case["output"]})
+    return cases
+
+
+class CodeTask(Task):
+    """Problems from `path`; held-out problems from `eval_path` or a seeded `eval_fraction` of `path`."""
+
+    name = "code"
+    Options = CodeOptions
+    options: CodeOptions
+
+    def __init__(self, options: CodeOptions, data_dir: Path):
+        super().__init__(options, data_dir)
+        self.sandbox = Sandbox(options.sandbox)  # refuses to load where code cannot be sandboxed
+        self._train, self._eval = load_split(options, data_dir, self._parse)
+
+    @staticmethod
+    def _parse(record: dict[str, Any]) -> Problem:
+        prompt = record["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("empty prompt")
+        tests = parse_tests(record["tests"])
+        return Problem(prompt=prompt, answer=json.dumps(tests, sort_keys=True, separators=(",", ":")))
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self._train[rng.randrange(len(self._train))]
+
+    def eval_set(self) -> list[Problem]:
+        return list(self._eval)
+
+    def reward(self, completion: str, answer: str) -> float:
+        tests = parse_tests(json.loads(answer))
+        program = extract_program(completion)
+        if not program.strip():
+            return 0.0
+        passed = 0
+        for case in tests:
+            run = self.sandbox.run(program, case["input"].encode())
+            if run.hit_limit:
+                return 0.0
+            passed += run.ok and same_output(run.stdout, case["output"])
+        return passed / len(tests)
