@@ -23,7 +23,7 @@ root here (`.whl/` is git-ignored):
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \\
         pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2 \\
-        cryptography==46.0.3 cffi==2.0.0 pycparser==2.23
+        typing-extensions==4.15.0 cryptography==46.0.3 cffi==2.0.0 pycparser==2.23
 
 then run (device tool, carry [".whl"], timeout 600):
 

@@ -18,7 +18,7 @@ from swarmrl.models.prompts import render_prompt
 from swarmrl.node.engine import Completion, GenerationRequest
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.run import RunSpec
-from swarmrl.protocol.tasks import Task, TaskSpec, load_task
+from swarmrl.protocol.tasks import Task
 from swarmrl.verifier.checks import CheckContext, cheap_checks
 from swarmrl.verifier.config import Tolerances
 from swarmrl.verifier.full_check import GroupReport, full_check
@@ -49,19 +49,17 @@ def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list[
     return out
 
 
-_ADDITION: Task | None = None
-
-
 def verify_groups(policy: PolicyModel, groups: list[m.PendingGroup], tol: Tolerances | None = None,
                   task: Task | None = None, run: RunSpec | None = None, max_batch_tokens: int = 16384
                   ) -> tuple[list[str | None], list[GroupReport | None]]:
     """(reason per group: None when it passed every check; the full check's report, None where a cheap check
-    already failed). `tol` defaults to the tolerances of the policy's dtype, `task` to addition (rewards only),
-    `run` to the default run description (proofs required, the protocol's proof parameters)."""
-    global _ADDITION
+    already failed). `tol` defaults to the tolerances of the policy's dtype, `task` to addition (rewards only;
+    built directly, so that this also runs from a checkout that is not installed, without the task entry
+    points), `run` to the default run description (proofs required, the protocol's proof parameters)."""
     if task is None:
-        _ADDITION = _ADDITION or load_task(TaskSpec(name="addition"))
-        task = _ADDITION
+        from swarmrl.tasks.addition import AdditionTask
+
+        task = AdditionTask()
     dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
     tol = tol or Tolerances.for_dtype(dtype)
     ctx = CheckContext(tokenizer=policy.tokenizer, task=task, run=run or RunSpec(), max_positions=policy.max_positions,
