@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--archs", nargs="+", default=["llama", "qwen2", "qwen3"])
     p.add_argument("--sizes", nargs="+", default=["small30m", "qwen05b"], choices=sorted(SIZES))
-    p.add_argument("--groups", type=int, default=8, help="groups per arch, size and temperature")
+    p.add_argument("--groups", type=int, default=6, help="groups per arch, size and temperature")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, default=128, help="torch engine: requests decoded together")
