@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.pool import attach_pool
 from swarmrl.protocol.identity import Identity
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     if seed is not None:
         print(f"  DHT seed:       {', '.join(app.state.coordinator.dht_peers)}", flush=True)
     host = config.host if ":" not in config.host else f"[{config.host}]"
+    pool = attach_pool(app.state.coordinator, config, identity, f"http://{host}:{config.port}")
+    if pool is not None:
+        print(f"  pool DHT:       {', '.join(pool.bootstrap_addresses)}", flush=True)
     print(f"swarmrl coordinator for run {config.run.run_id!r}", flush=True)
     print(f"  url:            http://{host}:{config.port}", flush=True)
     print(f"  coordinator key {identity.public_key_hex}", flush=True)
@@ -53,6 +57,8 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
     finally:
+        if pool is not None:
+            pool.close()
         if seed is not None:
             seed.close()
 
@@ -76,7 +82,9 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="coordinator", daemon=True)
     thread.start()
+    pool = None
     try:
+        pool = attach_pool(app.state.coordinator, config, identity, f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + startup_timeout_s
         while not server.started:
             if not thread.is_alive():
@@ -86,6 +94,8 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
             time.sleep(0.01)
         yield f"http://127.0.0.1:{port}"
     finally:
+        if pool is not None:  # first: its thread reads the store, which the server closes on its way out
+            pool.close()
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()

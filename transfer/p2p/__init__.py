@@ -13,11 +13,11 @@ A node process (`transfer.connect.open_fetcher` does this for nodes and verifier
 
 The coordinator runs `transfer.seed.DhtSeed` (a bootstrap peer that seeds its shard store).
 Modules, each importing only those before it: `config` (P2PConfig), `wire` (the stream protocol, PeerError,
-SwarmStats), `dht` (holder records, their validators, identities), `health` (bans and drops), `seeding` (a
-seed's super-seeding and ramp-up), `serving` (ShardServer: uploads, watch streams, seed hints), `client`
-(requests to one peer), `watch` (following holders' watch streams), `discovery` (announcing, reading holder
-records), `swarm` (SwarmPeer, which puts them together), `sources` (SwarmSource, PeerSource: the swarm as the
-fetcher sees it).
+SwarmStats), `dht` (holder records, their validators, identities), `host` (starting a daemon and a DHTNode:
+`open_dht`, and `DhtHost` for users of the bare DHT), `health` (bans and drops), `seeding` (a seed's
+super-seeding and ramp-up), `serving` (ShardServer: uploads, watch streams, seed hints), `client` (requests to one
+peer), `watch` (following holders' watch streams), `discovery` (announcing, reading holder records), `swarm`
+(SwarmPeer, which puts them together), `sources` (SwarmSource, PeerSource: the swarm as the fetcher sees it).
 Importing `swarm` imports hivemind (and torch): a few seconds, so it is imported only when needed.
 """
 

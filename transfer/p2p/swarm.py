@@ -24,7 +24,6 @@ from collections.abc import Coroutine
 from typing import Any
 
 from hivemind.dht.node import DHTNode
-from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 
 from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
@@ -33,13 +32,12 @@ from swarmrl.transfer.p2p.config import P2PConfig
 from swarmrl.transfer.p2p.dht import (
     CachingSignatureValidator,
     HolderRecord,
-    HolderRecordValidator,
     full_maddrs,
-    load_or_create_rsa_identity,
     manifest_tag,
 )
 from swarmrl.transfer.p2p.discovery import Announcer, HolderDirectory
 from swarmrl.transfer.p2p.health import PeerHealth
+from swarmrl.transfer.p2p.host import open_dht
 from swarmrl.transfer.p2p.serving import ShardServer
 from swarmrl.transfer.p2p.watch import Watches
 from swarmrl.transfer.p2p.wire import PROTOCOL, PeerError, SwarmStats
@@ -139,31 +137,10 @@ class SwarmPeer:
 
     async def _start(self) -> None:
         cfg = self.config
-        key, path, temporary = load_or_create_rsa_identity(cfg.identity_path)
-        try:
-            self._p2p = await P2P.create(
-                initial_peers=self.initial_peers or None,
-                host_maddrs=cfg.host_maddrs,
-                announce_maddrs=cfg.announce_maddrs or None,
-                identity_path=str(path),
-                check_if_identity_free=False,
-                auto_nat=False,
-                nat_port_map=False,
-                use_relay=False,
-                use_auto_relay=False,
-                startup_timeout=cfg.startup_timeout_s,
-            )
-        finally:
-            if temporary:
-                path.unlink(missing_ok=True)
-        self._rsa = CachingSignatureValidator(key)
-        self._dht = await DHTNode.create(
-            p2p=self._p2p,
-            initial_peers=self.initial_peers or None,
-            record_validator=CompositeValidator([self._rsa, HolderRecordValidator()]),
-            wait_timeout=cfg.dht_wait_timeout_s,
-            num_workers=4,
-        )
+        self._p2p, self._dht, self._rsa = await open_dht(
+            initial_peers=self.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
+            identity_path=cfg.identity_path, startup_timeout_s=cfg.startup_timeout_s,
+            wait_timeout_s=cfg.dht_wait_timeout_s)
         self.peer_id = self._p2p.peer_id.to_base58()
         self.maddrs = full_maddrs(await self._p2p.get_visible_maddrs(), self._p2p.peer_id)
         self.client.attach(self._p2p)
