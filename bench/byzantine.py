@@ -52,7 +52,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from swarmrl.node.engine import EngineConfig, GenerationRequest, build_engine  # noqa: E402
+from swarmrl.node.engine import EngineConfig, GenerationRequest  # noqa: E402
+from swarmrl.node.engines import build_engine  # noqa: E402
 from swarmrl.protocol import messages as m  # noqa: E402
 from swarmrl.protocol import quarantine  # noqa: E402
 from swarmrl.testing.byzantine.garbage import garbage, pending_groups, prompts, rare_eos_checkpoint  # noqa: E402

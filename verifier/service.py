@@ -111,6 +111,7 @@ class Verifier:
         assert self.task is not None and self.run_spec is not None
         return CheckContext(tokenizer=weights.tokenizer, task=self.task, run=self.run_spec,
                             max_positions=weights.max_positions, hidden_size=weights.hidden_size,
+                            stop_ids=weights.stop_ids, vocab_size=weights.vocab_size,
                             logprob_abs=self.cfg.tolerances.logprob_abs, proof_ledger=self.ledger)
 
     def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
