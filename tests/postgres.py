@@ -1,0 +1,44 @@
+"""The PostgreSQL server tests use: `SWARMRL_TEST_PG_URL` (CI sets it with scripts/test-postgres.sh), a role that
+may create databases. Each test gets a database of its own, dropped afterwards."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+
+PG_URL = os.environ.get("SWARMRL_TEST_PG_URL")
+SKIP_REASON = "SWARMRL_TEST_PG_URL is not set: export SWARMRL_TEST_PG_URL=\"$(scripts/test-postgres.sh)\" (CI does)"
+needs_pg = pytest.mark.skipif(not PG_URL, reason=SKIP_REASON)
+
+
+@contextmanager
+def fresh_database() -> Iterator[str]:
+    """The URL of a new, empty database on the test server; it is dropped on exit."""
+    if not PG_URL:
+        pytest.skip(SKIP_REASON)
+    name = f"swarmrl_t_{secrets.token_hex(6)}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        yield make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=needs_pg)])
+def store_url(request, tmp_path) -> Iterator[str]:
+    """A fresh store URL: an SQLite file, and (when the server is there) a PostgreSQL database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'coordinator.sqlite'}"
+    else:
+        with fresh_database() as url:
+            yield url
