@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
     """Start the checkpoint swarm's DHT seed if `config.p2p` asks for one, serving what is already published
-    and each new version; nodes learn its addresses from RunInfo.dht_peers. The caller closes it."""
+    and each new version; nodes learn its addresses from RunInfo.dht_peers. The caller closes it.
+
+    With several coordinator processes on one PostgreSQL store, give `[p2p]` to one of them and point the
+    trainer (shard uploads and publishes) at that one: the seed learns of a new version from the publish hook,
+    which runs in the process that handled the publish. The other processes serve the same versions over HTTP
+    from the shared data_dir, and list the seed's peers when `dht_peers` names them."""
     if config.p2p is None or not config.p2p.enabled:
         return None
     from swarmrl.transfer.seed import DhtSeed  # hivemind is heavy: import it only when the swarm is on

@@ -272,6 +272,7 @@ class _Run:
             for g in self.optimizer.param_groups:  # the config, not the saved state, says how to go on
                 g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.state_path = path
+        self.resumed = loaded is not None
 
         # Versions never go backwards, even if our state is older than what the coordinator has.
         if info.current_version > self.ts.version:
@@ -353,7 +354,7 @@ class _Run:
             needs_publish = self.info.current_version < self.ts.version or self.info.current_version < 0
             if needs_publish:
                 self.ensure_published()
-            if env.is_main and self.state_path is not None:
+            if env.is_main and self.resumed and self.ts.cursor > 0:
                 self.acknowledge(self.ts.cursor)  # a state saved just before a crash may not have been acknowledged
             if self.ts.step == 0 and cfg.eval_every > 0:
                 acc = self.evaluate()
