@@ -21,7 +21,7 @@ from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, rai
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
-from tests.postgres import store_url  # noqa: F401 (a fixture)
+from tests.postgres import fresh_database, needs_pg, store_url  # noqa: F401 (store_url is a fixture)
 
 
 @pytest.fixture
@@ -239,6 +239,23 @@ def test_concurrent_accepts_give_every_group_one_position(store: Store) -> None:
     assert gaps == []
     assert sorted(r for r in results if r is not None) == list(range(1, 61))
     assert sorted(r.accepted_seq for r in store.read(lambda tx: feed.entries_after(tx, 0, 1000))) == list(range(1, 61))
+
+
+@needs_pg
+def test_a_notifying_write_wakes_long_polls_of_another_process() -> None:
+    """Two stores on one PostgreSQL database, as two coordinator processes have: a notifying write through one
+    moves the other's change generation (LISTEN/NOTIFY), which its long polls wait on. (SQLite: one process.)"""
+    with fresh_database() as url:
+        writer, waiter = Store(url), Store(url)
+        try:
+            waiter.wait_for_change(0, timeout=60)  # its listener is connected (it counts a change when it connects)
+            seen = waiter.generation
+            writer.write(lambda tx: add_to_counter(tx, LEASE_COUNTER), notify=True)
+            waiter.wait_for_change(seen, timeout=60)
+            assert waiter.generation != seen
+        finally:
+            writer.close()
+            waiter.close()
 
 
 def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
