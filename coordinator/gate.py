@@ -18,19 +18,22 @@ from sqlalchemy import delete
 
 from swarmrl.coordinator.auth import Refused, Signed, check_signature, parse_envelope, typed_payload
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import nonces
 from swarmrl.coordinator.db.store import Store, Tx, insert
-from swarmrl.coordinator.registry import require_node
+from swarmrl.coordinator.registry import active, get_node
 
 T = TypeVar("T", bound=BaseModel)
 
 PRUNE_EVERY_S = 10.0
 
 
+_RECORD = {d: insert(d, nonces).on_conflict_do_nothing().returning(nonces.c.signer) for d in ("sqlite", "postgresql")}
+
+
 def record_nonce(tx: Tx, signer: str, nonce: str, ts: float) -> bool:
     """Remember (signer, nonce); False if it was already recorded (a replay), in this process or another."""
-    stmt = insert(tx, nonces).values(signer=signer, nonce=nonce, ts=ts).on_conflict_do_nothing()
-    return tx.execute(stmt.returning(nonces.c.signer)).first() is not None
+    return tx.execute(_RECORD[tx.dialect.name], {"signer": signer, "nonce": nonce, "ts": ts}).first() is not None
 
 
 def prune_nonces(tx: Tx, older_than: float) -> int:
@@ -56,19 +59,20 @@ class Gate:
         env = parse_envelope(raw)
         check_signature(env, kind, now, self.config.clock_skew_s)
 
-        def remember(tx: Tx) -> bool:
+        def remember(tx: Tx) -> tuple[bool, NodeRow | None]:
             if now - self._last_prune > PRUNE_EVERY_S:
                 # A nonce only needs remembering while its timestamp is inside the window; 2x for margin.
                 self._last_prune = now
                 prune_nonces(tx, now - 2 * self.config.clock_skew_s)
-            return record_nonce(tx, env.signer_id, env.nonce, env.timestamp)
+            new = record_nonce(tx, env.signer_id, env.nonce, env.timestamp)
+            return new, get_node(tx, env.signer_id) if new and role == "node" else None  # read now, judged below
 
-        if not self.store.write(remember):
+        new, node = self.store.write(remember, durable=False)  # see coordinator.db.store on why this may be lost
+        if not new:
             raise Refused(409, "replayed request")
         payload = typed_payload(env, model)
-        node = None
         if role == "node":
-            node = self.store.read(lambda tx: require_node(tx, env.signer_id))
+            node = active(node)
         elif role == "operator":
             if env.public_key.lower() not in self._operators:
                 raise Refused(403, "this key is not an operator key")

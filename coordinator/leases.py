@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select, update
+from sqlalchemy import Double, and_, bindparam, exists, func, or_, select, update
 
 from swarmrl.coordinator import feed
 from swarmrl.coordinator.auth import Refused, Signed
@@ -29,18 +29,29 @@ from swarmrl.protocol.validation import group_problem, staleness_problem
 
 # -- queries ----------------------------------------------------------------------------------------------
 
+_l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
+_OPEN_LEASES = select(func.count()).select_from(leases).where(
+    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double))
+_GET_LEASE = select(leases).where(_l.id == bindparam("b_lease"))
+_GET_LEASE_LOCKED = _GET_LEASE.with_for_update()
+_PROMPTS = select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position)
+_MARK = update(lease_prompts).where(_p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"),
+                                    _p.submitted.is_(False)).values(submitted=True)
+_CLOSE = update(leases).where(_l.id == bindparam("b_lease")).values(state="done")
+_CLOSE_IF_COMPLETE = _CLOSE.where(_l.state == "open", ~exists().where(_p.lease_id == bindparam("b_lease"),
+                                                                      _p.submitted.is_(False)))
+_INSERT_GROUP = rollout_groups.insert().returning(_g.id)
+
 
 def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
-    c = leases.c
-    return tx.execute(select(func.count()).select_from(leases)
-                      .where(c.node_id == node_id, c.state == "open", c.expires_at > now)).scalar_one()
+    return tx.execute(_OPEN_LEASES, {"b_node": node_id, "b_now": now}).scalar_one()
 
 
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
                  sampling: dict[str, Any], prompts: list[tuple[str, str, str, list[int]]]) -> None:
     """Store a lease and its prompts, each (prompt_id, text, answer, seeds)."""
-    tx.execute(leases.insert().values(id=lease_id, node_id=node_id, policy_version=policy_version,
-                                      issued_at=issued_at, expires_at=expires_at, sampling=sampling))
+    tx.execute(leases.insert(), {"id": lease_id, "node_id": node_id, "policy_version": policy_version,
+                                 "issued_at": issued_at, "expires_at": expires_at, "sampling": sampling})
     if prompts:
         tx.execute(lease_prompts.insert(), [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a,
                                                  seeds=s) for i, (p, t, a, s) in enumerate(prompts)])
@@ -48,41 +59,34 @@ def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issue
 
 def get_lease(tx: Tx, lease_id: str, *, lock: bool = False) -> LeaseRow | None:
     """The lease; with `lock`, locked until the transaction ends (submissions of one lease take turns)."""
-    stmt = select(leases).where(leases.c.id == lease_id)
-    row = tx.execute(stmt.with_for_update() if lock else stmt).first()
+    row = tx.execute(_GET_LEASE_LOCKED if lock else _GET_LEASE, {"b_lease": lease_id}).first()
     return load(LeaseRow, row) if row is not None else None
 
 
 def get_prompts(tx: Tx, lease_id: str) -> dict[str, LeasePromptRow]:
     """The lease's prompts by prompt id, in leased order, answers included (server side only)."""
-    rows = tx.execute(select(lease_prompts).where(lease_prompts.c.lease_id == lease_id)
-                      .order_by(lease_prompts.c.position))
-    return {r.prompt_id: load(LeasePromptRow, r) for r in rows}
+    return {r.prompt_id: load(LeasePromptRow, r) for r in tx.execute(_PROMPTS, {"b_lease": lease_id})}
 
 
 def mark_submitted(tx: Tx, lease_id: str, prompt_id: str) -> bool:
     """Flag a prompt submitted; False if it already was (so a racing duplicate cannot slip through)."""
-    c = lease_prompts.c
-    return tx.execute(update(lease_prompts).where(c.lease_id == lease_id, c.prompt_id == prompt_id,
-                                                  c.submitted.is_(False)).values(submitted=True)).rowcount == 1
+    return tx.execute(_MARK, {"b_lease": lease_id, "b_prompt": prompt_id}).rowcount == 1
 
 
 def close_lease(tx: Tx, lease_id: str) -> None:
-    tx.execute(update(leases).where(leases.c.id == lease_id).values(state="done"))
+    tx.execute(_CLOSE, {"b_lease": lease_id})
 
 
 def close_lease_if_complete(tx: Tx, lease_id: str) -> bool:
-    unsubmitted = exists().where(lease_prompts.c.lease_id == lease_id, lease_prompts.c.submitted.is_(False))
-    return tx.execute(update(leases).where(leases.c.id == lease_id, leases.c.state == "open", ~unsubmitted)
-                      .values(state="done")).rowcount == 1
+    return tx.execute(_CLOSE_IF_COMPLETE, {"b_lease": lease_id}).rowcount == 1
 
 
 def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int, payload: dict[str, Any],
                  now: float) -> int:
     """A new pending group; its id."""
-    return tx.execute(rollout_groups.insert().values(
-        node_id=node_id, lease_id=lease_id, prompt_id=prompt_id, policy_version=policy_version, payload=payload,
-        submitted_at=now).returning(rollout_groups.c.id)).scalar_one()
+    return tx.execute(_INSERT_GROUP, {"node_id": node_id, "lease_id": lease_id, "prompt_id": prompt_id,
+                                      "policy_version": policy_version, "payload": payload, "submitted_at": now}
+                      ).scalar_one()
 
 
 def buffered_work(tx: Tx, min_version: int, now: float) -> int:

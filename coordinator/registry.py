@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import BigInteger, Double, bindparam, delete, func, select, update
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
@@ -28,23 +28,43 @@ COUNTER_SLACK_S = 10.0
 
 # -- queries ----------------------------------------------------------------------------------------------
 
+_c = nodes.c
+_GET = select(nodes).where(_c.id == bindparam("b_id"))
+_GET_LOCKED = _GET.with_for_update()
+_TOUCH = update(nodes).where(_c.id == bindparam("b_id")).values(last_seen=bindparam("b_now", type_=Double))
+_TOUCH_HELD = _TOUCH.values(held_version=bindparam("b_held", type_=BigInteger))
+_acc, _rej = bindparam("b_acc", type_=BigInteger), bindparam("b_rej", type_=BigInteger)
+_COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
+    groups_accepted=_c.groups_accepted + _acc, groups_rejected=_c.groups_rejected + _rej,
+    checks_passed=_c.checks_passed + bindparam("b_checks", type_=BigInteger),
+    # Reputation: the Laplace-smoothed acceptance rate.
+    reputation=(_c.groups_accepted + _acc + 1.0) / (_c.groups_accepted + _c.groups_rejected + _acc + _rej + 2.0))
+
+_SET_COUNTERS = update(nodes).where(_c.id == bindparam("b_id")).values(
+    idle_s=bindparam("b_idle", type_=Double), busy_s=bindparam("b_busy", type_=Double),
+    idle_total=_c.idle_total + bindparam("b_add_idle", type_=Double),
+    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=bindparam("b_now", type_=Double))
+
 
 def get_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow | None:
     """The node's row; with `lock`, locked until the transaction ends (PostgreSQL), which serializes the
     requests of one node that read and then write it."""
-    stmt = select(nodes).where(nodes.c.id == node_id)
-    row = tx.execute(stmt.with_for_update() if lock else stmt).first()
+    row = tx.execute(_GET_LOCKED if lock else _GET, {"b_id": node_id}).first()
     return load(NodeRow, row) if row is not None else None
 
 
-def require_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow:
-    """The node's row; Refused(403) if it is unknown or banned."""
-    node = get_node(tx, node_id, lock=lock)
+def active(node: NodeRow | None) -> NodeRow:
+    """`node`, if it is a registered node that is not banned; else Refused(403) saying which it is not."""
     if node is None:
         raise Refused(403, "unknown node: register first")
     if node.banned:
         raise Refused(403, f"node is banned: {node.ban_reason}")
     return node
+
+
+def require_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow:
+    """The node's row; Refused(403) if it is unknown or banned."""
+    return active(get_node(tx, node_id, lock=lock))
 
 
 def list_nodes(tx: Tx) -> list[NodeRow]:
@@ -61,24 +81,16 @@ def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, n
 
 def touch(tx: Tx, node_id: str, now: float, held_version: int | None = None) -> None:
     """Note the node seen at `now` (holding `held_version`, if given)."""
-    values: dict[str, object] = {"last_seen": now}
-    if held_version is not None:
-        values["held_version"] = held_version
-    tx.execute(update(nodes).where(nodes.c.id == node_id).values(**values))
+    if held_version is None:
+        tx.execute(_TOUCH, {"b_id": node_id, "b_now": now})
+    else:
+        tx.execute(_TOUCH_HELD, {"b_id": node_id, "b_now": now, "b_held": held_version})
 
 
-def count_verdicts(tx: Tx, node_id: str, accepted: int = 0, rejected: int = 0) -> None:
-    """Add to a node's verdict counters; reputation is its Laplace-smoothed acceptance rate."""
-    c = nodes.c
-    tx.execute(update(nodes).where(c.id == node_id).values(
-        groups_accepted=c.groups_accepted + accepted, groups_rejected=c.groups_rejected + rejected,
-        reputation=(c.groups_accepted + accepted + 1.0) / (c.groups_accepted + c.groups_rejected + accepted + rejected
-                                                           + 2.0)))
-
-
-def count_check(tx: Tx, node_id: str) -> None:
-    """One more full check passed by the node."""
-    tx.execute(update(nodes).where(nodes.c.id == node_id).values(checks_passed=nodes.c.checks_passed + 1))
+def count_verdicts(tx: Tx, node_id: str, accepted: int = 0, rejected: int = 0, checks: int = 0) -> None:
+    """Add to a node's verdict counters (its groups accepted and rejected, its full checks passed); reputation is
+    its Laplace-smoothed acceptance rate."""
+    tx.execute(_COUNT, {"b_id": node_id, "b_acc": accepted, "b_rej": rejected, "b_checks": checks})
 
 
 def ban(tx: Tx, node_id: str, reason: str) -> None:
@@ -89,10 +101,8 @@ def set_counters(tx: Tx, node_id: str, idle_s: float, busy_s: float, add_idle: f
                  now: float) -> None:
     """Store a node's latest self-reported counters (`idle_s`, `busy_s`, as reported) and add to its
     coordinator-side totals (`idle_total`, `busy_total`, which never decrease, whatever the node reports)."""
-    c = nodes.c
-    tx.execute(update(nodes).where(c.id == node_id).values(
-        idle_s=idle_s, busy_s=busy_s, idle_total=c.idle_total + add_idle, busy_total=c.busy_total + add_busy,
-        counters_at=now))
+    tx.execute(_SET_COUNTERS, {"b_id": node_id, "b_idle": idle_s, "b_busy": busy_s, "b_add_idle": add_idle,
+                               "b_add_busy": add_busy, "b_now": now})
 
 
 def time_totals(tx: Tx) -> tuple[float, float]:

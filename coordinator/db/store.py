@@ -5,13 +5,22 @@ migrations run to head on open, and change notifications for long polls (across 
     gid = store.write(lambda tx: ...)          # one transaction, committed before write() returns
     rows = store.read(lambda tx: ...)
 
-What is fsynced, and why. Every `write` is durable when it returns: the request it serves is answered only after
-that. On SQLite the database runs in WAL mode with `synchronous=FULL`, so each commit fsyncs the write-ahead log;
-PostgreSQL does the same with its default `fsync=on`, `synchronous_commit=on`. NORMAL (fsync only at WAL
-checkpoints) would survive a crash of the process but not a power cut, which could take back commits already
-answered: an accepted submission the node was told was taken (its compute lost), or a trainer-feed position the
-trainer has already consumed and saved, which would then be handed out again for another group that the trainer
-skips. Accepted work must be neither lost nor counted twice, so every commit pays one fsync.
+What is fsynced, and why. A `write` is durable when it returns (but for the two kinds below), and the request it
+serves is answered only after that. On SQLite the database runs in WAL mode with `synchronous=FULL`, so each
+commit fsyncs the write-ahead log; PostgreSQL does the same with its defaults (`fsync=on`,
+`synchronous_commit=on`). NORMAL (fsync only at WAL checkpoints) would survive a crash of the process but not a
+power cut, which could take back commits already answered: an accepted submission the node was told was taken
+(its compute lost), or a trainer-feed position the trainer has already consumed and saved, which would then be
+handed out again for another group that the trainer skips. Accepted work must be neither lost nor counted twice,
+so such commits pay one fsync each.
+
+Two kinds of writes do not wait for their fsync (`write(..., durable=False)`: SQLite synchronous=NORMAL for that
+commit, PostgreSQL synchronous_commit=off): a request's nonce, and a verifier's claim. The log is written in
+order and the next durable commit flushes everything before it, so a power cut can take such a write back only
+together with every commit after it. A lost nonce then lets its request be replayed only when that request's own
+effects (none, for a refused one) were lost too; a lost claim makes its groups claimable again, and a second
+verdict on a decided group is ignored. This halves the fsyncs of a request whose work is a write (a heartbeat, a
+lease, a submission: its nonce, then its work).
 
 Transactions. `write` runs its function in one transaction: BEGIN IMMEDIATE on SQLite (one writer at a time; in
 this process writers queue on a lock rather than in SQLite's busy handler), READ COMMITTED on PostgreSQL, where the
@@ -32,7 +41,7 @@ from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, Row, Table, create_engine, event, func, select, update
+from sqlalchemy import BigInteger, Connection, Engine, Row, Table, bindparam, create_engine, event, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
@@ -52,6 +61,7 @@ CHANNEL = "swarmrl_changed"
 MIGRATION_LOCK = 0x5357524C  # "SWRL": the advisory lock that serializes migrations of one PostgreSQL database
 RETRIES = 5
 _BEGIN = "swarmrl_begin"
+_NOTIFY = select(func.pg_notify(CHANNEL, ""))
 _TRANSIENT_SQLSTATES = {"40001", "40P01"}  # serialization failure, deadlock detected
 
 
@@ -61,26 +71,36 @@ def load(cls: type[T], row: Row[Any]) -> T:
     return cls(**{f.name: mapping[f.name] for f in fields(cls)})  # type: ignore[arg-type]
 
 
-def insert(tx: Tx, table: Table) -> Any:
-    """An INSERT for `tx`'s dialect, with its ON CONFLICT clauses (`on_conflict_do_nothing`, `..._do_update`)."""
-    return (pg_insert if tx.dialect.name == "postgresql" else sqlite_insert)(table)
+def insert(tx: Tx | str, table: Table) -> Any:
+    """An INSERT for `tx`'s dialect (or the dialect named), with its ON CONFLICT clauses (`on_conflict_do_nothing`,
+    `on_conflict_do_update`)."""
+    dialect = tx if isinstance(tx, str) else tx.dialect.name
+    return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+
+
+# Statements used on every request are built once (building one costs more than running it on SQLite), with
+# bind parameters for what varies.
+_COUNTER = select(kv.c.value).where(kv.c.key == bindparam("b_key"))
+_COUNTER_LOCKED = _COUNTER.with_for_update()
+_ADD = update(kv).where(kv.c.key == bindparam("b_key")).values(value=kv.c.value + bindparam("b_n", type_=BigInteger)
+                                                                ).returning(kv.c.value)
+_RAISE = update(kv).where(kv.c.key == bindparam("b_key"), kv.c.value < bindparam("b_value", type_=BigInteger)
+                          ).values(value=bindparam("b_value"))
 
 
 def counter(tx: Tx, key: str, *, lock: bool = False) -> int:
     """The value of counter `key`; with `lock`, its row stays locked until the transaction ends (PostgreSQL)."""
-    stmt = select(kv.c.value).where(kv.c.key == key)
-    return int(tx.execute(stmt.with_for_update() if lock else stmt).scalar_one())
+    return int(tx.execute(_COUNTER_LOCKED if lock else _COUNTER, {"b_key": key}).scalar_one())
 
 
 def add_to_counter(tx: Tx, key: str, n: int = 1) -> int:
     """Add `n` to counter `key` and return its new value. The row stays locked until the transaction ends."""
-    return int(tx.execute(update(kv).where(kv.c.key == key).values(value=kv.c.value + n)
-                          .returning(kv.c.value)).scalar_one())
+    return int(tx.execute(_ADD, {"b_key": key, "b_n": n}).scalar_one())
 
 
 def raise_counter(tx: Tx, key: str, value: int) -> bool:
     """Set counter `key` to `value` if that is larger than its value; whether it was."""
-    return tx.execute(update(kv).where(kv.c.key == key, kv.c.value < value).values(value=value)).rowcount == 1
+    return tx.execute(_RAISE, {"b_key": key, "b_value": value}).rowcount == 1
 
 
 def migrate(engine: Engine) -> None:
@@ -130,17 +150,23 @@ class Store:
 
     # -- transactions ---------------------------------------------------------------------------------
 
-    def write(self, fn: Callable[[Tx], T], *, notify: bool = False) -> T:
-        """`fn(tx)` in one write transaction, committed (durably) before this returns; re-run on a deadlock or
-        serialization failure. With `notify`, long polls (here and in other processes) are woken after it."""
+    def write(self, fn: Callable[[Tx], T], *, notify: bool = False, durable: bool = True) -> T:
+        """`fn(tx)` in one write transaction, committed before this returns; re-run on a deadlock or serialization
+        failure. With `notify`, long polls (here and in other processes) are woken after it.
+
+        `durable=False` (only for what may be lost with a power cut, see the module docstring): the commit does not
+        wait for its fsync; the next durable commit, which comes after it in the log, makes it durable too.
+        """
         for attempt in range(RETRIES + 1):
             try:
-                with self._writer(), self.engine.connect() as conn:
+                with self._writer(), self.engine.connect() as conn, self._sync(conn, durable):
                     conn.info[_BEGIN] = "BEGIN IMMEDIATE"
                     with conn.begin():
+                        if not durable and self.dialect == "postgresql":
+                            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
                         result = fn(conn)
                         if notify and self.dialect == "postgresql":
-                            conn.execute(select(func.pg_notify(CHANNEL, "")))  # delivered at commit
+                            conn.execute(_NOTIFY)  # delivered at commit
                 break
             except DBAPIError as e:
                 if attempt == RETRIES or getattr(e.orig, "sqlstate", None) not in _TRANSIENT_SQLSTATES:
@@ -149,6 +175,19 @@ class Store:
         if notify:
             self._bump()
         return result
+
+    @contextmanager
+    def _sync(self, conn: Connection, durable: bool) -> Iterator[None]:
+        """On SQLite, a commit that does not wait for its fsync (synchronous=NORMAL) unless `durable`."""
+        if durable or self.dialect != "sqlite":
+            yield
+            return
+        raw = conn.connection.dbapi_connection  # outside SQLAlchemy: no transaction begins for a pragma
+        raw.execute("PRAGMA synchronous=NORMAL")
+        try:
+            yield
+        finally:
+            raw.execute("PRAGMA synchronous=FULL")
 
     def read(self, fn: Callable[[Tx], T]) -> T:
         """`fn(tx)` in a read transaction (on SQLite one snapshot; on PostgreSQL each statement sees what was
