@@ -4,6 +4,7 @@ feed's positions under concurrent accepting transactions, migrations on reopen; 
 
 from __future__ import annotations
 
+import sqlite3
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -283,6 +284,55 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0002"
     finally:
         s.close()
+
+
+def test_a_database_of_the_hand_written_store_is_adopted(tmp_path: Path) -> None:
+    """Its rows stay; the counters continue where it left them; its read cursor becomes the acknowledged one."""
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE nodes (id TEXT PRIMARY KEY, public_key TEXT NOT NULL UNIQUE, name TEXT NOT NULL DEFAULT '',
+            engine TEXT NOT NULL DEFAULT '', registered_at DOUBLE PRECISION NOT NULL,
+            last_seen DOUBLE PRECISION NOT NULL, held_version BIGINT NOT NULL DEFAULT -1,
+            banned INTEGER NOT NULL DEFAULT 0, ban_reason TEXT NOT NULL DEFAULT '',
+            groups_accepted BIGINT NOT NULL DEFAULT 0, groups_rejected BIGINT NOT NULL DEFAULT 0,
+            reputation DOUBLE PRECISION NOT NULL DEFAULT 0.5);
+        CREATE TABLE leases (id TEXT PRIMARY KEY, node_id TEXT NOT NULL REFERENCES nodes (id),
+            policy_version BIGINT NOT NULL, issued_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL,
+            sampling TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'open' CHECK (state IN ('open', 'done')));
+        CREATE TABLE rollout_groups (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL REFERENCES nodes (id),
+            lease_id TEXT NOT NULL REFERENCES leases (id), prompt_id TEXT NOT NULL, policy_version BIGINT NOT NULL,
+            payload TEXT NOT NULL, status TEXT NOT NULL DEFAULT 'pending', reason TEXT NOT NULL DEFAULT '',
+            rewards TEXT, claimed_by TEXT, claimed_until DOUBLE PRECISION, accepted_seq BIGINT UNIQUE,
+            submitted_at DOUBLE PRECISION NOT NULL, decided_at DOUBLE PRECISION, UNIQUE (lease_id, prompt_id));
+        CREATE TABLE kv (key TEXT PRIMARY KEY, value BIGINT NOT NULL);
+        INSERT INTO nodes (id, public_key, registered_at, last_seen, banned) VALUES ('n1', 'k1', 1.0, 2.0, 1);
+        INSERT INTO leases (id, node_id, policy_version, issued_at, expires_at, sampling)
+            VALUES ('L1', 'n1', 4, 1.0, 99.0, '{"group_size": 2}');
+        INSERT INTO rollout_groups (node_id, lease_id, prompt_id, policy_version, payload, status, rewards,
+            accepted_seq, submitted_at) VALUES
+            ('n1', 'L1', 'L1.0', 4, '{"rollouts": [{}, {}]}', 'accepted', '[1.0, 0.0]', 7, 3.0),
+            ('n1', 'L1', 'L1.1', 4, '{"rollouts": [{}, {}]}', 'pending', NULL, NULL, 3.0);
+        INSERT INTO kv VALUES ('accepted_seq', 7), ('lease_counter', 12), ('current_version', 4),
+            ('trainer_cursor', 5);
+    """)
+    db.commit()
+    db.close()
+
+    store = Store(f"sqlite:///{path}")
+    try:
+        node = _get_node(store)
+        assert node is not None and node.banned is True and node.checks_passed == 0 and node.counters_at is None
+        assert [(r.accepted_seq, r.rewards) for r in store.read(lambda tx: feed.entries_after(tx, 0, 10))] == [
+            (7, [1.0, 0.0])]
+        assert store.read(lambda tx: verification.get_group(tx, 2)).held is False
+        assert store.read(lambda tx: (counter(tx, "accepted_seq"), counter(tx, LEASE_COUNTER), current_version(tx),
+                                      feed.acked(tx), counter(tx, "metrics_reports"))) == (7, 12, 4, 5, 0)
+        assert store.write(lambda tx: verification.accept(tx, 2, [0.0, 1.0], now=4.0)) == 8
+        assert store.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM kv WHERE key = 'trainer_cursor'"))
+                          .scalar_one()) == 0
+    finally:
+        store.close()
 
 
 def test_config_from_toml_with_overrides(tmp_path: Path) -> None:
