@@ -4,8 +4,8 @@ Runs, in one invocation and on one emulated network:
 
   (a) swarm: an origin (the coordinator's HTTP app, `coordinator.app`, serving its shard store, plus its DHT
       seed, `transfer.seed`; a minimal shard server if the app cannot be built), N honest
-      nodes fetching with `CheckpointFetcher([SwarmSource, HttpOrigin])`, and (by default) one malicious
-      peer that announces every shard and serves corrupted bytes;
+      nodes fetching with `CheckpointFetcher([SwarmSource, HttpOrigin])` (the sources a node uses), and (by
+      default) one malicious peer that announces every shard and serves corrupted bytes;
   (b) origin-only: the same N nodes, each pulling every shard from the HTTP origin.
 
 Every host (origin, nodes, malicious peers) is a process in its own network namespace, joined by a veth
@@ -279,12 +279,13 @@ def worker_node(cfg: dict[str, Any]) -> None:
     """An honest node (swarm or origin-only), or with cfg['malicious'] a peer serving corrupted shards."""
     from swarmrl.protocol.manifest import SignedManifest
     from swarmrl.runtime.client import CoordinatorClient
-    from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
-    from swarmrl.transfer.sources import ShardSource
+    from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig
+    from swarmrl.transfer.sources import HttpOrigin, ShardSource
 
     peer = None
     if cfg["swarm"]:
         from swarmrl.transfer.p2p.config import P2PConfig
+        from swarmrl.transfer.p2p.sources import SwarmSource
         from swarmrl.transfer.p2p.swarm import SwarmPeer
 
         pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/0"], initial_peers=cfg["bootstrap"], **cfg.get("p2p", {}))
@@ -303,19 +304,19 @@ def worker_node(cfg: dict[str, Any]) -> None:
     else:
         sources: list[ShardSource] = [HttpOrigin(client)]
         if peer is not None:
-            sources.insert(0, peer.source())
+            sources.insert(0, SwarmSource(peer))
         fetcher = CheckpointFetcher(cfg["root"], go["coordinator_key"], sources, keep_versions=2,
-                                    **(peer.fetcher_options() if peer else {}))
+                                    config=FetchConfig(**cfg.get("fetch", {})))
         t0, c0 = time.time(), time.process_time()
         try:
-            manifest, out = fetcher.fetch(signed, held_version=-1)
+            manifest, out = fetcher.fetch(signed)
             ok, error = True, ""
         except Exception as e:  # noqa: BLE001 (reported to the orchestrator)
             ok, error = False, f"{type(e).__name__}: {e}"
         t1 = time.time()
         stored = sorted(p.stat().st_mtime for p in fetcher.store.root.glob("??/*"))
         result = {"ok": ok, "error": error, "t_start": t0, "t_done": t1, "stats": fetcher.stats.__dict__,
-                  "workers": fetcher.max_parallel,
+                  "workers": fetcher.workers,
                   "cpu_s": time.process_time() - c0, "t_half": stored[len(stored) // 2] if stored else t1,
                   "t_last_shard": stored[-1] if stored else t1, "t_first_shard": stored[0] if stored else t1}
         if peer is not None:
@@ -431,6 +432,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
     from swarmrl.runtime.config import apply_overrides
 
     p2p = apply_overrides({}, args.p2p)
+    fetch = apply_overrides({}, args.fetch)
     origin_ip = f"{SUBNET}.0.1"
     workers: list[Worker] = []
     try:
@@ -443,7 +445,7 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
         nodes = []
         for i in range(args.nodes):
             cfg = {"ip": f"{SUBNET}.1.{i + 1}", "swarm": swarm, "bootstrap": boot, "origin_ip": origin_ip,
-                   "root": str(work / phase / f"node{i}"), "p2p": p2p}
+                   "root": str(work / phase / f"node{i}"), "p2p": p2p, "fetch": fetch}
             nodes.append(Worker(f"node{i}", net.hosts[f"node{i}"], "node", cfg, logs))
         bad = []
         if swarm:
@@ -576,7 +578,9 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=float, default=2.0, help="shard size, MiB (protocol default: 2)")
     ap.add_argument("--malicious", type=int, default=1, help="peers serving corrupted shards in the swarm run")
     ap.add_argument("--p2p", action="append", default=[], metavar="FIELD=VALUE",
-                    help="override a P2PConfig field on the nodes, e.g. --p2p max_parallel_peers=4 (repeatable)")
+                    help="override a P2PConfig field on the nodes, e.g. --p2p max_uploads=5 (repeatable)")
+    ap.add_argument("--fetch", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a FetchConfig field on the nodes, e.g. --fetch max_parallel_peers=4 (repeatable)")
     ap.add_argument("--seed-p2p", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a P2PConfig field on the origin's seed, e.g. --seed-p2p seed_max_uploads=2")
     ap.add_argument("--skip-origin-only", action="store_true", help="skip (b); origin_only_s is then N*S/B")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from swarmrl.pools.config import PoolConfig
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import task_options
@@ -67,6 +68,9 @@ class CoordinatorConfig(BaseModel):
         None, description="Run a DHT bootstrap peer that also seeds every published checkpoint over libp2p, so that "
         "nodes share shards with each other; None: nodes fetch from the HTTP origin only.")
     dht_peers: list[str] = Field(default_factory=list, description="DHT bootstrap multiaddrs, returned in RunInfo.")
+    pool: PoolConfig | None = Field(
+        None, description="Announce this run as a public pool in the pools' DHT (`swarmrl pool list` shows it, "
+        "`swarmrl node --pool NAME` joins it); None: nodes join by URL only.")
     prompt_seed: int = Field(
         0, description="Prompts are drawn deterministically from this seed and a persistent lease counter."
     )

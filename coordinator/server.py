@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.pool import attach_pool
 from swarmrl.protocol.identity import Identity
 
 if TYPE_CHECKING:
@@ -64,17 +65,24 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     app = build_app(config, identity)
     seed = attach_seed(app, config)
     sock = _listen(config.host, config.port)
+    pool = None
     try:
         if seed is not None:
             print(f"  DHT seed:       {', '.join(app.state.coordinator.status.dht_peers)}", flush=True)
         host = config.host if ":" not in config.host else f"[{config.host}]"
+        url = f"http://{host}:{sock.getsockname()[1]}"
+        pool = attach_pool(app.state.coordinator, config, identity, url)
+        if pool is not None:
+            print(f"  pool DHT:       {', '.join(pool.bootstrap_addresses)}", flush=True)
         print(f"swarmrl coordinator for run {config.run.run_id!r}", flush=True)
         print(f"  coordinator key {identity.public_key_hex}", flush=True)
         print(f"  data dir:       {config.data_dir.resolve()}", flush=True)
-        print(f"  url:            http://{host}:{sock.getsockname()[1]}", flush=True)
+        print(f"  url:            {url}", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
         server.run(sockets=[sock])
     finally:
+        if pool is not None:
+            pool.close()
         sock.close()
         if seed is not None:
             seed.close()
@@ -96,7 +104,9 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="coordinator", daemon=True)
     thread.start()
+    pool = None
     try:
+        pool = attach_pool(app.state.coordinator, config, identity, f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + startup_timeout_s
         while not server.started:
             if not thread.is_alive():
@@ -106,6 +116,8 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
             time.sleep(0.01)
         yield f"http://127.0.0.1:{port}"
     finally:
+        if pool is not None:  # first: its thread reads the store, which the server closes on its way out
+            pool.close()
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()

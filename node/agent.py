@@ -3,14 +3,20 @@
 Weights are fetched in a background thread and swapped into the engine between leases, so a broadcast
 never stalls generation; the node always generates with the newest version it holds and says which
 version that was. Every lease's sampling seeds come from the coordinator.
+
+A node is left running for days: a coordinator that is down, restarting or unreachable is waited out (every
+request is retried with backoff and jitter for as long as it takes, and the outage is logged once when it starts
+and once when it ends), keeping the node's weights and identity; a coordinator that forgot the node (a new
+database) is registered with again. Only a refusal that waiting cannot change stops it (`refusal.permanent`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,12 +25,26 @@ from transformers import PreTrainedTokenizerFast
 
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
+from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook
+from swarmrl.node.refusal import PermanentRefusal, is_unknown_node, permanent, pinned_coordinator_key
+from swarmrl.node.stats import Download, NodeStats
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
-from swarmrl.protocol.messages import MAX_NODE_SECONDS, Lease, Registered, Rollout, RolloutGroup, RolloutSubmission
+from swarmrl.protocol.messages import (
+    MAX_NODE_SECONDS,
+    Lease,
+    Registered,
+    Rollout,
+    RolloutGroup,
+    RolloutSubmission,
+    RunInfo,
+    SubmitResult,
+)
 from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+from swarmrl.runtime.retry import RetryPolicy
+from swarmrl.transfer.connect import open_fetcher
+from swarmrl.transfer.fetcher import CheckpointFetcher
 from swarmrl.transfer.sources import ShardSource
 
 if TYPE_CHECKING:
@@ -32,39 +52,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmrl.node")
 
+__all__ = ["Node", "NodeStats", "PermanentRefusal", "pinned_coordinator_key"]
 
-@dataclass
-class NodeStats:
-    leases: int = 0
-    groups_submitted: int = 0
-    groups_refused: int = 0
-    tokens: int = 0
-    gen_seconds: float = 0.0
-    idle_seconds: float = 0.0  # waiting for work, or for weights recent enough for a lease
-    busy_seconds: float = 0.0  # generating and submitting
-    held_version: int = -1
-    last_error: str = ""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.gen_seconds if self.gen_seconds else 0.0
-
-
-def pinned_coordinator_key(cfg: NodeConfig, reported: str) -> str:
-    """The coordinator key to trust: the configured one, else the one pinned on first use."""
-    if cfg.coordinator_key:
-        if cfg.coordinator_key != reported:
-            raise RuntimeError("the coordinator presents a different key than the one configured: refusing")
-        return cfg.coordinator_key
-    pin = Path(str(cfg.key_path) + ".coordinator")
-    if pin.exists():
-        pinned = pin.read_text().strip()
-        if pinned != reported:
-            raise RuntimeError(f"coordinator key changed since first use (pinned in {pin}): refusing")
-        return pinned
-    pin.write_text(reported + "\n")
-    log.warning("trusting coordinator key %s… on first use (pinned in %s)", reported[:16], pin)
-    return reported
+# Refusals the whole submission got on a retry that may repeat an applied earlier try: outcome unknown.
+_MAYBE_APPLIED = frozenset({404, 409, 410})
 
 
 class Node:
@@ -73,10 +64,18 @@ class Node:
     def __init__(self, cfg: NodeConfig, extra_sources: list[ShardSource] | None = None):
         self.cfg = cfg
         self.identity = Identity.load_or_create(cfg.key_path)
-        self.client = CoordinatorClient(cfg.coordinator_url, self.identity)
-        self.stats = NodeStats()
-        self._extra_sources = extra_sources or []
         self._stop = threading.Event()
+        # Every request waits out an outage of any length (until stop()); the outage is logged once per outage.
+        self.client = CoordinatorClient(cfg.coordinator_url, self.identity, timeout=cfg.request_timeout_s,
+                                        retry=RetryPolicy(attempts=None, cap_s=cfg.max_backoff_s), stop=self._stop)
+        self.client.outage.context = lambda: (f"keeping policy v{self.stats.held_version} and node identity "
+                                              f"{self.identity.node_id[:10]}")
+        self.stats = NodeStats()
+        self.receipts: ReceiptBook | None = None
+        self.download: Download | None = None  # the checkpoint being fetched, if any
+        self._extra_sources = extra_sources or []
+        self._run_info: RunInfo | None = None
+        self.coordinator_key = cfg.coordinator_key or ""  # the key trusted, once registered
         self._ready: tuple[int, Path] | None = None  # newest verified checkpoint not yet loaded
         self._ready_lock = threading.Lock()
         self.engine: InferenceEngine | None = None
@@ -92,26 +91,59 @@ class Node:
         with self._ready_lock:
             newest = max(self.stats.held_version, self._ready[0] if self._ready else -1)
         # /v1/info is a few hundred bytes; the manifest of a large model lists thousands of shards.
-        if self.client.info().current_version <= newest:
+        current = self.client.info().current_version
+        if current < self.stats.current_version:
+            log.warning("the coordinator's policy version went back from %d to %d (a new run on the same key?); "
+                        "this node keeps its version %d", self.stats.current_version, current, newest)
+        self.stats.current_version = current
+        if current <= newest:
             return
         signed = self.client.latest_manifest()
+        # A node only ever moves forward: a version no newer than what it holds or has ready is not fetched (the
+        # fetcher checks the signature, so the version fetched is the one checked here).
         if signed is None or signed.manifest.version <= newest:
             return
-        manifest, path = self.fetcher.fetch(signed, held_version=newest)
+        # For the panel only: the download's size as the (not yet verified) manifest states it.
+        m = signed.manifest
+        self.download = Download(m.version, len(m.shards()), m.total_bytes, self._shards_stored())
+        try:
+            manifest, path = self.fetcher.fetch(signed)
+        finally:
+            self.download = None
         with self._ready_lock:
             self._ready = (manifest.version, path)
 
+    def _shards_stored(self) -> int:
+        f = self.fetcher
+        return 0 if f is None else f.stats.shards_fetched + f.stats.shards_reused
+
+    def download_progress(self) -> tuple[Download, int] | None:
+        """The checkpoint being fetched and how many of its shards are stored so far, or None."""
+        d = self.download
+        return None if d is None else (d, min(max(self._shards_stored() - d.counter_at_start, 0), d.shards))
+
     def _fetch_loop(self) -> None:
+        """Fetch newer checkpoints until stop(). Requests wait out outages in the client; a fetch that fails
+        anyway (a bad manifest, a full disk, a shard no source could give) is tried again later."""
+        failures = 0
         while not self._stop.is_set():
             try:
                 self._fetch_newer()
-            except (ManifestError, CoordinatorError, OSError) as e:
-                self.stats.last_error = f"fetch: {e}"
-                log.warning("checkpoint fetch failed: %s", e)
+                failures = 0
             except Exception as e:  # keep the fetch thread alive: the main loop still works with old weights
+                if self._stop.is_set():
+                    break
+                failures += 1
                 self.stats.last_error = f"fetch: {e}"
-                log.exception("checkpoint fetch crashed")
-            self._stop.wait(self.cfg.poll_interval_s)
+                if isinstance(e, ManifestError | CoordinatorError | OSError | httpx.HTTPError):
+                    log.warning("checkpoint fetch failed: %s", e)
+                else:
+                    log.exception("checkpoint fetch crashed")
+            self._stop.wait(self._backoff(failures) if failures else self.cfg.poll_interval_s)
+
+    def _backoff(self, failures: int) -> float:
+        """Full jitter over poll_interval_s * 2^failures, capped at max_backoff_s."""
+        return random.uniform(0, min(self.cfg.max_backoff_s, self.cfg.poll_interval_s * 2 ** min(failures, 20)))
 
     def _swap_in_weights(self, temperature: float, max_version: int | None = None) -> None:
         """Load the newest fetched checkpoint, if there is one (and, with `max_version`, if it is no newer)."""
@@ -176,6 +208,7 @@ class Node:
 
     def step(self) -> bool:
         """Lease, generate and submit once. False when there was no work (the caller waits)."""
+        assert self._run_info is not None
         run = self._run_info.spec
         self._swap_in_weights(run.sampling.temperature)
         if self.engine is None:
@@ -190,85 +223,141 @@ class Node:
         try:
             result = self.client.submit(submission)
         except CoordinatorError as e:
-            self.stats.groups_refused += len(submission.groups)
-            self.stats.last_error = e.reason
-            log.warning("submission refused: %s", e.reason)
+            self._count_refused(submission, e)
+            if permanent(e, self.cfg) is not None or is_unknown_node(e):
+                raise  # the main loop stops, or registers again
             return True
         finally:
             self.stats.busy_seconds += time.perf_counter() - t0
-        # The client retries a submit whose response was lost; the coordinator then answers "already
-        # submitted" for groups the first attempt delivered. Those were taken, not refused.
-        refused = {pid: r for pid, r in result.rejected.items() if r != "already submitted"}
-        self.stats.groups_submitted += len(result.accepted) + len(result.rejected) - len(refused)
-        self.stats.groups_refused += len(refused)
-        for pid, reason in refused.items():
-            log.warning("group %s refused: %s", pid, reason)
+        self._count_result(submission, result)
         return True
 
+    def _count_refused(self, submission: RolloutSubmission, e: CoordinatorError) -> None:
+        """A refusal of the whole submission. On a retry of a request that may have reached the coordinator
+        before (its answer lost), "unknown lease"/"lease expired"/a conflict may be about that applied try:
+        those groups are counted as unconfirmed, not as rejected."""
+        n = len(submission.groups)
+        self.stats.groups_submitted += n
+        if e.retried and e.status in _MAYBE_APPLIED:
+            self.stats.groups_unconfirmed += n
+            log.warning("submission of lease %s: outcome unknown (an earlier try may have been applied before the "
+                        "answer was lost): %s", submission.lease_id, e.reason)
+            return
+        self.stats.groups_rejected += n
+        self.stats.last_rejection = self.stats.last_error = e.reason
+        log.warning("submission refused: %s", e.reason)
+
+    def _count_result(self, submission: RolloutSubmission, result: SubmitResult) -> None:
+        # A retried submit whose first try was applied (its answer lost) gets "already submitted" for the groups
+        # that try delivered: those were taken, not refused. (A coordinator that honours the Idempotency-Key
+        # header answers the first result again instead.)
+        taken = set(result.accepted) | {pid for pid, r in result.rejected.items() if r == "already submitted"}
+        refused = {pid: r for pid, r in result.rejected.items() if pid not in taken}
+        tokens = {g.prompt_id: sum(len(r.completion_ids) for r in g.rollouts) for g in submission.groups}
+        self.stats.groups_submitted += len(submission.groups)
+        self.stats.groups_accepted += len(taken)
+        self.stats.accepted_tokens += sum(tokens.get(pid, 0) for pid in taken)
+        self.stats.groups_rejected += len(refused)
+        for pid, reason in refused.items():
+            self.stats.last_rejection = f"{pid}: {reason}"
+            log.warning("group %s refused: %s", pid, reason)
+        if result.receipts and self.receipts is not None:
+            self.receipts.add(result.receipts)
+            self.stats.receipts, self.stats.receipt_tokens = self.receipts.count, self.receipts.tokens
+
     def _register(self) -> Registered:
-        """Register, waiting out a coordinator that is not reachable yet (starting, restarting) for up to
-        `join_timeout_s`; a refusal (4xx) is final and raised at once."""
-        deadline = time.time() + self.cfg.join_timeout_s
-        while True:
+        """Register (waiting out a coordinator that cannot be reached), check its key against the one trusted,
+        and take its run description. PermanentRefusal when banned or when the key is not the trusted one."""
+        try:
+            reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8],
+                                        engine=resolve_engine_kind(self.cfg.engine))
+        except CoordinatorError as e:
+            raise permanent(e, self.cfg) or e from None
+        self.coordinator_key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
+        if self._run_info is not None and reg.run.spec != self._run_info.spec:
+            log.warning("the coordinator's run description changed: %s", reg.run.spec.mismatch(self._run_info.spec))
+        self._run_info = reg.run
+        self.stats.registrations += 1
+        self.stats.current_version = max(self.stats.current_version, reg.run.current_version)
+        return reg
+
+    def _refused(self, e: CoordinatorError) -> None:
+        """Deal with a refusal in the main loop: stop (PermanentRefusal), register again, or note it and go on."""
+        stop = permanent(e, self.cfg)
+        if stop is not None:
+            raise stop
+        self.stats.last_error = e.reason
+        if is_unknown_node(e):
+            log.warning("the coordinator does not know this node (a new database?): registering again")
             try:
-                return self.client.register(name=self.cfg.name or self.identity.node_id[:8],
-                                            engine=resolve_engine_kind(self.cfg.engine))
-            except httpx.TransportError as e:
-                if time.time() > deadline:
-                    raise
-                log.warning("coordinator %s not reachable yet (%s); retrying", self.cfg.coordinator_url, e)
-                self._stop.wait(2.0)
+                self._register()
+            except CoordinatorError as again:  # e.g. too many challenges at once: the main loop backs off
+                self.stats.last_error = again.reason
+                log.warning("registering again was refused: %s", again.reason)
+            return
+        log.warning("coordinator refused: %s", e.reason)
 
     def _setup(self) -> None:
-        """Register with the pool, pin its key, join the checkpoint swarm if it has one, set up fetching."""
-        reg = self._register()
-        self._run_info = reg.run
-        key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
-        sources: list[ShardSource] = [*self._extra_sources]
-        p2p = self.cfg.p2p
-        bootstrap = p2p.initial_peers or reg.run.dht_peers
-        if p2p.enabled and bootstrap:
-            from swarmrl.transfer.p2p import (
-                start_swarm,  # hivemind starts a libp2p daemon: only when the pool has a swarm
-            )
+        """Register with the pool, pin its key, join the checkpoint swarm if it has one, set up fetching.
 
-            # None when the daemon or DHT cannot start: the node then works from the HTTP origin alone.
-            self.swarm = start_swarm(p2p, reg.run.run_id, reg.run.dht_peers)
-            if self.swarm is not None:
-                sources.append(self.swarm.source())
-                log.info("joined the checkpoint swarm as %s", self.swarm.peer_id)
-        sources.append(HttpOrigin(self.client))
-        self.fetcher = CheckpointFetcher(self.cfg.work_dir / "checkpoints", key, sources,
-                                         keep_versions=self.cfg.keep_versions,
-                                         **(self.swarm.fetcher_options() if self.swarm is not None else {}))
+        Only this first registration gives up, after join_timeout_s (when set), on a coordinator it cannot reach."""
+        policy = self.client.retry
+        self.client.retry = replace(policy, give_up_after_s=self.cfg.join_timeout_s)
+        try:
+            reg = self._register()
+        except httpx.TransportError as e:
+            if self._stop.is_set():
+                raise
+            raise ConnectionError(f"could not reach the coordinator at {self.cfg.coordinator_url} for "
+                                  f"{self.cfg.join_timeout_s:.0f} s (join_timeout_s): {e}; `swarmrl node doctor` "
+                                  "checks the URL and the network") from e
+        finally:
+            self.client.retry = policy
+        key = self.coordinator_key
+        self.receipts = ReceiptBook(self.cfg.work_dir / RECEIPTS_FILE, self.identity.node_id, key)
+        self.stats.receipts, self.stats.receipt_tokens = self.receipts.count, self.receipts.tokens
+        # The swarm is None when the pool has none, p2p is off, or its daemon cannot start: the HTTP origin then.
+        self.fetcher, self.swarm = open_fetcher(
+            self.cfg.work_dir / "checkpoints", key, self.client, reg.run, p2p=self.cfg.p2p, fetch=self.cfg.fetch,
+            keep_versions=self.cfg.keep_versions, extra_sources=self._extra_sources)
         log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
 
     def run(self) -> NodeStats:
-        self._setup()
+        """Join, then lease, generate and submit until stop() or max_leases. Raises PermanentRefusal when the
+        pool refuses the node for good (its message says what to do)."""
+        try:
+            self._setup()
+        except httpx.TransportError:
+            if self._stop.is_set():  # stopped before the coordinator could be reached
+                return self.stats
+            raise
         fetch_thread = threading.Thread(target=self._fetch_loop, name="fetch", daemon=True)
         fetch_thread.start()
-        last_beat = 0.0
+        last_beat, refusals = 0.0, 0
         try:
             while not self._stop.is_set():
                 if self.cfg.max_leases is not None and self.stats.leases >= self.cfg.max_leases:
                     break
                 try:
                     worked = self.step()
+                    if time.time() - last_beat > self.cfg.heartbeat_interval_s:
+                        last_beat = time.time()
+                        self.client.heartbeat(self.stats.held_version, status="generating" if worked else "idle",
+                                              idle_s=min(self.stats.idle_seconds, MAX_NODE_SECONDS),
+                                              busy_s=min(self.stats.busy_seconds, MAX_NODE_SECONDS))
+                    refusals = 0
                 except CoordinatorError as e:
-                    self.stats.last_error = e.reason
-                    log.warning("coordinator refused: %s", e.reason)
-                    if e.status == 403:  # banned or unknown: nothing more to do here
-                        raise
-                    worked = False
+                    self._refused(e)
+                    worked, refusals = False, refusals + 1
+                except httpx.TransportError:
+                    if self._stop.is_set():  # a request given up because the node is stopping
+                        break
+                    raise
                 if not worked:
                     t0 = time.perf_counter()
-                    self._stop.wait(self.cfg.poll_interval_s)
+                    # Refused again and again (a full lease book, a coordinator shedding load): back off.
+                    self._stop.wait(self._backoff(refusals) if refusals else self.cfg.poll_interval_s)
                     self.stats.idle_seconds += time.perf_counter() - t0
-                if time.time() - last_beat > self.cfg.heartbeat_interval_s:
-                    last_beat = time.time()
-                    self.client.heartbeat(self.stats.held_version, status="generating" if worked else "idle",
-                                          idle_s=min(self.stats.idle_seconds, MAX_NODE_SECONDS),
-                                          busy_s=min(self.stats.busy_seconds, MAX_NODE_SECONDS))
         finally:
             self._stop.set()
             fetch_thread.join(timeout=5)

@@ -1,14 +1,22 @@
 """A typed HTTP client for the coordinator API, used by nodes, the verifier and the trainer.
 
 Every call either returns a protocol object or raises `CoordinatorError` with the coordinator's reason.
-Connection failures are retried with backoff (every endpoint is safe to retry: signed requests carry a
-fresh nonce per attempt, and submissions are deduplicated by lease and prompt id on the server).
+Transport errors (refused connections, timeouts, resets) and 5xx answers are retried with exponential backoff
+and full jitter (`runtime.retry.RetryPolicy`); `retries=None` retries for as long as it takes, which is how a
+node waits out a coordinator that is down or restarting. Every try of a signed request is signed afresh (a new
+nonce and timestamp), so a retry is neither refused as a replay nor as stale after a long outage. Requests that
+change state (POST, PUT) carry an `Idempotency-Key` header, one random key per logical request, the same on each
+of its retries, so that a coordinator can recognise a retry of a request it already applied. An `Outage` shared
+by the client's users logs the start and the end of each outage once.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -18,30 +26,53 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.signing import sign
+from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
 
 T = TypeVar("T", bound=BaseModel)
 
 ENVELOPE_HEADER = "x-swarmrl-envelope"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+_STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Failures after which the request cannot have reached the server: its retry cannot be a repeat.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+REGISTER_TRIES = 3
 
 
 class CoordinatorError(Exception):
-    """The coordinator refused a request (`status` is the HTTP status, `reason` its explanation)."""
+    """The coordinator refused a request (`status` is the HTTP status, `reason` its explanation).
 
-    def __init__(self, status: int, reason: str):
+    `retried` is True when an earlier try of the same request may have reached the coordinator (its answer was
+    lost): the refusal may then be about that earlier try having been applied already."""
+
+    def __init__(self, status: int, reason: str, retried: bool = False):
         super().__init__(f"{status}: {reason}")
         self.status = status
         self.reason = reason
+        self.retried = retried
 
 
 class CoordinatorClient:
-    """Talks to one coordinator at `base_url` (e.g. http://127.0.0.1:8470)."""
+    """Talks to one coordinator at `base_url` (e.g. http://127.0.0.1:8470).
+
+    `retries`: retries after the first try of a request (None: until it succeeds or `stop` is set); `retry`, when
+    given, replaces it with a full policy. `stop`: an event that ends a retrying request at once (it raises its
+    last error). `outage`: shared outage bookkeeping (one is made if not given). `transport`: an httpx transport
+    (default: plain HTTP/1.1 connections).
+    """
 
     def __init__(self, base_url: str, identity: Identity | None = None, timeout: float = 30.0,
-                 retries: int = 5):
+                 retries: int | None = 5, *, retry: RetryPolicy | None = None, stop: threading.Event | None = None,
+                 outage: Outage | None = None, transport: httpx.BaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
         self.identity = identity
-        self.retries = retries
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.retry = retry if retry is not None else RetryPolicy(attempts=retries)
+        self.stop = stop
+        self.outage = outage if outage is not None else Outage(self.base_url)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+
+    @property
+    def retries(self) -> int | None:
+        return self.retry.attempts
 
     def close(self) -> None:
         self._http.close()
@@ -54,31 +85,61 @@ class CoordinatorClient:
 
     # -- plumbing -------------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        delay = 0.2
-        for attempt in range(self.retries + 1):
+    def _request(self, method: str, path: str, *, build: Callable[[], dict[str, Any]] | None = None,
+                 **kw: Any) -> httpx.Response:
+        """Send a request, retrying per `self.retry`. `build`, when given, makes keyword arguments afresh for
+        each try (a signed body or header is signed again); `kw` are the same for every try."""
+        idempotency_key = secrets.token_hex(16) if method in _STATE_CHANGING else None
+        policy, started, attempt, internal, maybe_sent = self.retry, time.monotonic(), 0, 0, False
+        while True:
+            args = {**kw, **(build() if build is not None else {})}
+            if idempotency_key is not None:
+                args["headers"] = {**args.get("headers", {}), IDEMPOTENCY_HEADER: idempotency_key}
             try:
-                resp = self._http.request(method, path, **kw)
-            except httpx.TransportError:
-                if attempt == self.retries:
-                    raise
+                resp = self._http.request(method, path, **args)
+            except httpx.UnsupportedProtocol:
+                raise  # not an http(s) URL: no retry will change that
+            except httpx.TransportError as e:
+                error: Exception = e
+                maybe_sent = maybe_sent or not isinstance(e, _NOT_SENT)
+                self.outage.failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            else:
+                status = resp.status_code
+                if status in UNAVAILABLE_STATUSES:
+                    error = self._refusal(resp, maybe_sent)
+                    self.outage.failed(f"HTTP {status}")
+                else:
+                    self.outage.ok()
+                    if status < 400:
+                        return resp
+                    error = self._refusal(resp, maybe_sent)
+                    if status < 500 or internal >= INTERNAL_ERROR_RETRIES:
+                        raise error
+                    internal += 1
+                maybe_sent = True
+            if not policy.may_retry(attempt, started, time.monotonic()):
+                raise error
+            delay = policy.delay(attempt)
+            if self.stop is not None:
+                if self.stop.wait(delay):
+                    raise error
+            else:
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            if resp.status_code >= 400:
-                try:
-                    detail = resp.json().get("detail", resp.text)
-                except (json.JSONDecodeError, AttributeError):
-                    detail = resp.text
-                raise CoordinatorError(resp.status_code, detail if isinstance(detail, str) else json.dumps(detail))
-            return resp
-        raise AssertionError("unreachable")
+            attempt += 1
+
+    @staticmethod
+    def _refusal(resp: httpx.Response, retried: bool) -> CoordinatorError:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+            detail = resp.text
+        return CoordinatorError(resp.status_code, detail if isinstance(detail, str) else json.dumps(detail), retried)
 
     def _signed(self, path: str, kind: str, payload: BaseModel, out: type[T] | None) -> T | None:
-        if self.identity is None:
+        identity = self.identity
+        if identity is None:
             raise ValueError("this call must be signed: give the client an identity")
-        env = sign(self.identity, kind, payload)
-        resp = self._request("POST", path, content=env.model_dump_json())
+        resp = self._request("POST", path, build=lambda: {"content": sign(identity, kind, payload).model_dump_json()})
         if out is None or resp.status_code == 204:
             return None
         return out.model_validate_json(resp.content)
@@ -111,13 +172,22 @@ class CoordinatorClient:
     # -- nodes ----------------------------------------------------------------------------------------
 
     def register(self, name: str = "", engine: str = "") -> m.Registered:
+        """Register this client's key by signing a fresh challenge. A challenge is single use: when the answer
+        to a register request is lost and its retry finds the challenge spent (or expired), the exchange is
+        done again with a new one (up to REGISTER_TRIES times)."""
         assert self.identity is not None
-        ch = m.Challenge.model_validate_json(
-            self._request("POST", "/v1/register/challenge",
-                          json=m.ChallengeRequest(public_key=self.identity.public_key_hex).model_dump()).content
-        )
-        req = m.RegisterRequest(challenge=ch.challenge, name=name, engine=engine)
-        return self._signed("/v1/register", m.KIND_REGISTER, req, m.Registered)  # type: ignore[return-value]
+        for attempt in range(REGISTER_TRIES):
+            ch = m.Challenge.model_validate_json(
+                self._request("POST", "/v1/register/challenge",
+                              json=m.ChallengeRequest(public_key=self.identity.public_key_hex).model_dump()).content
+            )
+            req = m.RegisterRequest(challenge=ch.challenge, name=name, engine=engine)
+            try:
+                return self._signed("/v1/register", m.KIND_REGISTER, req, m.Registered)  # type: ignore[return-value]
+            except CoordinatorError as e:
+                if e.status != 401 or "challenge" not in e.reason or attempt == REGISTER_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def lease(self, max_prompts: int, held_version: int) -> m.Lease | None:
         """A lease of prompts, or None when the coordinator has no work right now."""
@@ -159,10 +229,11 @@ class CoordinatorClient:
                             m.FeedAcked)  # type: ignore[return-value]
 
     def upload_shard(self, sha256: str, data: bytes) -> None:
-        assert self.identity is not None
-        env = sign(self.identity, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256=sha256, size=len(data)))
-        self._request("PUT", f"/v1/trainer/shards/{sha256}", content=data,
-                      headers={ENVELOPE_HEADER: env.model_dump_json()})
+        identity = self.identity
+        assert identity is not None
+        upload = m.ShardUpload(sha256=sha256, size=len(data))
+        self._request("PUT", f"/v1/trainer/shards/{sha256}", content=data, build=lambda: {"headers": {
+            ENVELOPE_HEADER: sign(identity, m.KIND_TRAINER_SHARD, upload).model_dump_json()}})
 
     def publish(self, manifest: CheckpointManifest) -> SignedManifest:
         return self._signed("/v1/trainer/publish", m.KIND_TRAINER_PUBLISH, m.PublishRequest(manifest=manifest),

@@ -2,6 +2,8 @@
 
     swarmrl coordinator --config coordinator.toml --set port=8470
     swarmrl node --set coordinator_url=http://pool.example:8470
+    swarmrl node --pool NAME          (or: swarmrl node doctor --pool NAME)
+    swarmrl pool list --json
     swarmrl demo --report report.json
 
 Every role takes `--config FILE.toml` and any number of `--set dotted.key=value` overrides, and
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.logging import RichHandler
 
 
@@ -71,10 +74,37 @@ def cmd_verifier(args: argparse.Namespace) -> None:
 
 def cmd_node(args: argparse.Namespace) -> None:
     _single_thread()
-    from swarmrl.node.config import NodeConfig
-    from swarmrl.node.runner import run_node
+    import json
 
-    run_node(_load(NodeConfig, args))
+    from swarmrl.node.config import NodeConfig
+    from swarmrl.node.refusal import PermanentRefusal
+
+    if args.pool:
+        args.overrides.append(f"pool={json.dumps(args.pool)}")
+    cfg = _load(NodeConfig, args)
+    if args.action == "doctor":
+        from swarmrl.node.doctor import report, run_checks
+
+        checks = run_checks(cfg)
+        Console(highlight=False).print(report(checks))
+        sys.exit(1 if any(c.status == "FAIL" for c in checks) else 0)
+    from swarmrl.node.runner import run_node
+    from swarmrl.pools.errors import PoolChoiceError, PoolLookupError
+
+    try:
+        run_node(cfg)
+    except PermanentRefusal as e:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]node stopped for good:[/] {e}")
+        sys.exit(2)
+    except (PoolChoiceError, PoolLookupError, ConnectionError) as e:  # no such pool, no DHT, coordinator not found
+        sys.exit(f"swarmrl node: {e}")
+
+
+def cmd_pool(args: argparse.Namespace) -> None:
+    from swarmrl.node.config import NodeConfig
+    from swarmrl.poolcmd import list_command
+
+    list_command(_load(NodeConfig, args), bootstrap=args.bootstrap, as_json=args.json)
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -129,6 +159,19 @@ def main(argv: list[str] | None = None) -> None:
     pk.add_argument("path", help="key file (written 0600)")
     pk.add_argument("--force", action="store_true", help="replace an existing key file")
     pk.set_defaults(fn=cmd_keys)
+    pn = sub.choices["node"]
+    pn.add_argument("action", nargs="?", choices=["doctor"], help="doctor: check this machine and the pool, say what "
+                    "to fix, and exit (1 if anything must be fixed)")
+    pn.add_argument("--pool", metavar="NAME", help="join the public pool of this name, found in the pools' DHT "
+                    "(NAME@KEYPREFIX when several keys claim NAME); same as --set pool=NAME")
+    pp = sub.add_parser("pool", help="public pools announced in the DHT")
+    pp.add_argument("action", choices=["list"])
+    _role_args(pp)
+    pp.add_argument("--json", action="store_true", help="print JSON (the signed records and the refusals)")
+    pp.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                    help="a bootstrap peer of the pools' DHT (repeatable); default: pools.initial_peers from the node "
+                    "config, else the SWARMRL_BOOTSTRAP environment variable")
+    pp.set_defaults(fn=cmd_pool)
     pm = sub.add_parser("model", help="build the tiny model and warm it up to a target accuracy")
     pm.add_argument("out", help="output checkpoint directory (Hugging Face layout)")
     pm.add_argument("--warmup-accuracy", type=float, default=0.25, help="stop the warm start at this accuracy")
@@ -136,8 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     pm.set_defaults(fn=cmd_model)
 
     args = parser.parse_args(argv)
+    # Logs go to stderr, so that what a command prints (e.g. `pool list --json`) is all there is on stdout.
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s",
-                        handlers=[RichHandler(show_time=True, show_path=False, rich_tracebacks=True)])
+                        handlers=[RichHandler(console=Console(stderr=True), show_time=True, show_path=False,
+                                              rich_tracebacks=True)])
     for noisy in ("httpx", "vllm", "hivemind", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args.fn(args)

@@ -190,15 +190,12 @@ def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Pa
     from swarmrl.protocol.tasks import load_task
     from swarmrl.trainer.evaluate import accuracy
     from swarmrl.trainer.model import load_checkpoint
-    from swarmrl.transfer.store import ShardStore, assemble_checkpoint
+    from swarmrl.transfer.fetcher import CheckpointFetcher
+    from swarmrl.transfer.sources import HttpOrigin
 
     signed = client.latest_manifest()
     assert signed is not None, "nothing was published"
-    manifest = signed.verify(coordinator_key)
-    store = ShardStore(work / "shards")
-    for s in store.missing(manifest):
-        store.put(s.sha256, client.shard(s.sha256))
-    out = assemble_checkpoint(manifest, store.get, work / f"v{manifest.version:08d}")
+    manifest, out = CheckpointFetcher(work, coordinator_key, [HttpOrigin(client)]).fetch(signed)
     model, tok = load_checkpoint(out)
     task = load_task(client.info().spec.task)
     return manifest.version, accuracy(model, tok, task.eval_set(), task)

@@ -97,3 +97,38 @@ def test_the_trainer_cuts_checkpoints_into_shards_of_the_size_it_is_given(tmp_pa
     assert signed.manifest.shard_size == 256 * 1024
     assert sizes == [256 * 1024] * 3 + [1_000_000 - 3 * 256 * 1024]
     assert sorted(uploads) == sorted(s.sha256 for s in signed.manifest.shards())
+
+
+def test_a_verifier_with_p2p_takes_policy_versions_from_the_swarm(tmp_path):
+    from swarmrl.testing.byzantine.harness import make_checkpoint
+    from swarmrl.transfer.p2p.config import P2PConfig
+    from swarmrl.verifier.config import VerifierConfig
+    from swarmrl.verifier.models import ModelCache
+
+    trainer = Identity.generate()
+    cfg = CoordinatorConfig(data_dir=tmp_path / "coord", run={"run_id": "p2p-run"},
+                            operator_keys=[trainer.public_key_hex], p2p={"host_maddrs": LOOPBACK})
+    coordinator_key = cfg.load_identity()
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    with running_server(cfg, coordinator_key) as url:
+        local = ShardStore(tmp_path / "trainer-shards")
+        manifest = cut_checkpoint(ckpt, run_id="p2p-run", version=0, store=local, shard_size=256 * 1024)
+        op = CoordinatorClient(url, trainer)
+        for ref in manifest.shards():
+            op.upload_shard(ref.sha256, local.get(ref.sha256))
+        op.publish(manifest)
+
+        vcfg = VerifierConfig(coordinator_url=url, work_dir=tmp_path / "verifier",
+                              p2p={"host_maddrs": LOOPBACK, "poll_interval_s": 0.1})
+        cache = ModelCache(op, coordinator_key.public_key_hex, vcfg.work_dir, keep=2, p2p=vcfg.p2p)
+        try:
+            assert cache.swarm is not None  # joined through the pool's RunInfo.dht_peers
+            policy = cache.get(0)
+            assert policy.version == 0
+            by_source = cache.fetcher.stats.by_source
+            assert sum(v for k, v in by_source.items() if k.startswith("seed:")) > 0, by_source
+            assert cache.fetcher.stats.shards_fetched == len(manifest.shards())
+        finally:
+            cache.close()
+    assert ModelCache(op, coordinator_key.public_key_hex, tmp_path / "v2", p2p=None).swarm is None
+    assert VerifierConfig().p2p is None and isinstance(vcfg.p2p, P2PConfig)

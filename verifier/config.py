@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.protocol.run import RunSpec
+from swarmrl.transfer.p2p.config import P2PConfig
 
 
 class Tolerances(BaseModel):
@@ -89,3 +90,6 @@ class VerifierConfig(BaseModel):
     sample_rate: float = Field(1.0, ge=0, le=1, description="p: after K passes, the share of groups fully checked; "
                                                             "the others are held until a later check passes.")
     policy_seed: int | None = Field(None, description="Seed of the p draws (tests only); None: OS randomness.")
+    p2p: P2PConfig | None = Field(
+        None, description="Fetch policy versions from the checkpoint swarm too (and serve them to it), when the pool "
+        "has one; None: from the coordinator's HTTP origin only.")

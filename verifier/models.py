@@ -1,14 +1,16 @@
 """The policy weights each group must be checked against: the checkpoint of the group's policy_version.
 
-Versions are fetched like a node fetches them, trusting nothing but the coordinator's signature: the signed
-manifest of that version (GET /v1/manifest/{version}), its shards (hash-checked on arrival), files assembled
-and hash-checked. The last `keep` versions stay loaded (a group may be up to max_staleness versions old).
+Versions are fetched the way a node fetches them (`transfer.CheckpointFetcher`), trusting nothing but the
+coordinator's signature: the signed manifest of that version (GET /v1/manifest/{version}), then its shards,
+each hash-checked on arrival and written into the checkpoint's files, from the coordinator's HTTP origin and,
+with `[p2p]`, from the checkpoint swarm. A fetch cut short resumes from the shards on disk. The last `keep`
+versions stay loaded (a group may be up to max_staleness versions old), so versions older than the newest are
+fetched too.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +19,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from swarmrl.models.weights import load_weights_in_place
-from swarmrl.protocol.manifest import CheckpointManifest
+from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
+from swarmrl.protocol.run import RunInfo
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from swarmrl.transfer.store import ShardStore, assemble_checkpoint
+from swarmrl.transfer.connect import open_fetcher
+from swarmrl.transfer.fetcher import ShardUnavailable
+from swarmrl.transfer.p2p.config import P2PConfig
 
 log = logging.getLogger("swarmrl.verifier")
 
@@ -67,18 +72,35 @@ def _same_except_weights(a: CheckpointManifest, b: CheckpointManifest) -> bool:
 
 
 class ModelCache:
-    """Loaded policy versions, least recently used evicted beyond `keep` (and their files removed)."""
+    """Loaded policy versions, least recently used evicted beyond `keep` (and their files removed).
+
+    Checkpoints are kept under `work_dir` (`work_dir`/shards, `work_dir`/v{version:08d}); versions left there by an
+    earlier run are reused. With `p2p` (and the pool's `run` description, asked of the coordinator if not given)
+    the cache also joins the checkpoint swarm; `close` leaves it.
+    """
 
     def __init__(self, client: CoordinatorClient, coordinator_key: str, work_dir: Path, keep: int = 3,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", *, p2p: P2PConfig | None = None,
+                 run: RunInfo | None = None):
         self.client = client
         self.coordinator_key = coordinator_key
         self.work_dir = Path(work_dir)
         self.keep = keep
         self.dtype = dtype
         self.device = device
-        self.shards = ShardStore(self.work_dir / "shards")
+        if p2p is not None and run is None:
+            run = client.info()
+        # One version more than are loaded: the fetcher then never prunes a loaded version's files before the
+        # cache has evicted it (eviction removes them).
+        self.fetcher, self.swarm = open_fetcher(self.work_dir, coordinator_key, client, run, p2p=p2p,
+                                                keep_versions=keep + 1)
         self._loaded: OrderedDict[int, tuple[PolicyModel, CheckpointManifest]] = OrderedDict()
+
+    def close(self) -> None:
+        """Leave the checkpoint swarm, if joined."""
+        if self.swarm is not None:
+            self.swarm.close()
+            self.swarm = None
 
     def get(self, version: int) -> PolicyModel:
         """The model of `version`; VersionUnavailable when the coordinator cannot supply it. A manifest or shard
@@ -86,35 +108,30 @@ class ModelCache:
         if version in self._loaded:
             self._loaded.move_to_end(version)
             return self._loaded[version][0]
-        manifest = self._fetch(version)
-        path = assemble_checkpoint(manifest, self.shards.get, self.work_dir / f"v{version:08d}")
+        manifest, path = self._fetch(version)
         reuse = None
         while len(self._loaded) >= self.keep:
             old, (old_policy, old_manifest) = self._loaded.popitem(last=False)
-            shutil.rmtree(old_policy.path, ignore_errors=True)
+            self.fetcher.remove(old)
             log.info("unloaded policy version %d", old)
             if _same_except_weights(old_manifest, manifest):
                 reuse = old_policy
         policy = load_policy(path, version, self.dtype, self.device, reuse=reuse)
         self._loaded[version] = (policy, manifest)
-        self.shards.remove_unreferenced([m for _, m in self._loaded.values()])
         log.info("loaded policy version %d from %s", version, path)
         return policy
 
-    def _fetch(self, version: int) -> CheckpointManifest:
+    def _fetch(self, version: int) -> tuple[CheckpointManifest, Path]:
         try:
-            signed = self.client.manifest(version)
+            signed: SignedManifest | None = self.client.manifest(version)
         except CoordinatorError as e:
             raise VersionUnavailable(f"manifest of version {version}: {e.reason}") from None
         if signed is None:
             raise VersionUnavailable(f"no manifest for version {version}")
-        manifest = signed.verify(self.coordinator_key)
+        manifest = self.fetcher.verify(signed)
         if manifest.version != version:
             raise VersionUnavailable(f"asked for version {version}, the signed manifest is for {manifest.version}")
-        for ref in self.shards.missing(manifest):
-            try:
-                data = self.client.shard(ref.sha256)
-            except CoordinatorError as e:
-                raise VersionUnavailable(f"shard {ref.sha256[:12]} of version {version}: {e.reason}") from None
-            self.shards.put(ref.sha256, data)
-        return manifest
+        try:
+            return self.fetcher.fetch(signed)
+        except ShardUnavailable as e:
+            raise VersionUnavailable(f"version {version}: {e}") from None

@@ -77,7 +77,8 @@ class Verifier:
         self.task = load_task(info.spec.task)
         keep = max(self.cfg.keep_versions, info.spec.max_staleness + 1)  # a group may be that many versions old
         self.models = ModelCache(self.client, key, self.cfg.work_dir, keep=keep,
-                                 dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
+                                 dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device, p2p=self.cfg.p2p,
+                                 run=info)
 
     def _context(self, weights: PolicyModel) -> CheckContext:
         assert self.task is not None and self.run_spec is not None
@@ -169,12 +170,16 @@ class Verifier:
         """Poll until `stop_after_s` (forever by default). Coordinator errors and unreachable or inconsistent
         weights are logged and retried: claimed groups left without a verdict are claimed again later."""
         t0 = time.time()
-        while stop_after_s is None or time.time() - t0 < stop_after_s:
-            t_poll = time.monotonic()
-            try:
-                worked = self.poll_once()
-            except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
-                log.error("poll failed: %s", e)
-                worked = 0
-            if worked == 0 and time.monotonic() - t_poll < self.cfg.poll_interval_s:
-                time.sleep(self.cfg.poll_interval_s)  # the coordinator did not hold the poll: do not spin
+        try:
+            while stop_after_s is None or time.time() - t0 < stop_after_s:
+                t_poll = time.monotonic()
+                try:
+                    worked = self.poll_once()
+                except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
+                    log.error("poll failed: %s", e)
+                    worked = 0
+                if worked == 0 and time.monotonic() - t_poll < self.cfg.poll_interval_s:
+                    time.sleep(self.cfg.poll_interval_s)  # the coordinator did not hold the poll: do not spin
+        finally:
+            if self.models is not None:
+                self.models.close()  # leaves the checkpoint swarm, if it joined one

@@ -24,7 +24,8 @@ from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
-from swarmrl.transfer.fetcher import CheckpointFetcher, HttpOrigin
+from swarmrl.transfer.fetcher import CheckpointFetcher
+from swarmrl.transfer.sources import HttpOrigin
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 from swarmrl.verifier.config import VerifierConfig
 from swarmrl.verifier.service import Verifier

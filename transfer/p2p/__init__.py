@@ -1,19 +1,23 @@
 """Peer-to-peer checkpoint distribution: discovery in a hivemind DHT, shard exchange over libp2p streams.
 
-A node process:
+A node process (`transfer.connect.open_fetcher` does this for nodes and verifiers):
 
     from swarmrl.transfer.p2p import P2PConfig, start_swarm
+    from swarmrl.transfer.p2p.sources import SwarmSource
     peer = start_swarm(cfg.p2p, run_info.run_id, run_info.dht_peers)   # None: disabled or failed to start
-    sources = ([peer.source()] if peer else []) + [HttpOrigin(client)]
-    fetcher = CheckpointFetcher(root, key, sources, keep_versions, **(peer.fetcher_options() if peer else {}))
+    sources = ([SwarmSource(peer)] if peer else []) + [HttpOrigin(client)]
+    fetcher = CheckpointFetcher(root, key, sources, keep_versions, config=cfg.fetch)
     ...
     if peer:
         peer.close()
 
 The coordinator runs `transfer.seed.DhtSeed` (a bootstrap peer that seeds its shard store).
-Modules: `config` (P2PConfig), `dht` (holder records and their validators), `swarm` (SwarmPeer), `serving`
-(ShardServer: uploads, watch streams, seed hints; the wire protocol), `sources`
-(SwarmSource, PeerSource: the swarm as the fetcher sees it).
+Modules, each importing only those before it: `config` (P2PConfig), `wire` (the stream protocol, PeerError,
+SwarmStats), `dht` (holder records, their validators, identities), `host` (starting a daemon and a DHTNode:
+`open_dht`, and `DhtHost` for users of the bare DHT), `health` (bans and drops), `seeding` (a seed's
+super-seeding and ramp-up), `serving` (ShardServer: uploads, watch streams, seed hints), `client` (requests to one
+peer), `watch` (following holders' watch streams), `discovery` (announcing, reading holder records), `swarm`
+(SwarmPeer, which puts them together), `sources` (SwarmSource, PeerSource: the swarm as the fetcher sees it).
 Importing `swarm` imports hivemind (and torch): a few seconds, so it is imported only when needed.
 """
 

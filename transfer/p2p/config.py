@@ -1,4 +1,8 @@
-"""Configuration of peer-to-peer checkpoint distribution (one `[p2p]` table in a node's or coordinator's TOML)."""
+"""Configuration of a swarm peer (one `[p2p]` table in a node's, verifier's or coordinator's TOML).
+
+Only what the swarm itself uses: how it joins the DHT, what it announces, how it serves, how it treats other
+peers. How a download is scheduled over peers and seeds is the fetcher's (`transfer.fetcher.FetchConfig`).
+"""
 
 from __future__ import annotations
 
@@ -42,33 +46,6 @@ class P2PConfig(BaseModel):
         "one more is answered 'busy'."
     )
     busy_retry_s: float = Field(0.25, gt=0, description="A peer that answered 'busy' is asked again after this long.")
-    max_parallel_peers: int = Field(
-        7, ge=1, description="Peers downloaded from at once (see requests_per_peer for the requests to each): "
-        "enough streams to fill a node's download link while each holder splits its upload among max_uploads "
-        "askers (bench/RESULTS.md)."
-    )
-    requests_per_peer: int = Field(
-        1, ge=1, description="Shard requests one node keeps open to one peer. 2 pipelines them: the peer serves a "
-        "node's requests one after another in one upload slot, so the next starts without a round trip when the "
-        "current one ends. The peer counts once against max_parallel_peers."
-    )
-    spread_holders: bool = Field(
-        True, description="Choose the peer first (the free one least used by this download), then the rarest shard "
-        "it holds. False: the rarest shard first, then a free holder of it, which sends every node to the few "
-        "holders of the newest shards while other holders' uplinks idle."
-    )
-    endgame: bool = Field(
-        True, description="Once every missing shard is in flight, ask a second holder for shards still in flight; "
-        "the first copy wins (BitTorrent's end game), so one slow holder cannot hold up the checkpoint."
-    )
-    endgame_patience: float = Field(
-        2.0, ge=0, description="The end game asks a second holder only for a download that has taken this many "
-        "times the median download so far; 0: for every shard in flight (which loads the few holders of the "
-        "newest shards, and the seed, with copies nobody needs)."
-    )
-    origin_parallel: int = Field(
-        1, ge=1, description="Shards downloaded at once from seeds (the coordinator's seed peer, the HTTP origin)."
-    )
     peer_timeout_s: float = Field(
         20.0, gt=0, description="A peer that has not delivered a whole shard within this many seconds is skipped."
     )
@@ -100,8 +77,8 @@ class P2PConfig(BaseModel):
     dht_wait_timeout_s: float = Field(3.0, gt=0, description="A DHT request without a reply in this time is lost.")
     seed_max_uploads: int = Field(
         5, ge=1, description="Uploads a seed (the coordinator) serves at once; further requests queue. Each copy must "
-        "share its receiver's link with max_parallel_peers peer streams, so about that many plus one keep the seed's "
-        "link full, and fewer at once means each copy lands (and spreads) sooner."
+        "share its receiver's link with fetch.max_parallel_peers peer streams, so about that many plus one keep the "
+        "seed's link full, and fewer at once means each copy lands (and spreads) sooner."
     )
     seed_grace_s: float = Field(
         5.0, ge=0, description="A seed sends every shard once before any twice; after that it sends a shard again "

@@ -1,7 +1,10 @@
 """The swarm as CheckpointFetcher sees it: `SwarmSource` expands into one `PeerSource` per holder of a version.
 
+    sources = [SwarmSource(peer), HttpOrigin(client)]
+
 A holder flagged as a seed counts as one for the scheduler only if it is a bootstrap peer (the
-coordinator's seed, from RunInfo.dht_peers): nobody else can claim the deference a seed gets.
+coordinator's seed, from RunInfo.dht_peers): nobody else can claim the deference a seed gets. Failures feed
+the peer's health: bad bytes ban the holder, other failures count against it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from swarmrl.protocol.manifest import CheckpointManifest, ShardRef
 from swarmrl.transfer.p2p.dht import HolderRecord, manifest_info
+from swarmrl.transfer.p2p.wire import PeerError
 from swarmrl.transfer.sources import WAIT, ShardSource
 from swarmrl.transfer.store import ShardStore
 
@@ -18,10 +22,6 @@ if TYPE_CHECKING:
     from swarmrl.transfer.p2p.swarm import SwarmPeer
 
 WAIT_MEMO_S = 0.3  # a seed that said "wait" is not asked again for this long
-
-
-class PeerError(Exception):
-    """A peer could not or would not deliver a shard (not held, refused, connection trouble, timeout)."""
 
 
 class PeerSource(ShardSource):
@@ -38,7 +38,6 @@ class PeerSource(ShardSource):
         self.have = record.indices()
         self._have_shas: tuple[CheckpointManifest, frozenset[str]] | None = None  # `have` as hashes
         self.seed = record.seed and self.peer_id in self.peer.trusted_seeds
-        self.max_in_flight = self.peer.config.origin_parallel if self.seed else self.peer.config.requests_per_peer
         self.name = f"{'seed' if self.seed else 'peer'}:{self.peer_id[-8:]}"
 
     @property

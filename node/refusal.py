@@ -1,0 +1,65 @@
+"""Which refusals stop a node, and the message that tells its operator what to do.
+
+A node waits out everything that can change by itself (a coordinator down or restarting, a full lease book, a
+stale submission). It stops, with `PermanentRefusal`, only when waiting cannot help: the pool banned its key, the
+coordinator presents another key than the one the node trusts, or the two clocks disagree by more than the
+coordinator accepts (signed requests carry timestamps).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from swarmrl.node.config import NodeConfig
+from swarmrl.runtime.client import CoordinatorError
+
+log = logging.getLogger("swarmrl.node")
+
+
+class PermanentRefusal(RuntimeError):
+    """The pool refused this node in a way that waiting will not change; the message says what to do."""
+
+
+def is_unknown_node(e: CoordinatorError) -> bool:
+    """The coordinator does not know the node's key (it lost its database, or never had it): register again."""
+    return e.status == 403 and "unknown node" in e.reason
+
+
+def permanent(e: CoordinatorError, cfg: NodeConfig) -> PermanentRefusal | None:
+    """The PermanentRefusal a refusal amounts to, or None when the node should wait and try again."""
+    if e.status == 403 and "banned" in e.reason:
+        return PermanentRefusal(
+            f"the pool at {cfg.coordinator_url} banned this node's key ({cfg.key_path}): {e.reason}. Work from this "
+            "key is no longer accepted; ask the pool's operator if you think this is a mistake.")
+    if e.status == 401 and "timestamp" in e.reason:
+        return PermanentRefusal(
+            f"the coordinator refuses this node's signed requests as out of date: {e.reason}. This machine's clock "
+            "is off: turn on time synchronisation (NTP, e.g. `timedatectl set-ntp true`), then start the node "
+            "again (`swarmrl node doctor` measures the skew).")
+    return None
+
+
+def pinned_coordinator_key(cfg: NodeConfig, reported: str) -> str:
+    """The coordinator key to trust: the configured one, else the one pinned on first use; PermanentRefusal when
+    the coordinator presents another."""
+    if cfg.coordinator_key:
+        if cfg.coordinator_key != reported:
+            raise PermanentRefusal(
+                f"the coordinator at {cfg.coordinator_url} presents key {reported[:16]}…, not the key this node "
+                f"trusts ({cfg.coordinator_key[:16]}…, configured or pinned for the pool): refusing to work for it. "
+                "If the pool's operator announced a new key, update coordinator_key (or remove the pool's pin from "
+                "pools.json in the work dir); otherwise check the URL.")
+        return cfg.coordinator_key
+    pin = Path(str(cfg.key_path) + ".coordinator")
+    if pin.exists():
+        pinned = pin.read_text().strip()
+        if pinned != reported:
+            raise PermanentRefusal(
+                f"the coordinator at {cfg.coordinator_url} presents key {reported[:16]}…, but this node pinned "
+                f"{pinned[:16]}… on first use (in {pin}): refusing. If the pool's operator announced a new key, "
+                f"delete {pin} (or set coordinator_key) and start again; otherwise check the URL.")
+        return pinned
+    pin.write_text(reported + "\n")
+    log.warning("trusting coordinator key %s… on first use (pinned in %s)", reported[:16], pin)
+    return reported
