@@ -2,12 +2,12 @@
 
 A submitted group's life from here on (`rollout_groups.status`, `held`):
 
-    pending --claim--> pending, claimed (claimed_until; an expired claim is claimable again)
+    pending --claim---------------------------> pending, claimed (until claimed_until; then claimable again)
     pending --verdict: accepted, checked------> accepted (a feed position), after RELEASE of its node
     pending --verdict: accepted, not checked--> HELD (pending, held; trusted rewards kept; not claimable)
     pending --verdict: rejected---------------> rejected; with `ban`: BAN of its node
     HELD    --RELEASE-------------------------> accepted (a feed position)
-    HELD    --BAN---------------------------------> rejected ("node banned")
+    HELD    --BAN-----------------------------> rejected ("node banned")
 
     RELEASE of node n at group g: n's held groups submitted before g are accepted, oldest first, before g itself
             (a full check that passes on a later group vouches for the node's earlier ones).

@@ -1,4 +1,5 @@
-"""The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite.
+"""The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite (and the same tests
+on PostgreSQL in test_coordinator_api_postgres.py).
 
 Requests go through `runtime.client.CoordinatorClient` (the client the other roles use) or, for
 requests the client would never make (forged, tampered, replayed, malformed), raw httpx. Time-dependent
