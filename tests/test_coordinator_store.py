@@ -11,13 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 from sqlalchemy import text
 
 from swarmrl.coordinator import feed, gate, leases, registry, status, verification
 from swarmrl.coordinator.checkpoints import current_version, get_manifest, latest_manifests
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
-from swarmrl.coordinator.db.schema import CURRENT_VERSION, LEASE_COUNTER, manifests
+from swarmrl.coordinator.db.schema import CURRENT_VERSION, LEASE_COUNTER, manifests, metadata
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, raise_counter
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
@@ -284,6 +286,15 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0002"
     finally:
         s.close()
+
+
+def test_the_migrations_make_what_the_schema_says(store: Store) -> None:
+    """The tables the code queries (db/schema.py) are the ones the migrations build: no column, type, index,
+    constraint (or, on PostgreSQL, server default) differs. A change to one without the other fails here."""
+    postgres = store.dialect == "postgresql"  # Alembic misreads SQLite's '' defaults as changed
+    with store.engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": postgres})
+        assert compare_metadata(context, metadata) == []
 
 
 def test_a_database_of_the_hand_written_store_is_adopted(tmp_path: Path) -> None:
