@@ -14,13 +14,14 @@ power cut, which could take back commits already answered: an accepted submissio
 handed out again for another group that the trainer skips. Accepted work must be neither lost nor counted twice,
 so such commits pay one fsync each.
 
-Two kinds of writes do not wait for their fsync (`write(..., durable=False)`: SQLite synchronous=NORMAL for that
-commit, PostgreSQL synchronous_commit=off): a request's nonce, and a verifier's claim. The log is written in
-order and the next durable commit flushes everything before it, so a power cut can take such a write back only
-together with every commit after it. A lost nonce then lets its request be replayed only when that request's own
-effects (none, for a refused one) were lost too; a lost claim makes its groups claimable again, and a second
-verdict on a decided group is ignored. This halves the fsyncs of a request whose work is a write (a heartbeat, a
-lease, a submission: its nonce, then its work).
+Three kinds of writes do not wait for their fsync (`write(..., durable=False)`: SQLite synchronous=NORMAL for
+that commit, PostgreSQL synchronous_commit=off): a request's nonce, a verifier's claim, and a heartbeat. The log
+is written in order and the next durable commit flushes everything before it, so a power cut can take such a
+write back only together with every commit after it. A lost nonce then lets its request be replayed only when
+that request's own effects (none, for a refused one) were lost too; a lost claim makes its groups claimable
+again, and a second verdict on a decided group is ignored; a lost heartbeat loses a liveness time and a share of
+the node's self-reported idle time, which only metrics use. Nodes send heartbeats more than anything else, and a
+request whose work is durable pays one fsync, not two (its nonce rides along).
 
 Transactions. `write` runs its function in one transaction: BEGIN IMMEDIATE on SQLite (one writer at a time; in
 this process writers queue on a lock rather than in SQLite's busy handler), READ COMMITTED on PostgreSQL, where the
