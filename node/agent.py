@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
+from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
 from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook
@@ -79,7 +80,7 @@ class Node:
         self._ready: tuple[int, Path] | None = None  # newest verified checkpoint not yet loaded
         self._ready_lock = threading.Lock()
         self.engine: InferenceEngine | None = None
-        self.tokenizer: PreTrainedTokenizerFast | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.fetcher: CheckpointFetcher | None = None
         self.swarm: SwarmPeer | None = None
 
@@ -157,7 +158,7 @@ class Node:
             if self.engine is not None:
                 self.engine.close()
             self.engine = build_engine(self.cfg.engine, path, temperature)
-            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            self.tokenizer = load_tokenizer(path)
         else:
             self.engine.load(path)
         self.stats.held_version = version
@@ -189,7 +190,7 @@ class Node:
         requests, owners = [], []
         prompt_ids: dict[str, list[int]] = {}
         for p in lease.prompts:
-            prompt_ids[p.prompt_id] = self.tokenizer(p.text).input_ids
+            prompt_ids[p.prompt_id] = render_prompt(self.tokenizer, p.text)
             for seed in p.seeds:
                 requests.append(GenerationRequest(prompt_ids=prompt_ids[p.prompt_id], seed=seed))
                 owners.append(p.prompt_id)

@@ -105,7 +105,8 @@ def check_memory(cfg: EngineConfig) -> Check:
     """RAM (and GPU memory) against the engine's KV cache and share settings."""
     import torch
 
-    engine = (f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, kv_cache_gib {cfg.kv_cache_gib}"
+    engine = (f"max_model_len {cfg.max_model_len or 'of the model'}, max_num_seqs {cfg.max_num_seqs}, "
+              f"kv_cache_gib {cfg.kv_cache_gib}"
               + (f", gpu_memory_utilization {cfg.gpu_memory_utilization}" if cfg.gpu_memory_utilization else ""))
     if torch.cuda.is_available() and cfg.device != "cpu":
         free, total = torch.cuda.mem_get_info(0)

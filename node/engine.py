@@ -2,7 +2,9 @@
 
 Every engine samples with the protocol's rule (`protocol.sampling`): at completion position i the token is
 argmax_v(logits_v / T + gumbel_noise(seed, i, vocab)_v), so a verifier that recomputes the logits can replay
-every token. Engines differ only in how they compute logits (vLLM or a plain transformers decode loop).
+every token. Engines differ only in how they compute logits (vLLM or a plain transformers decode loop); the
+temperature is applied by the rule, per request, never by the model. A completion ends at any of the model's
+stop tokens (`models.prompts.stop_token_ids`).
 
 Heavy imports (torch models, vLLM) stay inside the concrete engines so that importing this module is cheap.
 """
@@ -24,9 +26,11 @@ class GenerationRequest:
     """One rollout to sample."""
 
     prompt_ids: list[int]
-    """Prompt token ids, already tokenized by the caller (BOS included)."""
+    """Prompt token ids, already tokenized by the caller (`models.prompts.render_prompt`)."""
     seed: int
     """The coordinator's seed for this one rollout; it fixes the Gumbel noise at every position."""
+    temperature: float | None = None
+    """Sampling temperature of this request; None: the engine's default. Requests of one batch may differ."""
 
 
 @dataclass
@@ -34,11 +38,11 @@ class Completion:
     """What an engine sampled for one request."""
 
     token_ids: list[int]
-    """Sampled tokens; ends with the EOS token when `finish_reason == "stop"`."""
+    """Sampled tokens; ends with a stop token when `finish_reason == "stop"` (and has none before the end)."""
     logprobs: list[float]
     """Per token: log_softmax(logits / T)[token], the policy's logprob, not perturbed by the noise."""
     finish_reason: Literal["stop", "length"]
-    """"stop": EOS was sampled; "length": max_tokens (or the model length) was reached first."""
+    """"stop": a stop token was sampled; "length": max_tokens (or the model length) was reached first."""
     proof: str | None = None
     """Activation proof (`protocol.proofs`, base64) over the hidden states that chose each token; None when the
     engine was configured without proofs."""
@@ -57,9 +61,12 @@ class EngineConfig(BaseModel):
                                "verifier tie margin.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the model runs; 'auto' is cuda when torch sees a GPU, else cpu.")
-    max_model_len: int = Field(
-        128, gt=1, description="Longest prompt + completion in tokens; clamped to the checkpoint's "
-                               "max_position_embeddings. Completions that reach it end with 'length'.")
+    max_model_len: int | None = Field(
+        None, gt=1, description="Longest prompt + completion in tokens; None: the checkpoint's "
+                                "max_position_embeddings (what the verifier assumes), and never more than that. "
+                                "Completions that reach it end with 'length': keep it >= the pool's prompt + "
+                                "max_tokens, or such completions are rejected as cut short. Sizes vLLM's KV "
+                                "cache needs (at least one sequence of this length must fit in kv_cache_gib).")
     kv_cache_gib: float = Field(
         1.0, gt=0, description="KV-cache size in GiB (vLLM on CPU: VLLM_CPU_KVCACHE_SPACE; on GPU: "
                                "kv_cache_memory_bytes unless gpu_memory_utilization is set).")
@@ -103,8 +110,12 @@ class InferenceEngine(ABC):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.cfg = cfg
         self.temperature = float(temperature)
+        """The temperature of requests that do not name one."""
+        self.stop_ids: frozenset[int] = frozenset()
+        """The tokens that end a completion (set by `load`)."""
         self.eos_id: int | None = None
-        self.max_model_len: int = cfg.max_model_len
+        """One of them (the smallest id), e.g. for a prompt that is always valid."""
+        self.max_model_len: int = cfg.max_model_len or 0
 
     @abstractmethod
     def load(self, ckpt_dir: Path) -> None:
@@ -113,7 +124,7 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def generate(self, requests: list[GenerationRequest], max_tokens: int) -> list[Completion]:
-        """One completion per request, in request order. Stops at EOS (included, "stop") or after
+        """One completion per request, in request order. Stops at a stop token (included, "stop") or after
         `max_tokens` tokens / at `max_model_len` in total ("length")."""
 
     @abstractmethod
@@ -146,6 +157,19 @@ class InferenceEngine(ABC):
                 raise RuntimeError(f"hidden-state capture incomplete: got {got} for {n} tokens")
         return build_proofs(states)
 
+    def _temperature(self, request: GenerationRequest) -> float:
+        """The request's temperature (checked), or the engine's default."""
+        t = self.temperature if request.temperature is None else float(request.temperature)
+        if not t > 0:
+            raise ValueError(f"temperature must be > 0, got {request.temperature}")
+        return t
+
+    def _set_checkpoint_meta(self, ckpt_dir: Path) -> None:
+        """Stop tokens and the length limit of the checkpoint about to be loaded."""
+        self.stop_ids, max_pos = read_checkpoint_meta(ckpt_dir)
+        self.eos_id = min(self.stop_ids)
+        self.max_model_len = min(self.cfg.max_model_len or max_pos, max_pos)
+
     def _token_budget(self, request: GenerationRequest, max_tokens: int) -> int:
         """Completion tokens this request may take: max_tokens, capped so the total fits max_model_len.
         Both engines use it, so they stop at the same place."""
@@ -160,18 +184,12 @@ class InferenceEngine(ABC):
         return min(max_tokens, room)
 
 
-def read_checkpoint_meta(ckpt_dir: Path) -> tuple[int, int]:
-    """(eos token id, max_position_embeddings) of an HF checkpoint, from its config.json."""
+def read_checkpoint_meta(ckpt_dir: Path) -> tuple[frozenset[int], int]:
+    """(stop token ids, max_position_embeddings) of an HF checkpoint."""
+    from swarmrl.models.prompts import stop_token_ids
+
     config = json.loads((Path(ckpt_dir) / "config.json").read_text())
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        # The protocol has one EOS; several would make "stop" ambiguous between engines and verifier.
-        if len(eos) != 1:
-            raise ValueError(f"checkpoint has several eos_token_id {eos}; expected one")
-        eos = eos[0]
-    if eos is None:
-        raise ValueError(f"{ckpt_dir}/config.json has no eos_token_id")
-    return int(eos), int(config.get("max_position_embeddings", 1 << 30))
+    return stop_token_ids(ckpt_dir), int(config.get("max_position_embeddings", 1 << 30))
 
 
 def resolve_device(device: str) -> str:

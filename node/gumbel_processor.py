@@ -1,21 +1,29 @@
 """A vLLM v1 logits processor that turns greedy decoding into the protocol's replayable Gumbel-max sampling.
 
-Requests run at temperature 0 (greedy); for every row whose SamplingParams carry a seed in
-`extra_args[SEED_KEY]`, `apply` computes the protocol's perturbed scores, logits / T + gumbel_noise(seed, i),
-with i = the number of tokens generated so far, and leaves only their argmax selectable. vLLM's greedy pick is
-then exactly the protocol's sample. The engine is built with `logit_scale = 1/T`, so the logits arriving here
-are already divided by T (and vLLM's raw logprobs are log_softmax(logits / T), taken before this processor).
+Requests run at temperature 0 (greedy); for every row whose SamplingParams carry a seed in `extra_args[SEED_KEY]`
+(and their temperature in `extra_args[TEMP_KEY]`), `apply` computes the protocol's sample (`protocol.sampling.
+sample_with_logprobs`: argmax of z / T + gumbel_noise(seed, i), with i = the number of tokens generated so far) on
+the device of the logits, and leaves only that token selectable. vLLM's greedy pick is then exactly the protocol's
+sample. The temperature is applied here, not by the model: some vLLM model classes ignore a `logit_scale`
+override (Qwen2 and Qwen3 build their logits processor without a scale), and doing it here lets every request of
+one engine have its own temperature.
 
-Activation proofs: for rows whose SamplingParams carry a key in `extra_args[PROOF_KEY]`, `apply` also records
-the final hidden state that produced the row's logits (captured by `install_hidden_capture`, a forward pre-hook
-on the model's `logits_processor` module, whose input is exactly the hidden states of the rows being sampled, in
-the same row order). The engine collects them after generation with `take_captured` (through
-`LLM.apply_model`, so it also works when the worker runs in another process).
+Per request (`extra_args[CAPTURE_KEY]`, an id the engine picks) `apply` also records, at each completion position:
+- the policy logprob of the sampled token, log_softmax(z / T)[token], taken before the noise: the engine returns
+  these instead of vLLM's logprobs (which would be of z, not z / T);
+- with `extra_args[STATES_KEY]` set, the final hidden state that produced the row's logits, for the activation
+  proof (captured by `install_hidden_capture`, a forward pre-hook on the model's `logits_processor` module, whose
+  input is exactly the hidden states of the rows being sampled, in the same row order).
+The engine collects both after generation with `take_records` (through `LLM.apply_model`, so it also works when
+the worker runs in another process). Logprobs stay on the device until then (no host copy per step); states go to
+host memory per step, so GPU memory does not grow with completion length.
 
 Imports vLLM: load it only inside a process that runs a vLLM engine.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from vllm import SamplingParams
@@ -27,13 +35,30 @@ from swarmrl.protocol import sampling
 
 SEED_KEY = "swarmrl_seed"
 """Key of the rollout seed in `SamplingParams.extra_args`."""
-PROOF_KEY = "swarmrl_proof_key"
-"""Key of a request's capture id in `SamplingParams.extra_args`: its hidden states are recorded when set."""
+TEMP_KEY = "swarmrl_temperature"
+"""Key of the rollout's sampling temperature in `SamplingParams.extra_args`."""
+CAPTURE_KEY = "swarmrl_capture_key"
+"""Key of a request's record id in `SamplingParams.extra_args`: its logprobs (and states) are recorded under it."""
+STATES_KEY = "swarmrl_states"
+"""Key of a flag in `SamplingParams.extra_args`: record the request's hidden states too (for proofs)."""
 
-# Worker-side capture state (one vLLM engine per process). The pre-hook stores the hidden states handed to the
-# LM head; `apply`, which runs right after in the same step, takes the seeded rows' states from it.
+
+@dataclass(frozen=True)
+class _Row:
+    seed: int
+    temperature: float
+    output_ids: list[int]
+    """The request's live list of output token ids (vLLM appends to it): its length is the position."""
+    key: int | None
+    states: bool
+
+
+# Worker-side state (one vLLM engine per process). The pre-hook stores the hidden states handed to the LM head;
+# `apply`, which runs right after in the same step, takes the seeded rows' states from it.
 _pending_hidden: torch.Tensor | None = None
-_captured: dict[int, dict[int, torch.Tensor]] = {}
+_step_logprobs: list[tuple[list[int], list[int], torch.Tensor]] = []
+"""Per step: (capture keys, positions, logprobs on the logits' device) of the recorded rows."""
+_states: dict[int, dict[int, torch.Tensor]] = {}
 
 
 def _capture_pre_hook(_module: torch.nn.Module, args: tuple) -> None:
@@ -54,46 +79,67 @@ def install_hidden_capture(model: torch.nn.Module) -> bool:
     return True
 
 
-def take_captured(keys: list[int], _model: torch.nn.Module | None = None) -> dict[int, torch.Tensor | None]:
-    """Run through `LLM.apply_model` (with `functools.partial`): the recorded states of each key as [n, hidden]
-    float32 (row i produced token i), or None when a position is missing. Forgets everything recorded."""
-    out: dict[int, torch.Tensor | None] = {}
-    for key in keys:
-        rows = _captured.get(key, {})
-        n = len(rows)
-        out[key] = torch.stack([rows[i] for i in range(n)]) if n and all(i in rows for i in range(n)) else None
-    _captured.clear()
+def take_records(keys: list[int], _model: torch.nn.Module | None = None
+                 ) -> dict[int, tuple[list[float] | None, torch.Tensor | None]]:
+    """Run through `LLM.apply_model` (with `functools.partial`): per key, (the logprobs of positions 0..n-1, the
+    states [n, hidden] float32 (row i produced token i)); either is None when a position is missing or nothing was
+    recorded. Forgets everything recorded."""
+    logprobs: dict[int, dict[int, float]] = {}
+    # One device-to-host copy for the whole generation; then in step order (a later record of a position wins).
+    values = torch.cat([v for _, _, v in _step_logprobs]).cpu().tolist() if _step_logprobs else []
+    flat = ((k, p) for step_keys, positions, _ in _step_logprobs for k, p in zip(step_keys, positions, strict=True))
+    for (key, pos), value in zip(flat, values, strict=True):
+        logprobs.setdefault(key, {})[pos] = value
+    out = {key: (_in_order(logprobs.get(key, {})), _stack(_states.get(key, {}))) for key in keys}
+    _step_logprobs.clear()
+    _states.clear()
     return out
 
 
+def _in_order(by_pos: dict[int, float]) -> list[float] | None:
+    n = len(by_pos)
+    return [by_pos[i] for i in range(n)] if n and all(i in by_pos for i in range(n)) else None
+
+
+def _stack(by_pos: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    n = len(by_pos)
+    return torch.stack([by_pos[i] for i in range(n)]) if n and all(i in by_pos for i in range(n)) else None
+
+
 class GumbelSamplingProcessor(LogitsProcessor):
-    """Adds the seeded Gumbel noise of the protocol to each seeded row; rows without a seed are untouched."""
+    """Samples each seeded row by the protocol's rule (its temperature, its noise); rows without a seed are left
+    untouched."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        seed = (sampling_params.extra_args or {}).get(SEED_KEY)
+        extra = sampling_params.extra_args or {}
+        seed = extra.get(SEED_KEY)
         if seed is None:
             return
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"extra_args[{SEED_KEY!r}] must be an int, got {seed!r}")
+        temperature = extra.get(TEMP_KEY)
+        if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not temperature > 0:
+            raise ValueError(f"extra_args[{TEMP_KEY!r}] must be a number > 0, got {temperature!r}")
         if sampling_params.temperature != 0.0:
-            # At T > 0 vLLM would sample randomly from the perturbed logits: the result would not replay.
+            # At T > 0 vLLM would sample randomly from the processed logits: the result would not replay.
             raise ValueError(f"requests with extra_args[{SEED_KEY!r}] must use temperature=0 (greedy)")
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
-        # batch row -> (seed, the request's live list of output token ids, proof capture key or None)
-        self._rows: dict[int, tuple[int, list[int], int | None]] = {}
+        self._rows: dict[int, _Row] = {}
 
     def is_argmax_invariant(self) -> bool:
         # It changes the argmax: returning False makes vLLM run it before greedy sampling.
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        def new_state(params: SamplingParams, _prompt: list[int] | None, output_ids: list[int]):
+        def new_state(params: SamplingParams, _prompt: list[int] | None, output_ids: list[int]) -> _Row | None:
             extra = params.extra_args or {}
-            seed = extra.get(SEED_KEY)
-            key = extra.get(PROOF_KEY)
-            return None if seed is None else (int(seed), output_ids, None if key is None else int(key))
+            if extra.get(SEED_KEY) is None:
+                return None
+            key = extra.get(CAPTURE_KEY)
+            return _Row(seed=int(extra[SEED_KEY]), temperature=float(extra[TEMP_KEY]), output_ids=output_ids,
+                        key=None if key is None else int(key), states=bool(extra.get(STATES_KEY, False)))
 
         process_dict_updates(self._rows, batch_update, new_state)
 
@@ -103,28 +149,38 @@ class GumbelSamplingProcessor(LogitsProcessor):
         if not self._rows:
             return logits
         rows = sorted(self._rows)
-        self._record_states(rows, hidden, logits.shape[0])
+        state = [self._rows[r] for r in rows]
+        dev = logits.device
         # The output list is live (vLLM appends each sampled token, or a placeholder under async scheduling),
         # so its length is the completion position of the token sampled now.
-        seeds = torch.tensor([self._rows[r][0] for r in rows], dtype=torch.int64)
-        positions = torch.tensor([len(self._rows[r][1]) for r in rows], dtype=torch.int64)
-        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        # Logits are already z / T (logit_scale), hence temperature 1 here. The argmax is taken in float64, as
-        # the protocol does, and only it is left finite: rounding perturbed scores back to the logits' dtype
-        # could otherwise flip near-ties.
-        winners = sampling.sample(logits[idx], seeds, positions, temperature=1.0)
-        picked = torch.full((len(rows), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=logits.device)
-        picked[torch.arange(len(rows), device=logits.device), winners] = 0.0
-        logits[idx] = picked
+        positions = [len(s.output_ids) for s in state]
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        seeds = torch.tensor([s.seed for s in state], dtype=torch.int64, device=dev)
+        temps = torch.tensor([s.temperature for s in state], dtype=torch.float64, device=dev)
+        every_row = len(rows) == logits.shape[0]
+        winners, logprobs = sampling.sample_with_logprobs(logits if every_row else logits[idx], seeds,
+                                                          torch.tensor(positions, device=dev), temps)
+        self._record(rows, state, positions, logprobs, hidden, logits.shape[0])
+        # Only the winner stays finite. The argmax was taken in float64, as the protocol does: rounding perturbed
+        # scores back to the logits' dtype could otherwise flip near-ties.
+        logits.index_fill_(0, idx, float("-inf"))
+        logits[idx, winners] = 0.0
         return logits
 
-    def _record_states(self, rows: list[int], hidden: torch.Tensor | None, n_logits: int) -> None:
-        """Store each keyed row's hidden state at its completion position. A step whose hidden states do not line
-        up with the logits rows records nothing, so the affected proofs come out incomplete (None), not wrong."""
-        keyed = [r for r in rows if self._rows[r][2] is not None]
-        if not keyed or hidden is None or hidden.shape[0] != n_logits:
+    def _record(self, rows: list[int], state: list[_Row], positions: list[int], logprobs: torch.Tensor,
+                hidden: torch.Tensor | None, n_logits: int) -> None:
+        """Keep each keyed row's logprob (and, when asked, hidden state) at its completion position. A step whose
+        hidden states do not line up with the logits rows records no state, so the affected proofs come out
+        incomplete (None), not wrong."""
+        keyed = [i for i, s in enumerate(state) if s.key is not None]
+        if not keyed:
             return
-        states = hidden[torch.tensor(keyed, dtype=torch.long, device=hidden.device)].float().cpu()
-        for r, state in zip(keyed, states, strict=True):
-            _, output_ids, key = self._rows[r]
-            _captured.setdefault(key, {})[len(output_ids)] = state.clone()
+        pick = torch.tensor(keyed, dtype=torch.long, device=logprobs.device)
+        _step_logprobs.append(([state[i].key for i in keyed], [positions[i] for i in keyed],  # type: ignore[misc]
+                               logprobs[pick]))
+        with_states = [i for i in keyed if state[i].states]
+        if not with_states or hidden is None or hidden.shape[0] != n_logits:
+            return
+        at = torch.tensor([rows[i] for i in with_states], dtype=torch.long, device=hidden.device)
+        for i, vec in zip(with_states, hidden[at].float().cpu(), strict=True):
+            _states.setdefault(state[i].key, {})[positions[i]] = vec.clone()  # type: ignore[arg-type]

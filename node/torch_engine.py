@@ -12,15 +12,9 @@ from typing import Literal
 
 import torch
 
+from swarmrl.models.build import load_causal_lm
 from swarmrl.models.weights import architecture_config, load_weights_in_place
-from swarmrl.node.engine import (
-    Completion,
-    EngineConfig,
-    GenerationRequest,
-    InferenceEngine,
-    read_checkpoint_meta,
-    resolve_device,
-)
+from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, resolve_device
 from swarmrl.protocol import sampling
 
 
@@ -28,7 +22,8 @@ class TorchEngine(InferenceEngine):
     """transformers `AutoModelForCausalLM` with the engine's own decode loop.
 
     Requests are decoded together in batches of `cfg.torch_batch_size`, left-padded, with explicit position
-    ids (so padding does not shift RoPE positions) and a KV cache; finished rows leave the batch.
+    ids (so padding does not shift RoPE positions) and a KV cache; finished rows leave the batch. Each step
+    samples every row with `protocol.sampling.sample_with_logprobs` on the model's device (temperature per row).
 
     With `cfg.proofs`, a forward hook on the model's final norm keeps the last position's output (the hidden
     state the LM head turns into the step's logits) for the activation proof.
@@ -61,15 +56,11 @@ class TorchEngine(InferenceEngine):
         load_weights_in_place(self.model, ckpt_dir)
 
     def _build(self, ckpt_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        eos, max_pos = read_checkpoint_meta(ckpt_dir)
-        self.eos_id = eos
-        self.max_model_len = min(self.cfg.max_model_len, max_pos)
-        model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=self.dtype)
-        self.model = model.to(self.device).eval()
+        self._set_checkpoint_meta(ckpt_dir)
+        model = load_causal_lm(ckpt_dir, self.dtype, self.device)
+        self.model = model
         pad = model.config.pad_token_id
-        self._pad_id = int(pad) if pad is not None else eos
+        self._pad_id = int(pad) if pad is not None else self.eos_id
         # transformers renamed `past_key_values` to `cache` in 5.2x: use whichever this version takes.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
@@ -123,8 +114,9 @@ class TorchEngine(InferenceEngine):
         ids, mask = ids.to(dev), mask.to(dev)
         # Positions count real tokens only, so a left-padded row sees the same RoPE positions as alone.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # Seeds stay on the CPU: the protocol computes the noise there, identical for every engine.
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
+        # Seeds and temperatures go to the model's device once: the noise is computed there, next to the logits.
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64).to(dev)
+        temps = torch.tensor([self._temperature(r) for r in requests], dtype=torch.float64).to(dev)
 
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -135,10 +127,11 @@ class TorchEngine(InferenceEngine):
         next_pos = positions[:, -1:] + 1
         step = 0
         while active:
-            rows_seeds = seeds[active]
-            picked = sampling.sample(logits, rows_seeds, torch.full_like(rows_seeds, step), self.temperature)
-            logp = torch.log_softmax(logits.double() / self.temperature, dim=-1)
-            picked_lp = logp.gather(-1, picked.to(logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+            rows = torch.tensor(active, dtype=torch.long, device=dev)
+            rows_seeds = seeds[rows]
+            picked, picked_lp_t = sampling.sample_with_logprobs(logits, rows_seeds, torch.full_like(rows_seeds, step),
+                                                                temps[rows])
+            picked_lp = picked_lp_t.tolist()
             picked_list = picked.tolist()
             step_states = self._last_state.cpu() if self.cfg.proofs else None
             keep: list[int] = []
@@ -148,7 +141,7 @@ class TorchEngine(InferenceEngine):
                 tok = int(picked_list[row])
                 tokens[req].append(tok)
                 logprobs[req].append(float(picked_lp[row]))
-                if tok == self.eos_id:
+                if tok in self.stop_ids:
                     finish[req] = "stop"
                 elif len(tokens[req]) < budgets[req]:
                     keep.append(row)

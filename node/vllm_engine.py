@@ -1,15 +1,17 @@
 """The vLLM engine: in-process `vllm.LLM`, greedy decoding over the protocol's Gumbel-perturbed logits.
 
 How the protocol's rule maps onto vLLM (measured on vLLM 0.32, see the field notes):
-- `hf_overrides={"logit_scale": 1/T}`: the model's logits are z / T, so vLLM's raw logprobs (taken before
-  logits processors, the default `logprobs_mode`) are the policy's log_softmax(z / T).
-- every request runs at temperature 0 with its rollout seed in `extra_args`; `GumbelSamplingProcessor` adds
-  the seeded noise so the greedy pick is the protocol's sample. One request per rollout (greedy refuses
-  n > 1); prefix caching shares the prompt among a group's rollouts.
-- activation proofs (`cfg.proofs`): each request also carries a capture key; the processor records the final
-  hidden state of every sampling step (from a pre-hook on the model's `logits_processor`, installed with
-  `apply_model`), and `generate` collects them with `apply_model(take_captured)` and builds the proof here.
-  This is option (a) of the design notes: the states of the generation itself, no second pass.
+- every request runs at temperature 0 with its rollout seed and temperature in `extra_args`;
+  `GumbelSamplingProcessor` samples by the protocol's rule (z / T + seeded noise, on the logits' device) and
+  leaves only that token for the greedy pick. The model itself is untouched: no `logit_scale` override, which
+  Qwen2/Qwen3 model classes ignore. One request per rollout (greedy refuses n > 1); prefix caching shares the
+  prompt among a group's rollouts; requests of one batch may have different temperatures.
+- logprobs: the processor records log_softmax(z / T) of each sampled token; `generate` collects them with
+  `apply_model(take_records)` (vLLM's own logprobs are not requested: they would be of z, not z / T).
+- stops: `stop_token_ids` = every stop token of the checkpoint (`models.prompts.stop_token_ids`).
+- activation proofs (`cfg.proofs`): the processor also records the final hidden state of every sampling step
+  (from a pre-hook on the model's `logits_processor`, installed with `apply_model`), collected the same way; the
+  proof is built here. This is option (a) of the design notes: the states of the generation itself.
 """
 
 from __future__ import annotations
@@ -23,16 +25,11 @@ from pathlib import Path
 import torch
 
 from swarmrl.models.weights import architecture_config
-from swarmrl.node.engine import (
-    Completion,
-    EngineConfig,
-    GenerationRequest,
-    InferenceEngine,
-    read_checkpoint_meta,
-    resolve_device,
-)
+from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, resolve_device
 
 _GIB = 1 << 30
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention accepts (0.32)."""
 
 
 def _prepare_env() -> None:
@@ -67,7 +64,7 @@ def _lm_head_error(model: torch.nn.Module) -> float:
 
 
 class VLLMEngine(InferenceEngine):
-    """vLLM `LLM` in this process. T is fixed at construction (it is baked into the model's logit scale)."""
+    """vLLM `LLM` in this process; the temperature is per request (the engine's is the default)."""
 
     name = "vllm"
 
@@ -78,7 +75,7 @@ class VLLMEngine(InferenceEngine):
         self._ckpt: Path | None = None
         self._tied = False
         self._arch: dict | None = None
-        self._proof_keys = itertools.count(1)
+        self._capture_keys = itertools.count(1)
 
     # -- loading ---------------------------------------------------------------------------------------------
 
@@ -104,10 +101,13 @@ class VLLMEngine(InferenceEngine):
         if self.device == "cpu" and self.cfg.dtype != "float32":
             # Works, but ran 8x slower (no native bf16 on these CPUs) and needs wider replay margins.
             raise ValueError("use dtype float32 for vLLM on the CPU")
-        eos, max_pos = read_checkpoint_meta(ckpt_dir)
-        self.eos_id = eos
-        self.max_model_len = min(self.cfg.max_model_len, max_pos)
+        self._set_checkpoint_meta(ckpt_dir)
         self._arch = architecture_config(ckpt_dir)
+        if self.device == "cpu":
+            head = self._arch.get("head_dim") or self._arch["hidden_size"] // self._arch["num_attention_heads"]
+            if head not in CPU_HEAD_SIZES:
+                raise ValueError(f"head size {head}: vLLM's CPU attention takes {CPU_HEAD_SIZES} only "
+                                 "(use the torch engine, or a model with such heads)")
         self._tied = bool(self._arch.get("tie_word_embeddings", False))
         memory: dict = {"kv_cache_memory_bytes": int(self.cfg.kv_cache_gib * _GIB)}
         if self.device == "cuda" and self.cfg.gpu_memory_utilization is not None:
@@ -124,7 +124,6 @@ class VLLMEngine(InferenceEngine):
             max_num_batched_tokens=max(self.cfg.max_num_batched_tokens, self.max_model_len),
             enable_prefix_caching=self.cfg.enable_prefix_caching,
             logits_processors=[GumbelSamplingProcessor],
-            hf_overrides={"logit_scale": 1.0 / self.temperature},
             # Ignore the checkpoint's generation_config: sampling is fixed by the protocol, not the model.
             generation_config="vllm",
             seed=0,
@@ -174,34 +173,37 @@ class VLLMEngine(InferenceEngine):
             return []
         from vllm import SamplingParams, TokensPrompt
 
-        from swarmrl.node.gumbel_processor import PROOF_KEY, SEED_KEY, take_captured
+        from swarmrl.node.gumbel_processor import CAPTURE_KEY, SEED_KEY, STATES_KEY, TEMP_KEY, take_records
 
-        keys = [next(self._proof_keys) for _ in requests] if self.cfg.proofs else [None] * len(requests)
+        keys = [next(self._capture_keys) for _ in requests]
+        stops = sorted(self.stop_ids)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [
             SamplingParams(
-                temperature=0.0,  # greedy over the perturbed logits = the protocol's sample
+                temperature=0.0,  # greedy over the processor's pick = the protocol's sample
                 max_tokens=self._token_budget(r, max_tokens),
-                logprobs=0,  # the sampled token's raw logprob = log_softmax(z / T)
-                stop_token_ids=[self.eos_id],
+                stop_token_ids=stops,
                 detokenize=False,
-                extra_args={SEED_KEY: int(r.seed)} | ({PROOF_KEY: key} if key is not None else {}),
+                extra_args={SEED_KEY: int(r.seed), TEMP_KEY: self._temperature(r), CAPTURE_KEY: key,
+                            STATES_KEY: self.cfg.proofs},
             )
             for r, key in zip(requests, keys, strict=True)
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        completions = [self._completion(o.outputs[0]) for o in outputs]
+        records = self.llm.apply_model(functools.partial(take_records, keys))[0]
+        completions = [self._completion(o.outputs[0], records[key][0]) for o, key in zip(outputs, keys, strict=True)]
         if self.cfg.proofs:
-            states = self.llm.apply_model(functools.partial(take_captured, keys))[0]
-            built = self._proofs([states.get(key) for key in keys], [len(c.token_ids) for c in completions])
+            built = self._proofs([records[key][1] for key in keys], [len(c.token_ids) for c in completions])
             for c, proof in zip(completions, built, strict=True):
                 c.proof = proof
         return completions
 
-    def _completion(self, out) -> Completion:
+    def _completion(self, out, logprobs: list[float] | None) -> Completion:
         token_ids = list(out.token_ids)
-        logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, out.logprobs, strict=True)]
-        stopped = bool(token_ids) and token_ids[-1] == self.eos_id
+        if logprobs is None or len(logprobs) != len(token_ids):
+            got = None if logprobs is None else len(logprobs)
+            raise RuntimeError(f"logprob capture incomplete: {got} logprobs for {len(token_ids)} tokens")
+        stopped = bool(token_ids) and token_ids[-1] in self.stop_ids
         if stopped != (out.finish_reason == "stop"):
             raise RuntimeError(f"vLLM finish_reason {out.finish_reason!r} does not match tokens {token_ids}")
         return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason="stop" if stopped else "length")

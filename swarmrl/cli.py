@@ -47,6 +47,8 @@ def _single_thread() -> None:
     # A local swarm shares a few cores between several processes: one thread each avoids thrashing.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers follows it: no "Loading weights" / "Writing model shards" bars per checkpoint in every log.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def cmd_coordinator(args: argparse.Namespace) -> None:
@@ -121,11 +123,30 @@ def cmd_keys(args: argparse.Namespace) -> None:
     print(f"node id     {ident.node_id}\npublic key  {ident.public_key_hex}\nfile        {path}")
 
 
+_MODEL_FIELDS = {"hidden": "hidden_size", "layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
+                 "head_dim": "head_dim", "intermediate": "intermediate_size", "max_positions": "max_positions",
+                 "stop_rate": "stop_rate", "seed": "seed"}
+
+
 def cmd_model(args: argparse.Namespace) -> None:
     _single_thread()
-    from swarmrl.modelcmd import build_and_warm
+    from swarmrl.modelcmd import DEFAULT_BPE_VOCAB, build_checkpoint
+    from swarmrl.models.build import ModelConfig
+    from swarmrl.protocol.tasks import TaskSpec
 
-    build_and_warm(Path(args.out), target_accuracy=args.warmup_accuracy, seed=args.seed)
+    given = {field: getattr(args, arg) for arg, field in _MODEL_FIELDS.items() if getattr(args, arg) is not None}
+    bpe_vocab = DEFAULT_BPE_VOCAB
+    if args.vocab is not None:
+        if args.tokenizer == "bpe":
+            bpe_vocab = args.vocab
+        else:
+            given["vocab_size"] = args.vocab  # the char tokenizer's 16 tokens, embedding padded to this
+    try:
+        cfg = ModelConfig.preset(args.size, arch=args.arch, **given)
+    except ValueError as e:
+        sys.exit(f"swarmrl model: {e}")
+    build_checkpoint(Path(args.out), cfg, args.tokenizer, bpe_vocab=bpe_vocab, warmup_accuracy=args.warmup_accuracy,
+                     task=TaskSpec(name=args.task))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -172,10 +193,22 @@ def main(argv: list[str] | None = None) -> None:
                     help="a bootstrap peer of the pools' DHT (repeatable); default: pools.initial_peers from the node "
                     "config, else the SWARMRL_BOOTSTRAP environment variable")
     pp.set_defaults(fn=cmd_pool)
-    pm = sub.add_parser("model", help="build the tiny model and warm it up to a target accuracy")
+    pm = sub.add_parser("model", help="build a checkpoint of any supported architecture and size (default: the tiny "
+                                      "adder, warmed up to a target accuracy)")
     pm.add_argument("out", help="output checkpoint directory (Hugging Face layout)")
-    pm.add_argument("--warmup-accuracy", type=float, default=0.25, help="stop the warm start at this accuracy")
-    pm.add_argument("--seed", type=int, default=0)
+    pm.add_argument("--arch", default="llama", help="architecture: llama, qwen2, qwen3")
+    pm.add_argument("--size", default="tiny", help="preset size: tiny (0.86M adder), mini, small30m")
+    pm.add_argument("--tokenizer", choices=["char", "bpe"], default="char",
+                    help="char: the addition alphabet; bpe: a byte-level BPE trained here, with a ChatML template")
+    pm.add_argument("--vocab", type=int, help="BPE vocabulary size (default 8192); with char, embedding rows")
+    for arg in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "max_positions"):
+        pm.add_argument(f"--{arg.replace('_', '-')}", type=int, help=f"override the preset's {_MODEL_FIELDS[arg]}")
+    pm.add_argument("--stop-rate", type=float, help="make the stop tokens about this likely per token (random model)")
+    pm.add_argument("--warmup-accuracy", type=float, default=None,
+                    help="warm start on the task to this accuracy; default 0.25 with the char tokenizer, none with "
+                         "bpe; 0 skips it")
+    pm.add_argument("--task", default="addition", help="task of the warm start (a registered task name)")
+    pm.add_argument("--seed", type=int, default=None, help="seed of the weights (and of the BPE corpus)")
     pm.set_defaults(fn=cmd_model)
 
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ reloads do not depend on the model being trained, and EOS comes up often, so "st
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +15,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from swarmrl.models.build import ModelConfig as MConfig
+from swarmrl.models.tokenizers import END_OF_TEXT, IM_END, build_bpe_tokenizer
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, build_engine
 from swarmrl.protocol import sampling
+from swarmrl.testing.local import group_requests, pending_groups, verify_groups
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
+from swarmrl.verifier.models import load_policy
 
-T = 0.7  # not 1, so that the engines' temperature handling (vLLM: logit_scale) is exercised
+T = 0.7  # not 1, so that the engines' temperature handling is exercised
 MAX_TOKENS = 24
 TIE_MARGIN = 1e-4  # a replay mismatch is excused only where the top two perturbed scores are this close
 LOGPROB_TOL = 1e-4
@@ -125,17 +130,17 @@ def budget(req: GenerationRequest, max_tokens: int, engine: InferenceEngine) -> 
 
 
 def assert_well_formed(engine: InferenceEngine, reqs, comps, max_tokens: int) -> None:
-    """Stop exactly at EOS (kept), else exactly at the token budget."""
+    """Stop exactly at a stop token (kept), else exactly at the token budget."""
     assert len(comps) == len(reqs)
     for req, c in zip(reqs, comps, strict=True):
         assert len(c.logprobs) == len(c.token_ids) >= 1
-        assert engine.eos_id not in c.token_ids[:-1]
+        assert not engine.stop_ids & set(c.token_ids[:-1])
         if c.finish_reason == "stop":
-            assert c.token_ids[-1] == engine.eos_id
+            assert c.token_ids[-1] in engine.stop_ids
             assert len(c.token_ids) <= budget(req, max_tokens, engine)
         else:
             assert c.finish_reason == "length"
-            assert c.token_ids[-1] != engine.eos_id
+            assert c.token_ids[-1] not in engine.stop_ids
             assert len(c.token_ids) == budget(req, max_tokens, engine)
         assert all(lp <= 0.0 for lp in c.logprobs)
 
@@ -244,3 +249,73 @@ def test_eos_and_max_tokens(engine, requests_, tok):
         assert long_.token_ids[:len(short.token_ids)] == short.token_ids
     with pytest.raises(ValueError):
         engine.generate([GenerationRequest(tok("1" * 70)["input_ids"], seed=1)], 4)
+
+
+# -- (7) every architecture, through the real verifier -----------------------------------------------------------
+#
+# Random "mini" Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) with a byte-level BPE, a ChatML template and two
+# stop tokens. vLLM's Qwen2/Qwen3 classes ignore a logit_scale override, so an engine that applied T through the
+# model would fail replay there at T != 1: here requests at T = 0.7 and 1.0 share one engine and one batch.
+
+ARCHES = ["llama", "qwen2", "qwen3"]
+ARCH_TEXTS = [f"{a}+{b}=" for a, b in ((123, 456), (5, 77), (901, 12), (44, 444))] + ["What is 7 * 8?", "Say hi."]
+ARCH_GROUP = 4
+ARCH_MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return build_bpe_tokenizer(1024)
+
+
+@pytest.fixture(scope="module")
+def arch_ckpts(tmp_path_factory, bpe) -> dict[str, Path]:
+    """One checkpoint per architecture; stops about 4% likely per token, so completions end both ways."""
+    root = tmp_path_factory.mktemp("arch")
+    return {arch: save_checkpoint(build_model(MConfig.preset("mini", arch=arch, stop_rate=0.04), bpe), bpe, root / arch)
+            for arch in ARCHES}
+
+
+def _arch_engine(kind: str, ckpt: Path) -> InferenceEngine:
+    if kind == "vllm":
+        pytest.importorskip("vllm", exc_type=ImportError)
+    return build_engine(EngineConfig(kind=kind, block_size=32 if kind == "vllm" else None), ckpt, temperature=1.0)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("kind", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_every_arch_replays_at_any_temperature(kind, arch, arch_ckpts, bpe):
+    """Groups at T = 0.7 and 1.0 in one batch pass the verifier's checks (cheap + full) with 0 rejections; both
+    stop tokens end completions; the per-request temperature gives what a batch of that temperature alone gives."""
+    rng = random.Random(hash(arch) % 1000)
+    reqs = [r for t in (0.7, 1.0) for r in group_requests(bpe, ARCH_TEXTS, ARCH_GROUP, t, rng)]
+    with _arch_engine(kind, arch_ckpts[arch]) as engine:
+        assert engine.stop_ids == {bpe.convert_tokens_to_ids(IM_END), bpe.convert_tokens_to_ids(END_OF_TEXT)}
+        comps = engine.generate(reqs, ARCH_MAX_TOKENS)
+        alone = engine.generate(reqs[:len(ARCH_TEXTS) * ARCH_GROUP], ARCH_MAX_TOKENS)
+    assert [c.token_ids for c in alone] == [c.token_ids for c in comps[:len(alone)]]
+    assert_well_formed(engine, reqs, comps, ARCH_MAX_TOKENS)
+    groups = pending_groups(ARCH_TEXTS * 2, reqs, comps, ARCH_GROUP, ARCH_MAX_TOKENS)
+    reasons, reports = verify_groups(load_policy(arch_ckpts[arch], 0), groups)
+    assert reasons == [None] * len(groups), [r for r in reasons if r]
+    assert max(r.max_logprob_diff for r in reports) < LOGPROB_TOL
+    assert {c.finish_reason for c in comps} == {"stop", "length"}
+    assert {c.token_ids[-1] for c in comps if c.finish_reason == "stop"} == engine.stop_ids
+    # The verifier's replay is not satisfied by tokens sampled at the other temperature.
+    swapped = [g.model_copy(update={"sampling": g.sampling.model_copy(update={"temperature": 1.7 - t})})
+               for g, t in ((g, g.sampling.temperature) for g in groups)]
+    assert sum(r is not None for r in verify_groups(load_policy(arch_ckpts[arch], 0), swapped)[0]) >= len(groups) // 2
+
+
+@pytest.mark.parametrize("kind", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_long_completions_with_proofs(kind, tmp_path, bpe):
+    """Completions of 300 tokens (ten proof chunks each) at T = 0.7 on Qwen2 pass the full check."""
+    ckpt = save_checkpoint(build_model(MConfig.preset("mini", arch="qwen2", stop_rate=1e-4), bpe), bpe, tmp_path / "q")
+    reqs = group_requests(bpe, ["Write a long story."], 4, 0.7, random.Random(5))
+    with _arch_engine(kind, ckpt) as engine:
+        comps = engine.generate(reqs, 300)
+    assert [len(c.token_ids) for c in comps] == [300] * 4 and {c.finish_reason for c in comps} == {"length"}
+    groups = pending_groups(["Write a long story."], reqs, comps, 4, 300)
+    reasons, reports = verify_groups(load_policy(ckpt, 0), groups)
+    assert reasons == [None], reasons
+    assert reports[0].tokens == 1200 and reports[0].proof_checked > 0

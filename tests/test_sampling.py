@@ -1,8 +1,12 @@
-"""The replayable sampling rule: a pure function of (logits, seed, position), and an exact sample."""
+"""The replayable sampling rule: a pure function of (logits, seed, position), an exact sample, the same noise bits
+wherever it is computed, and computed on the device of the logits."""
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from swarmrl.protocol.sampling import gumbel_noise, sample, uniform_noise
+from swarmrl.protocol import sampling
+from swarmrl.protocol.sampling import gumbel_noise, perturbed_scores, sample, sample_with_logprobs, uniform_noise
 
 
 def test_noise_is_a_pure_function_of_its_arguments():
@@ -34,3 +38,98 @@ def test_gumbel_max_samples_from_the_softmax():
         freq = torch.bincount(tokens, minlength=4).double() / n
         expected = torch.softmax(logits[0].double() / temperature, dim=0)
         assert torch.all((freq - expected).abs() < 0.01), (freq, expected)
+
+
+# -- one noise function, the same bits on every call pattern ---------------------------------------------------
+
+VOCAB = 5003  # not a multiple of any vector width
+
+
+def _engine_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """(seeds, positions) of a decode step of 6 rows, as an engine samples them (step 4 of six requests)."""
+    return torch.tensor([11, 2**62 + 5, -7, 123456789, 42, 0]), torch.full((6,), 4)
+
+
+def test_noise_is_bit_identical_across_call_patterns():
+    """The torch engine (a batch of rows at one step), vLLM's processor (a subset of the batch's rows), the verifier
+    (one rollout's positions 0..n-1) and blocked sampling (token ranges) must see the very same noise bits."""
+    seeds, pos = _engine_rows()
+    batch = gumbel_noise(seeds, pos, VOCAB)
+    # The verifier's view: rollout 1's noise at positions 0..5, one row per position.
+    rollout = gumbel_noise(torch.full((6,), int(seeds[1])), torch.arange(6), VOCAB)
+    assert torch.equal(rollout[4], batch[1])
+    # A subset of rows, in another order (vLLM's seeded rows of a mixed batch).
+    pick = torch.tensor([5, 1, 3])
+    assert torch.equal(gumbel_noise(seeds[pick], pos[pick], VOCAB), batch[pick])
+    # Token ranges (the blocks of sample_with_logprobs), including ranges that split vector widths.
+    for start, stop in ((0, 1), (1, 9), (7, 4099), (4099, VOCAB)):
+        assert torch.equal(gumbel_noise(seeds, pos, VOCAB, start, stop), batch[:, start:stop])
+    # Thread count does not change a bit (ATen splits large tensors between threads).
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        big = gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 50_000)
+        torch.set_num_threads(1)
+        assert torch.equal(big, gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 50_000))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block", [1 << 16, 1000, 7])
+def test_blocked_sampling_is_the_argmax_of_the_perturbed_scores(monkeypatch, block):
+    """sample_with_logprobs, whatever its block size, picks exactly argmax(perturbed_scores) (the verifier's replay)
+    and returns log_softmax(z / T) of that token; temperatures may differ per row."""
+    monkeypatch.setitem(sampling._BLOCK_ELEMENTS, "cpu", block)
+    seeds, pos = _engine_rows()
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)) * 4
+    temps = torch.tensor([0.7, 1.0, 0.3, 1.7, 0.7, 1.0])
+    tokens, logprobs = sample_with_logprobs(logits, seeds, pos, temps)
+    assert torch.equal(tokens, perturbed_scores(logits, seeds, pos, temps).argmax(-1))
+    ref = torch.log_softmax(logits.double() / temps.double()[:, None], -1).gather(-1, tokens[:, None])[:, 0]
+    assert torch.allclose(logprobs, ref, rtol=0, atol=1e-12)
+    # Per-row temperatures equal one call per temperature.
+    for t in (0.7, 1.0):
+        rows = (temps == t).nonzero()[:, 0]
+        alone, _ = sample_with_logprobs(logits[rows], seeds[rows], pos[rows], t)
+        assert torch.equal(alone, tokens[rows])
+
+
+class _LargeCpuTensors(TorchDispatchMode):
+    """Records every op that produces a CPU tensor of at least `numel` elements."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.seen = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() >= self.numel:
+                self.seen.append(str(func))
+        return out
+
+
+def test_noise_is_computed_on_the_device_of_the_logits():
+    """With logits on another device (meta: shapes only) and seeds on the CPU, as engines hold them, no op may make a
+    CPU tensor of a vocabulary's size: the noise and the scores are computed next to the logits, never on the host
+    and copied over."""
+    seeds, pos = _engine_rows()
+    vocab = 152_064
+    logits = torch.empty(6, vocab, device="meta")
+    with _LargeCpuTensors(vocab) as mode:
+        tokens, logprobs = sample_with_logprobs(logits, seeds, pos, torch.full((6,), 0.7))
+        scores = perturbed_scores(logits, seeds, pos, 0.7)
+    assert tokens.device.type == logprobs.device.type == scores.device.type == "meta"
+    assert mode.seen == []
+    # The recorder does see a CPU computation of that size.
+    with _LargeCpuTensors(vocab) as mode:
+        gumbel_noise(seeds, pos, vocab)
+    assert mode.seen
+
+
+def test_temperature_must_be_positive():
+    seeds, pos = _engine_rows()
+    with pytest.raises(ValueError, match="temperature"):
+        sample(torch.zeros(6, 10), seeds, pos, 0.0)
+    with pytest.raises(ValueError, match="temperatures for"):
+        sample(torch.zeros(6, 10), seeds, pos, torch.ones(4))

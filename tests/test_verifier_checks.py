@@ -42,10 +42,23 @@ def test_honest_group_passes_with_trusted_rewards():
     assert reason is None and rewards == [1.0, pytest.approx(0.5 / 4)]
 
 
+def test_any_stop_token_of_the_model_ends_a_completion():
+    """A model with two stop tokens (e.g. <|im_end|> and <|endoftext|>): either ends a 'stop' completion, neither
+    may come before the end, and a token that is not a stop does not make a 'stop'."""
+    other = DIGITS[1]  # stands for the second stop token here
+    ctx = CheckContext(**{**CTX.__dict__, "stop_ids": frozenset({EOS, other})})
+    ends_other = [rollout([DIGITS[0], other], "stop", 1), GOOD[1]]
+    assert cheap_checks(group(ends_other), ctx)[0] is None
+    assert "without a stop token" in cheap_checks(group(ends_other), CTX)[0]  # eos alone: the digit is no stop
+    inner = [rollout([DIGITS[0], other, DIGITS[0], DIGITS[2]], "length", 1), GOOD[1]]
+    assert "tokens after a stop token" in cheap_checks(group(inner), ctx)[0]
+    assert cheap_checks(group(inner), CTX)[0] is None
+
+
 @pytest.mark.parametrize("rollouts,kw,expected", [
-    ([rollout(DIGITS, "stop", 1), GOOD[1]], {}, "'stop' without EOS"),
+    ([rollout(DIGITS, "stop", 1), GOOD[1]], {}, "'stop' without a stop token"),
     ([rollout(DIGITS, "length", 1), GOOD[1]], {}, "'length' before max_tokens"),
-    ([rollout(DIGITS[:1] + [EOS] + DIGITS[:2], "length", 1), GOOD[1]], {}, "tokens after EOS"),
+    ([rollout(DIGITS[:1] + [EOS] + DIGITS[:2], "length", 1), GOOD[1]], {}, "tokens after a stop token"),
     ([rollout(DIGITS + [EOS], "stop", 1), rollout(DIGITS[:3] + [EOS], "length", 2)], {}, "'length' before"),
     ([rollout(DIGITS * 2, "length", 1), GOOD[1]], {}, "exceed max_tokens"),
     ([rollout([], "length", 1), GOOD[1]], {}, "empty completion"),

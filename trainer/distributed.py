@@ -13,6 +13,7 @@ Grad-norm clipping sees the global norm (the parameters are DTensors), and the s
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from swarmrl.trainer.grpo import Batch, GRPOConfig, grpo_step
 
@@ -86,12 +87,26 @@ def broadcast_object(obj: Any, env: DistEnv) -> Any:
     return box[0]
 
 
-def shard_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Wrap `model` in FSDP2 in place: one unit per decoder layer, plus the root (embeddings, tied head)."""
+def wrap_classes(model: PreTrainedModel) -> set[str]:
+    """Names of the module classes that become FSDP units: the model's `_no_split_modules` (its decoder layer
+    class, as transformers declares it for every architecture)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot tell its layers apart")
+    return names
+
+
+def shard_model(model: PreTrainedModel) -> PreTrainedModel:
+    """Wrap `model` in FSDP2 in place: one unit per module of a `wrap_classes` class (the decoder layers), plus
+    the root (embeddings, tied head, final norm)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
-        fully_shard(layer)
+    names = wrap_classes(model)
+    units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if not units:
+        raise ValueError(f"no module of {sorted(names)} in {type(model).__name__}")
+    for unit in units:
+        fully_shard(unit)
     fully_shard(model)
     return model
 
@@ -188,14 +203,16 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def unsharded_copy(model: LlamaForCausalLM, state_dict: dict[str, Tensor]) -> LlamaForCausalLM:
-    """A plain LlamaForCausalLM holding `state_dict` (rank 0's gathered weights) without copying them.
+def unsharded_copy(model: PreTrainedModel, state_dict: dict[str, Tensor]) -> PreTrainedModel:
+    """A plain model of the checkpoint's own class holding `state_dict` (rank 0's gathered weights) without
+    copying them.
 
     Saving through it keeps the checkpoint an ordinary HF one (an FSDP-wrapped model would record its
     wrapper class as the architecture).
     """
     with torch.device("meta"):
-        plain = LlamaForCausalLM(model.config)
+        plain = AutoModelForCausalLM.from_config(model.config)
     plain.load_state_dict(state_dict, assign=True, strict=False)
     plain.tie_weights()
+    plain.generation_config = copy.deepcopy(model.generation_config)  # its stop tokens; from_config has only one
     return plain

@@ -1,46 +1,59 @@
-"""Greedy accuracy on the task's fixed held-out set (`Task.is_correct`, with the task's evaluation settings)."""
+"""Greedy accuracy on the task's fixed held-out set (`Task.is_correct`, with the task's evaluation settings).
+
+Prompts are tokenized with `models.prompts.render_prompt` (the chat template when the tokenizer has one), as
+nodes and the verifier do, and a completion ends at any of the model's stop tokens.
+"""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from swarmrl.models.prompts import pad_token_id, render_prompt, stop_token_ids
 from swarmrl.protocol.tasks import Problem, Task
 
 
 @torch.no_grad()
 def greedy_complete(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], max_new_tokens: int,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int,
     synced_gpus: bool = False,
 ) -> list[str]:
-    """Greedy completions (stopped at EOS) for a batch of prompts, decoded to text.
+    """Greedy completions (stopped at any stop token) for a batch of prompts, decoded to text.
 
     `synced_gpus=True` under FSDP: every rank keeps stepping until all ranks are done, since each forward
     is a collective.
     """
     was_training = model.training
     model.eval()
-    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    stops = sorted(stop_token_ids(model=model, tokenizer=tokenizer))
+    pad = pad_token_id(tokenizer)
+    rendered = [render_prompt(tokenizer, p) for p in prompts]
+    width = max(len(r) for r in rendered)
+    ids = torch.full((len(rendered), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rendered), width), dtype=torch.long)
+    for i, r in enumerate(rendered):  # left padding: every row's next token comes right after its prompt
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
     out = model.generate(
-        **enc,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=stops,
+        pad_token_id=pad,
         synced_gpus=synced_gpus,
     )
     model.train(was_training)
     texts = []
-    for row in out[:, enc["input_ids"].shape[1]:].tolist():
-        if tokenizer.eos_token_id in row:
-            row = row[: row.index(tokenizer.eos_token_id)]
-        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    for row in out[:, width:].tolist():
+        end = next((i for i, t in enumerate(row) if t in stops), len(row))
+        texts.append(tokenizer.decode(row[:end], skip_special_tokens=True))
     return texts
 
 
 def correct_count(
-    model: LlamaForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     problems: tuple[Problem, ...] | list[Problem],
     task: Task,
     max_new_tokens: int | None = None,
@@ -58,8 +71,8 @@ def correct_count(
 
 
 def accuracy(
-    model: LlamaForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     problems: tuple[Problem, ...] | list[Problem],
     task: Task,
     max_new_tokens: int | None = None,

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from swarmrl.models.prompts import pad_token_id
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.messages import RunInfo, TrainingBatch, TrainingGroup
@@ -395,7 +396,7 @@ class _Run:
         used_version = ts.version
 
         t0 = time.monotonic()
-        batch = build_batch(groups, self.tokenizer.pad_token_id, cfg.loss.adv_eps)
+        batch = build_batch(groups, pad_token_id(self.tokenizer), cfg.loss.adv_eps)
         stats = fsdp_grpo_step(self.model, self.optimizer, batch, cfg.loss, env, temperature=self.temperature,
                                grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size,
                                ref_model=self.ref_model)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from swarmrl.trainer.model import load_checkpoint, save_checkpoint
 
@@ -47,8 +47,8 @@ class LoadedState:
     """What `load_state` returns."""
 
     path: Path
-    model: LlamaForCausalLM
-    tokenizer: PreTrainedTokenizerFast
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     optimizer: dict[str, Any]
     """Optimizer state dict as `get_optimizer_state_dict(..., full_state_dict=True)` returns it."""
     rng: dict[str, Any]
@@ -91,8 +91,8 @@ def latest(state_dir: str | Path) -> Path | None:
 
 def save_state(
     state_dir: str | Path,
-    model: LlamaForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     optimizer_state: dict[str, Any],
     state: TrainerState,
     rng: dict[str, Any] | None = None,

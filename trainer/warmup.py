@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from swarmrl.models.prompts import pad_token_id, render_prompt
 from swarmrl.protocol.tasks import Task
 from swarmrl.trainer.evaluate import accuracy
 
@@ -30,13 +31,13 @@ class WarmupConfig:
     seed: int = 0
 
 
-def _batch(task: Task, tokenizer: PreTrainedTokenizerFast, rng: random.Random, n: int):
+def _batch(task: Task, tokenizer: PreTrainedTokenizerBase, rng: random.Random, n: int):
     problems = [task.sample(rng) for _ in range(n)]
-    prompts = [tokenizer(p.prompt).input_ids for p in problems]
+    prompts = [render_prompt(tokenizer, p.prompt) for p in problems]
     answers = [tokenizer(p.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
                for p in problems]
     length = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
-    ids = torch.full((n, length), tokenizer.pad_token_id)
+    ids = torch.full((n, length), pad_token_id(tokenizer))
     labels = torch.full((n, length), -100)
     mask = torch.zeros((n, length), dtype=torch.long)
     for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
@@ -48,8 +49,8 @@ def _batch(task: Task, tokenizer: PreTrainedTokenizerFast, rng: random.Random, n
 
 
 def warm_start(
-    model: LlamaForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     task: Task,
     cfg: WarmupConfig,
     on_eval: Callable[[int, float, float], None] | None = None,

@@ -1,8 +1,9 @@
 """The cheap checks every group gets: facts only the trusted side knows, and the trusted reward.
 
 - prompt tokens must be the leased prompt's, seeds the leased seeds, every token id in the vocabulary;
-- termination: EOS only at the end and exactly when "stop"; "length" only at max_tokens or at the model's
-  length limit; no completion longer than max_tokens;
+- prompt tokens as `models.prompts.render_prompt` makes them (the chat template when the tokenizer has one);
+- termination: a stop token (any of the model's) only at the end and exactly when "stop"; "length" only at
+  max_tokens or at the model's length limit; no completion longer than max_tokens;
 - versions: generated with a version no newer than the lease's and within the pool's staleness bound;
 - logprobs finite and <= 0; a claimed reward, if any, must be the trusted one; a proof, when required,
   must decode with the pool's parameters (a malformed proof is rejected, never a crash; a missing one is
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
+from swarmrl.models.prompts import render_prompt
 from swarmrl.protocol import proofs
 from swarmrl.protocol.messages import PendingGroup
 from swarmrl.protocol.run import RunSpec
@@ -29,13 +31,17 @@ REWARD_CLAIM_TOL = 1e-6
 
 @dataclass
 class CheckContext:
-    tokenizer: PreTrainedTokenizerFast
+    tokenizer: PreTrainedTokenizerBase
     task: Task
     run: RunSpec
     """The run's description (staleness bound, proof parameters), as the coordinator serves it."""
     max_positions: int | None = None
     """The model's length limit (prompt + completion); None: not known, only max_tokens ends a completion."""
     hidden_size: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+    """The model's stop tokens (`PolicyModel.stop_ids`); empty: the tokenizer's eos only."""
+    vocab_size: int | None = None
+    """Rows of the model's logits; None: the tokenizer's size."""
 
 
 def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
@@ -46,24 +52,24 @@ def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
 def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
     """The reason the group's shape or termination is inconsistent with its lease, or None."""
     tok = ctx.tokenizer
-    expected_prompt = tok(g.prompt_text).input_ids
+    expected_prompt = render_prompt(tok, g.prompt_text)
     if g.group.prompt_ids != expected_prompt:
         return "prompt tokens do not match the leased prompt"
     if (problem := group_problem(g.group, g.seeds, g.sampling)) is not None:
         return problem
-    vocab = len(tok)
-    eos = tok.eos_token_id
+    vocab = ctx.vocab_size or len(tok)
+    stops = ctx.stop_ids or frozenset({tok.eos_token_id})
     for i, r in enumerate(g.group.rollouts):
         ids = r.completion_ids
         if any(t >= vocab for t in ids):
             return f"rollout {i}: token id outside the vocabulary"
         if ctx.max_positions is not None and len(expected_prompt) + len(ids) > ctx.max_positions:
             return f"rollout {i}: longer than the model's length limit"
-        if eos in ids[:-1]:
-            return f"rollout {i}: tokens after EOS"
-        ends_eos = ids[-1] == eos
+        if any(t in stops for t in ids[:-1]):
+            return f"rollout {i}: tokens after a stop token"
+        ends_eos = ids[-1] in stops
         if r.finish_reason == "stop" and not ends_eos:
-            return f"rollout {i}: finish 'stop' without EOS"
+            return f"rollout {i}: finish 'stop' without a stop token"
         at_limit = len(ids) == g.sampling.max_tokens or (
             ctx.max_positions is not None and len(expected_prompt) + len(ids) == ctx.max_positions)
         if r.finish_reason == "length" and (ends_eos or not at_limit):

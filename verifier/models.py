@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from swarmrl.models.build import load_causal_lm
+from swarmrl.models.prompts import load_tokenizer, pad_token_id, stop_token_ids
 from swarmrl.models.weights import load_weights_in_place
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.run import RunInfo
@@ -37,31 +39,38 @@ class VersionUnavailable(Exception):
 class PolicyModel:
     version: int
     path: Path
-    model: torch.nn.Module
-    tokenizer: PreTrainedTokenizerFast
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     eos_id: int
     pad_id: int
     hidden_size: int
     max_positions: int
+    stop_ids: frozenset[int] = frozenset()
+    """Every token that ends a completion (`models.prompts.stop_token_ids`); eos_id is one of them."""
+    vocab_size: int = 0
+    """Rows of the model's logits (may exceed the tokenizer's size: padded vocabularies)."""
 
 
 def load_policy(path: Path, version: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 reuse: PolicyModel | None = None) -> PolicyModel:
-    """A checkpoint directory as the verifier uses it (eval mode, no grad). With `reuse` (a policy no longer
-    needed, whose checkpoint has the same config and tokenizer files), its model takes the new weights in place
-    and its tokenizer is kept: a new version then costs a file read, not a model construction."""
+    """A checkpoint directory as the verifier uses it: the checkpoint's own model class (Auto classes) in `dtype`
+    on `device`, eval mode, no grad. With `reuse` (a policy no longer needed, whose checkpoint has the same config
+    and tokenizer files), its model takes the new weights in place and its tokenizer is kept: a new version then
+    costs a file read, not a model construction."""
     if reuse is not None:
         load_weights_in_place(reuse.model, path)
         model, tok = reuse.model, reuse.tokenizer
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        model = load_causal_lm(path, dtype, device)
         model.requires_grad_(False)
-        tok = PreTrainedTokenizerFast.from_pretrained(path)
+        tok = load_tokenizer(path)
     cfg = model.config
-    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
+    stops = stop_token_ids(path, model=model, tokenizer=tok)
+    eos = tok.eos_token_id if tok.eos_token_id in stops else min(stops)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else pad_token_id(tok)
     return PolicyModel(version=version, path=path, model=model, tokenizer=tok, eos_id=int(eos), pad_id=int(pad),
-                       hidden_size=int(cfg.hidden_size), max_positions=int(cfg.max_position_embeddings))
+                       hidden_size=int(cfg.hidden_size), max_positions=int(cfg.max_position_embeddings),
+                       stop_ids=stops, vocab_size=int(cfg.vocab_size))
 
 
 def _same_except_weights(a: CheckpointManifest, b: CheckpointManifest) -> bool:

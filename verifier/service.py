@@ -83,7 +83,8 @@ class Verifier:
     def _context(self, weights: PolicyModel) -> CheckContext:
         assert self.task is not None and self.run_spec is not None
         return CheckContext(tokenizer=weights.tokenizer, task=self.task, run=self.run_spec,
-                            max_positions=weights.max_positions, hidden_size=weights.hidden_size)
+                            max_positions=weights.max_positions, hidden_size=weights.hidden_size,
+                            stop_ids=weights.stop_ids, vocab_size=weights.vocab_size)
 
     def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
         """Verdicts for `groups` (in group-id order, so holds are applied before later passes release them)."""
