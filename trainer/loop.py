@@ -9,7 +9,9 @@ One step:
      `max_staleness` versions behind the trainer's is dropped (counted as stale); a zero-advantage group is
      skipped (counted as filtered); the cursor moves past both. The time spent here is `trainer_idle_s`.
   2. one optimizer step (FSDP: every rank its slice);
-  3. version += 1; save the state (weights in HF layout, optimizer, version, cursor) atomically;
+  3. version += 1; save the state (weights in HF layout, optimizer, version, cursor) atomically, then acknowledge
+     the cursor to the coordinator (reading the feed moves nothing there; the acknowledgement frees the
+     backpressure buffer);
   4. hand the new weights to the background publisher, which uploads and publishes them while training
      goes on: the trainer never waits for a broadcast;
   5. post metrics (and every `eval_every` steps the held-out greedy accuracy).
@@ -72,6 +74,8 @@ class TrainerClient(Protocol):
     def info(self) -> RunInfo: ...
 
     def training_batch(self, after_id: int, limit: int, wait_s: float = 0.0) -> TrainingBatch: ...
+
+    def ack(self, cursor: int) -> object: ...
 
     def upload_shard(self, sha256: str, data: bytes) -> None: ...
 
@@ -269,6 +273,7 @@ class _Run:
             for g in self.optimizer.param_groups:  # the config, not the saved state, says how to go on
                 g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.state_path = path
+        self.resumed = loaded is not None
 
         # Versions never go backwards, even if our state is older than what the coordinator has.
         if info.current_version > self.ts.version:
@@ -319,6 +324,14 @@ class _Run:
         except Exception as e:  # metrics are not worth stopping training for
             log.warning("posting metrics failed: %s", e)
 
+    def acknowledge(self, cursor: int) -> None:
+        """Tell the coordinator that a saved state has consumed the feed up to `cursor`. Acknowledgements are
+        cumulative, so a failed one is made good by the next."""
+        try:
+            self.client.ack(cursor)  # type: ignore[union-attr]
+        except Exception as e:  # not worth stopping training for: only backpressure waits on it
+            log.warning("acknowledging feed cursor %d failed: %s", cursor, e)
+
     def ensure_published(self) -> None:
         """Publish our current weights now, synchronously: the coordinator lacks them (or has nothing yet)."""
         if self.state_path is None:  # fresh start: the initial weights get a state of their own
@@ -342,6 +355,8 @@ class _Run:
             needs_publish = self.info.current_version < self.ts.version or self.info.current_version < 0
             if needs_publish:
                 self.ensure_published()
+            if env.is_main and self.resumed and self.ts.cursor > 0:
+                self.acknowledge(self.ts.cursor)  # a state saved just before a crash may not have been acknowledged
             if self.ts.step == 0 and cfg.eval_every > 0:
                 acc = self.evaluate()
                 if env.is_main:
@@ -373,6 +388,9 @@ class _Run:
             ts.cursor = broadcast_object(collected.cursor if collected else None, env)
             if env.is_main:
                 assert collected is not None
+                # Nothing to save: the saved state (the same weights) would skip these groups again after a restart,
+                # so they are consumed. Acknowledging them now keeps a run of such groups from filling the buffer.
+                self.acknowledge(ts.cursor)
                 self.display.print(f"v{ts.version}: all {len(collected.fresh)} fresh groups had zero advantage")
             return True
         used_version = ts.version
@@ -393,6 +411,7 @@ class _Run:
         if env.is_main:
             assert path is not None and self.publisher is not None
             self.state_path = path
+            self.acknowledge(ts.cursor)  # the state that consumed the feed up to the cursor is on disk
             self.publisher.submit(path / "model", ts.version)  # returns at once: training goes on
 
         eval_acc = None
