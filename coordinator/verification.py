@@ -112,7 +112,8 @@ def hold(tx: Tx, group_id: int, rewards: list[float], now: float) -> bool:
     return tx.execute(_HOLD, {"b_id": group_id, "b_rewards": rewards, "b_now": now}).rowcount == 1
 
 
-def release(tx: Tx, node_id: str, passed_id: int, vouches: bool, release_passes: int, now: float) -> list[int]:
+def release(tx: Tx, node_id: str, passed_id: int, now: float, vouches: bool = True,
+            release_passes: int = quarantine.RELEASE_PASSES) -> list[int]:
     """A full check of the node's group `passed_id` passed: apply `protocol.quarantine.on_pass` to its held groups
     (new vouch counts stored) and accept, oldest first, those it releases; their ids."""
     held = {r.id: r for r in tx.execute(_HELD, {"b_node": node_id}).all()}
@@ -208,7 +209,7 @@ class Verification:
             hold(tx, grp.id, list(v.rewards), now)
         elif v.accepted:
             # First: the feed then follows submission order.
-            released = release(tx, grp.node_id, grp.id, v.vouches, release_passes, now)
+            released = release(tx, grp.node_id, grp.id, now, v.vouches, release_passes)
             accept(tx, grp.id, list(v.rewards), now)
             counts[0] += 1 + len(released)
             counts[2] += 1
