@@ -446,9 +446,9 @@ def swarm(out: Path, time_limit_s: float, max_steps: int) -> dict[str, Any]:
 
 NOT_YET = {
     "honest_throughput_under_hoarding": "needs coordinator-side admission of young identities (leases and pending "
-                                        "groups per identity), which comes with the coordinator's restructuring",
-    "framed_honest_nodes": "needs signed leases (a node's lease bound to its key in what it signs), which come with "
-                           "the coordinator's restructuring; honest_nodes_banned in every adaptive run is measured",
+                                        "groups per identity), not built yet",
+    "framed_honest_nodes": "needs signed leases (a node's lease bound to its key in what it signs), not built yet; "
+                           "honest_nodes_banned in every adaptive run is measured",
 }
 
 
