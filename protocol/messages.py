@@ -208,6 +208,9 @@ class PendingGroup(Strict):
     group: RolloutGroup
     node_checks_passed: int = Field(0, description="Full checks the submitting node has passed so far (the "
                                                    "verifier's sampling policy checks every group until K).")
+    node_held: int = Field(0, ge=0, description="Groups of the submitting node held (unchecked, unreleased) when "
+                                                "this one was claimed: at `protocol.quarantine` max_held, its next "
+                                                "group is fully checked.")
 
 
 class Verdict(Strict):
@@ -217,9 +220,12 @@ class Verdict(Strict):
     rewards: list[float] = Field(default_factory=list, description="Trusted rewards, one per rollout.")
     ban: bool = Field(False, description="The failure proves cheating: ban the node, drop its unreleased groups.")
     checked: bool = Field(True, description="Accepted after the full check. False: only the cheap checks ran; the "
-                                            "coordinator holds the group until a full check of a group the same "
-                                            "node submitted later passes (then it reaches the trainer), and drops "
-                                            "it if the node is banned first.")
+                                            "coordinator holds the group until full checks of groups the same node "
+                                            "submitted later have vouched for it (`protocol.quarantine.on_pass`; "
+                                            "then it reaches the trainer), and drops it if the node is banned first.")
+    vouches: bool = Field(True, description="For a checked acceptance: whether the check was drawn by the sampling "
+                                            "rule (or the warm-up) and so vouches for the node's earlier held groups; "
+                                            "False for a check forced by the held cap, which the node could foresee.")
 
 
 class VerdictBatch(Strict):

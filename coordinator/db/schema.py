@@ -114,6 +114,7 @@ rollout_groups = Table(
     Column("submitted_at", Double, nullable=False),
     Column("decided_at", Double),
     Column("held", Boolean, nullable=False, server_default=false()),
+    Column("vouches", Integer, nullable=False, server_default="0"),
     UniqueConstraint("lease_id", "prompt_id"),
     CheckConstraint("status IN ('pending', 'accepted', 'rejected')", name="rollout_groups_status_values"),
     Index("rollout_groups_status", "status", "id"),

@@ -168,16 +168,26 @@ class Pool:
         return total
 
     def groups(self, node_id: str | None = None) -> list[dict]:
-        """Every submitted group (optionally of one node): id, node_id, status, held, reason, accepted_seq."""
+        """Every submitted group (optionally of one node): id, node_id, status, held, vouches, reason,
+        accepted_seq."""
         con = sqlite3.connect(f"file:{self.cfg.data_dir / 'coordinator.sqlite'}?mode=ro", uri=True)
         con.row_factory = sqlite3.Row
         try:
-            sql = "SELECT id, node_id, status, held, reason, accepted_seq FROM rollout_groups"
+            sql = "SELECT id, node_id, status, held, vouches, reason, accepted_seq FROM rollout_groups"
             rows = con.execute(sql + (" WHERE node_id = ?" if node_id else "") + " ORDER BY id",
                                (node_id,) if node_id else ()).fetchall()
         finally:
             con.close()
         return [dict(r) for r in rows]
+
+    def node_facts(self, node_id: str) -> tuple[int, bool]:
+        """(full checks passed, banned) of a node, read from the coordinator's database."""
+        con = sqlite3.connect(f"file:{self.cfg.data_dir / 'coordinator.sqlite'}?mode=ro", uri=True)
+        try:
+            row = con.execute("SELECT checks_passed, banned FROM nodes WHERE id = ?", (node_id,)).fetchone()
+        finally:
+            con.close()
+        return (int(row[0]), bool(row[1])) if row else (0, False)
 
     def node_row(self, node_id: str) -> m.NodeStatus | None:
         return next((n for n in self.op.status().nodes if n.node_id == node_id), None)
