@@ -1,9 +1,11 @@
 """The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, plus a dashboard.
 
 HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed
-endpoints are sync functions (FastAPI runs them in its thread pool) whose request is authenticated by a
-dependency that reads the raw body on the event loop and then opens the envelope (`coordinator.gate`). Every
-error is `{"detail": reason}`; path parameters are bounded like payload fields (422 beyond them).
+endpoints are sync functions (FastAPI runs them in its thread pool) whose request is authenticated by two
+dependencies (`coordinator.gate`): on the event loop, the signature header is checked and only then is the body
+read; in the thread pool, the body's digest, the nonce and the payload. Every request passes the per-source rate
+limits first (`coordinator.ratelimit`), then the body-size limit. Every error is `{"detail": reason}` (a 429 with
+Retry-After); path parameters are bounded like payload fields (422 beyond them).
 
 No `from __future__ import annotations` here: FastAPI must evaluate the endpoint annotations, some of
 which name dependencies local to `build_app`.
@@ -27,10 +29,11 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import is_sha256
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware
+from swarmrl.coordinator.ratelimit import RateLimitMiddleware, retry_after_header
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.runtime.client import ENVELOPE_HEADER
+from swarmrl.protocol.signing import SIGNATURE_HEADER, Signature
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
 
@@ -66,11 +69,15 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         return config.max_body_bytes
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
+    app.add_middleware(RateLimitMiddleware, cfg=config.rate_limits)  # outside the body limit: before any body
     app.add_middleware(ErrorMiddleware)  # added last: the outermost, so it sees every error
 
     @app.exception_handler(Refused)
     async def _refused(_: Request, e: Refused) -> JSONResponse:
-        return _error(e.status, e.reason)
+        resp = _error(e.status, e.reason)
+        if e.retry_after is not None:
+            resp.headers["retry-after"] = retry_after_header(e.retry_after).decode()
+        return resp
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> Response:
@@ -83,14 +90,14 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in e.errors()]
         return _error(422, "; ".join(parts[:5]) or "invalid request")
 
-    async def raw_body(request: Request) -> bytes:
-        return await request.body()
+    def signed(kind: str, model: type[BaseModel] | None, role: str | None) -> Any:
+        async def header_then_body(request: Request) -> tuple[Signature, bytes]:
+            # No body is read for a request whose header does not verify (microseconds, on the event loop).
+            sig = svc.gate.check_header(request.headers.get(SIGNATURE_HEADER), kind, role)
+            return sig, await request.body()
 
-    RawBody = Annotated[bytes, Depends(raw_body)]
-
-    def signed(kind: str, model: type[BaseModel], role: str | None) -> Any:
-        def authenticate(body: RawBody) -> Signed:
-            return svc.gate.open(body, kind, model, role)
+        def authenticate(checked: Annotated[tuple[Signature, bytes], Depends(header_then_body)]) -> Signed:
+            return svc.gate.admit(*checked, model, role)
 
         return Depends(authenticate)
 
@@ -177,16 +184,15 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     @app.put(SHARD_PUT_PREFIX + "{sha256}")
     async def put_shard(sha256: str, request: Request) -> Response:
-        # Authenticate from the header first, so that nobody but an operator makes us buffer a shard.
+        # The signed body digest is the shard's address: an operator's header for this shard is checked before a
+        # byte of the body is read, so that nobody else makes us buffer a shard.
         if not is_sha256(sha256):
             raise Refused(400, "not a sha256")
-        header = request.headers.get(ENVELOPE_HEADER)
-        if header is None:
-            raise Refused(401, f"missing {ENVELOPE_HEADER} header")
-        opened = await run_in_threadpool(svc.gate.open, header, m.KIND_TRAINER_SHARD, m.ShardUpload, "operator")
-        upload = svc.checkpoints.check_shard_upload(sha256, opened.payload)
-        data = await request.body()
-        await run_in_threadpool(svc.checkpoints.put_shard, upload, data)
+        sig = svc.gate.check_header(request.headers.get(SIGNATURE_HEADER), m.KIND_TRAINER_SHARD, "operator")
+        if sig.body != sha256:
+            raise Refused(422, "the signature is for another shard")
+        opened = await run_in_threadpool(svc.gate.admit, sig, await request.body(), None, "operator")
+        await run_in_threadpool(svc.checkpoints.put_shard, sha256, opened.payload)
         return Response(status_code=204)
 
     @app.post("/v1/trainer/publish")

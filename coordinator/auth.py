@@ -1,9 +1,10 @@
-"""Opening signed requests: envelope parsing, signature and clock checks, payload typing (no state: the replay
-check and the roles are `coordinator.gate`'s).
+"""Refusals, and what an authenticated request looks like once `coordinator.gate` has opened it.
 
-Checks run in a fixed order, each with its own status, so that a node operator can tell what went wrong:
-malformed envelope (422), bad signature or stale timestamp (401), replayed nonce (409), payload that
-does not fit its schema (422). Nothing here looks at the payload before the signature has been checked.
+Checks run in a fixed order, each with its own status, so that a node operator can tell what went wrong: a
+missing, malformed or invalid signature (400/401: shape, kind, pool, key, clock window, then the signature over
+the header), a rate limit (429 with Retry-After), a body that is not the signed one (401), a replayed nonce (409),
+a role the signer does not have (403), a payload that does not fit its schema (422). Nothing parses a body before
+its signature, its digest and its signer's role have been checked.
 """
 
 from __future__ import annotations
@@ -14,31 +15,38 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from swarmrl.coordinator.db.rows import NodeRow
-from swarmrl.protocol.signing import SignatureError, SignedEnvelope, verify
+from swarmrl.protocol.signing import Signature
 
 T = TypeVar("T", bound=BaseModel)
 
 
 class Refused(Exception):
-    """A request the coordinator refuses: `status` is the HTTP status, `reason` says why."""
+    """A request the coordinator refuses: `status` is the HTTP status, `reason` says why, and `retry_after` (for a
+    429) how many seconds to wait before trying again."""
 
-    def __init__(self, status: int, reason: str):
+    def __init__(self, status: int, reason: str, retry_after: float | None = None):
         super().__init__(f"{status}: {reason}")
         self.status = status
         self.reason = reason
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
 class Signed:
-    """An authenticated request: its envelope, typed payload and (for node endpoints) the node's row."""
+    """An authenticated request: its signature header, typed payload (the raw body for byte endpoints) and, for
+    node endpoints, the node's row."""
 
-    env: SignedEnvelope
+    sig: Signature
     payload: Any
     node: NodeRow | None = None
 
     @property
     def signer(self) -> str:
-        return self.env.signer_id
+        return self.sig.signer_id
+
+    @property
+    def public_key(self) -> str:
+        return self.sig.key
 
 
 def describe_validation_error(e: ValidationError, limit: int = 5) -> str:
@@ -53,25 +61,9 @@ def describe_validation_error(e: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
-def parse_envelope(raw: bytes | str) -> SignedEnvelope:
-    """The envelope in `raw`, or Refused(422) saying why it is malformed."""
+def typed_payload(body: bytes, model: type[T]) -> T:
+    """The body parsed as `model` (one pass, no re-encoding), or Refused(422) with pydantic's reason."""
     try:
-        return SignedEnvelope.model_validate_json(raw)
-    except ValidationError as e:
-        raise Refused(422, f"malformed envelope: {describe_validation_error(e)}") from None
-
-
-def check_signature(env: SignedEnvelope, kind: str, now: float, max_skew_s: float) -> None:
-    """Refused(401) unless `env` is a valid `kind` message signed within the clock window."""
-    try:
-        verify(env, kind=kind, now=now, max_skew_s=max_skew_s)
-    except SignatureError as e:
-        raise Refused(401, e.reason) from None
-
-
-def typed_payload(env: SignedEnvelope, model: type[T]) -> T:
-    """The envelope's payload as `model`, or Refused(422) with pydantic's reason."""
-    try:
-        return model.model_validate(env.payload)
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise Refused(422, describe_validation_error(e)) from None

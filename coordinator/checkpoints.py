@@ -19,7 +19,6 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.schema import CURRENT_VERSION, manifests
 from swarmrl.coordinator.db.store import Store, Tx, counter, insert, raise_counter
-from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.transfer.store import ShardStore
@@ -67,19 +66,10 @@ class Checkpoints:
             return newest[0] if newest else None
         return self.store.read(lambda tx: get_manifest(tx, version))
 
-    def check_shard_upload(self, sha256: str, upload: m.ShardUpload) -> m.ShardUpload:
-        """Refuse an authenticated shard upload whose envelope does not fit the URL or the size limit."""
-        if upload.sha256 != sha256:
-            raise Refused(422, "the envelope is for another shard")
-        if upload.size > self.config.max_shard_bytes:
-            raise Refused(413, f"shard of {upload.size} bytes exceeds max_shard_bytes {self.config.max_shard_bytes}")
-        return upload
-
-    def put_shard(self, upload: m.ShardUpload, data: bytes) -> None:
-        if len(data) != upload.size:
-            raise Refused(422, f"body has {len(data)} bytes, the envelope says {upload.size}")
+    def put_shard(self, sha256: str, data: bytes) -> None:
+        """Store an authenticated shard upload (its digest was checked against the signed one, which is `sha256`)."""
         try:
-            self.shards.put(upload.sha256, data)
+            self.shards.put(sha256, data)
         except ManifestError as e:
             raise Refused(422, str(e)) from None
 

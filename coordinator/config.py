@@ -10,6 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from swarmrl.coordinator.admission import AdmissionConfig
+from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.pools.config import PoolConfig
 from swarmrl.protocol import quarantine
 from swarmrl.protocol.identity import Identity
@@ -41,7 +43,8 @@ class CoordinatorConfig(BaseModel):
         "threads (40) each need one. On PostgreSQL, max_connections must cover every coordinator process's pool.")
     run: RunSpec = Field(default_factory=RunSpec, description="The run description (task, sampling, staleness "
                          "bound, proofs): the one source of these facts; every role reads it from /v1/info.")
-    lease_ttl_s: float = Field(60.0, gt=0, description="Seconds a node has to submit a lease's groups.")
+    lease_ttl_s: float = Field(60.0, gt=0, description="Seconds a node has to submit a lease's groups (then its "
+                               "prompts are leased to others, and count as abandoned by it).")
     max_outstanding_leases: int = Field(
         4, ge=1, description="Unexpired, unfinished leases one node may hold at once; more are refused (429)."
     )
@@ -63,8 +66,9 @@ class CoordinatorConfig(BaseModel):
     )
     max_buffered_groups: int | None = Field(
         None, ge=1, description="Lease no more prompts while this many usable groups are already in flight "
-        "(leased, pending verification, or accepted but not yet taken by the trainer); None: no limit. About "
-        "batch_groups * (max_staleness + 1) keeps nodes busy without producing groups that go stale.")
+        "(leased, pending verification, or accepted but not yet taken by the trainer; unproven identities' leases "
+        "count only up to admission.unproven_share of it); None: no limit. About batch_groups * (max_staleness + 1) "
+        "keeps nodes busy without producing groups that go stale.")
     p2p: P2PConfig | None = Field(
         None, description="Run a DHT bootstrap peer that also seeds every published checkpoint over libp2p, so that "
         "nodes share shards with each other; None: nodes fetch from the HTTP origin only.")
@@ -72,9 +76,10 @@ class CoordinatorConfig(BaseModel):
     pool: PoolConfig | None = Field(
         None, description="Announce this run as a public pool in the pools' DHT (`swarmrl pool list` shows it, "
         "`swarmrl node --pool NAME` joins it); None: nodes join by URL only.")
-    prompt_seed: int = Field(
-        0, description="Prompts are drawn deterministically from this seed and a persistent lease counter."
-    )
+    prompt_seed: int | None = Field(
+        None, description="None: prompts are drawn from a secret made on the first start (<data_dir>/run.secret, "
+        "0600, never served), so nobody can tell which prompts the next lease holds. An integer fixes the stream "
+        "(with the lease counter) for a reproducible experiment: then anyone who knows it can predict the prompts.")
     challenge_ttl_s: float = Field(60.0, gt=0, description="Seconds a registration challenge stays valid.")
     max_long_polls: int = Field(
         8, ge=0, description="Operator requests (verifiers, the trainer) that may wait for work at once; each holds "
@@ -86,9 +91,10 @@ class CoordinatorConfig(BaseModel):
         quarantine.RELEASE_PASSES, ge=1, description="m: a held (unchecked) group reaches the trainer once this "
         "many vouching full checks of later groups of its node have passed (protocol.quarantine; docs/quarantine.md)."
     )
-    max_challenges: int = Field(
-        10000, ge=1, description="Outstanding registration challenges at most (429 above), against flooding."
-    )
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="How many prompts an identity "
+                                       "may hold in flight, and the share of the buffer unproven identities may hold.")
+    rate_limits: RateLimitConfig = Field(default_factory=RateLimitConfig, description="Requests per source and per "
+                                         "identity (429 with Retry-After above them).")
 
     @field_validator("operator_keys")
     @classmethod

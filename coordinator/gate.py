@@ -1,79 +1,111 @@
 """The one door every signed request comes through, before any rule of the coordinator sees it.
 
-`Gate.open` checks, in this order, each refusal with its own status: a well-formed envelope (422), the signature,
-kind and clock window (401), a nonce not seen before from this signer (409), a payload of the endpoint's schema
-(422: every integer bounded, so nothing oversized reaches the database), and the signer's role (403). The nonce
-is committed before anything else is looked at, in a transaction of its own: even a request refused later
-cannot be replayed. Cross-cutting checks that later work adds for every request (idempotency keys, rate
-limits) belong here.
+Two steps, so that a request's body is neither read nor parsed for anyone who cannot sign:
+
+1. `check_header` (no body, no database; microseconds): the `SIGNATURE_HEADER` is there and well formed (401/400),
+   of the endpoint's kind and this pool, by an operator key for operator endpoints (403), inside the clock window,
+   with a valid signature over the header (401); a nonce this process saw in the window is refused (409) before it
+   costs its signer anything; then the signer's rate limit (429, operators exempt).
+2. `admit` (with the body): its sha256 must be the signed one (401), the nonce is recorded (409 if already seen,
+   in any process), a node endpoint's signer must be a registered, unbanned node (403), and only then is the
+   payload parsed, once, into the endpoint's model (422).
+
+The nonce is committed in a transaction of its own, before the payload is looked at: even a request refused later
+cannot be replayed.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
 from pydantic import BaseModel
-from sqlalchemy import delete
 
-from swarmrl.coordinator.auth import Refused, Signed, check_signature, parse_envelope, typed_payload
+from swarmrl.coordinator.auth import Refused, Signed, typed_payload
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
-from swarmrl.coordinator.db.schema import nonces
-from swarmrl.coordinator.db.store import Store, Tx, insert
+from swarmrl.coordinator.db.store import Store, Tx
+from swarmrl.coordinator.nonces import prune_nonces, record_nonce
+from swarmrl.coordinator.ratelimit import Buckets
 from swarmrl.coordinator.registry import active, get_node
+from swarmrl.protocol.signing import Signature, SignatureError, check_body, parse_header, verify
 
 T = TypeVar("T", bound=BaseModel)
 
 PRUNE_EVERY_S = 10.0
-
-
-_RECORD = {d: insert(d, nonces).on_conflict_do_nothing().returning(nonces.c.signer) for d in ("sqlite", "postgresql")}
-
-
-def record_nonce(tx: Tx, signer: str, nonce: str, ts: float) -> bool:
-    """Remember (signer, nonce); False if it was already recorded (a replay), in this process or another."""
-    return tx.execute(_RECORD[tx.dialect.name], {"signer": signer, "nonce": nonce, "ts": ts}).first() is not None
-
-
-def prune_nonces(tx: Tx, older_than: float) -> int:
-    """Forget nonces whose timestamps are older than `older_than`; how many."""
-    return tx.execute(delete(nonces).where(nonces.c.ts < older_than)).rowcount
-
+RECENT_NONCES = 100_000
 
 class Gate:
-    """Authenticates signed requests against `config` (clock window, operator keys) and the store (nonces,
-    nodes)."""
+    """Authenticates signed requests for the pool `pool` against `config` (clock window, operator keys, rate
+    limits) and the store (nonces, nodes)."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float]):
-        self.store, self.config, self.clock = store, config, clock
+    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], pool: str,
+                 monotonic: Callable[[], float] = time.monotonic):
+        self.store, self.config, self.clock, self.pool = store, config, clock, pool
         self._operators = frozenset(k.lower() for k in config.operator_keys)
+        limits = config.rate_limits
+        self.identities = Buckets(limits.identity_rate_per_s, limits.identity_burst, limits.max_tracked, monotonic)
+        self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._recent_lock = threading.Lock()
         self._last_prune = 0.0
 
-    def open(self, raw: bytes | str, kind: str, model: type[T], role: str | None = None) -> Signed:
-        """Authenticate a signed request for an endpoint of `kind` whose payload is a `model`.
+    def is_operator(self, key: str) -> bool:
+        return key.lower() in self._operators
 
-        `role` is "node" (a registered, unbanned node), "operator" (a key in operator_keys) or None.
-        """
+    def check_header(self, header: str | None, kind: str, role: str | None = None) -> Signature:
+        """Step 1 (module docstring): the verified signature header of a `kind` request, or Refused."""
+        try:
+            sig = parse_header(header)
+        except SignatureError as e:
+            raise Refused(401 if header is None else 400, e.reason) from None
+        operator = self.is_operator(sig.key)
+        if role == "operator" and not operator:
+            raise Refused(403, "this key is not an operator key")
+        try:
+            verify(sig, kind=kind, pool=self.pool, now=self.clock(), max_skew_s=self.config.clock_skew_s)
+        except SignatureError as e:
+            raise Refused(401, e.reason) from None
+        with self._recent_lock:
+            if (sig.key, sig.nonce) in self._recent:
+                raise Refused(409, "replayed request")
+            self._recent[(sig.key, sig.nonce)] = None
+            if len(self._recent) > RECENT_NONCES:
+                self._recent.popitem(last=False)
+        if not operator:
+            wait = self.identities.take(sig.key)
+            if wait > 0:
+                raise Refused(429, f"too many requests from this identity: retry in {wait:.1f} s", retry_after=wait)
+        return sig
+
+    def admit(self, sig: Signature, body: bytes, model: type[T] | None, role: str | None = None) -> Signed:
+        """Step 2 (module docstring): the request with its typed payload (`body` itself when `model` is None)."""
+        try:
+            check_body(sig, body)
+        except SignatureError as e:
+            raise Refused(401, e.reason) from None
         now = self.clock()
-        env = parse_envelope(raw)
-        check_signature(env, kind, now, self.config.clock_skew_s)
+        signer = sig.signer_id
 
         def remember(tx: Tx) -> tuple[bool, NodeRow | None]:
             if now - self._last_prune > PRUNE_EVERY_S:
                 # A nonce only needs remembering while its timestamp is inside the window; 2x for margin.
                 self._last_prune = now
                 prune_nonces(tx, now - 2 * self.config.clock_skew_s)
-            new = record_nonce(tx, env.signer_id, env.nonce, env.timestamp)
-            return new, get_node(tx, env.signer_id) if new and role == "node" else None  # read now, judged below
+            new = record_nonce(tx, signer, sig.nonce, sig.ts)
+            return new, get_node(tx, signer) if new and role == "node" else None  # read now, judged below
 
         new, node = self.store.write(remember, durable=False)  # see coordinator.db.store on why this may be lost
         if not new:
             raise Refused(409, "replayed request")
-        payload = typed_payload(env, model)
         if role == "node":
-            node = active(node)
-        elif role == "operator":
-            if env.public_key.lower() not in self._operators:
-                raise Refused(403, "this key is not an operator key")
-        return Signed(env, payload, node)
+            node = active(node)  # before the parse: an identity that is not a node never costs us one
+        payload = body if model is None else typed_payload(body, model)
+        return Signed(sig, payload, node)
+
+    def open(self, header: str | None, body: bytes, kind: str, model: type[T] | None, role: str | None = None
+             ) -> Signed:
+        """Both steps, for a request whose body is at hand."""
+        return self.admit(self.check_header(header, kind, role), body, model, role)

@@ -1,9 +1,11 @@
 """Leases and submissions: the first half of a rollout's life.
 
-A lease hands a node prompts (drawn deterministically from the prompt seed and the lease counter) with sampling
-seeds the coordinator fixes, for the current policy version. A submission turns each leased prompt into a pending
-group at most once (a conditional update of the prompt's `submitted` flag, under a lock on the lease's row), after
-`protocol.validation` has checked its staleness and shape. Deciding on groups is `coordinator.verification`'s.
+A lease hands an admitted node (`coordinator.admission`: at most its allowance in flight) prompts, abandoned ones
+first and then new ones drawn from the run's secret prompt stream, with sampling seeds the coordinator fixes, for
+the current policy version, all signed by the coordinator (`protocol.leases`). A submission turns each leased prompt
+into a pending group at most once (a conditional update of the prompt's `submitted` flag, under a lock on the
+lease's row), after `protocol.validation` has checked its staleness and shape, and settles the lease: what it did
+not deliver is leased again to someone else. Deciding on groups is `coordinator.verification`'s.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Double, and_, bindparam, exists, func, or_, select, update
+from sqlalchemy import Double, and_, bindparam, func, or_, select, update
 
-from swarmrl.coordinator import feed
+from swarmrl.coordinator import admission, feed
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
@@ -23,7 +25,9 @@ from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow
 from swarmrl.coordinator.db.schema import LEASE_COUNTER, lease_prompts, leases, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, load
 from swarmrl.coordinator.registry import require_node, touch
+from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.tasks import Task
 from swarmrl.protocol.validation import group_problem, staleness_problem
 
@@ -37,10 +41,9 @@ _GET_LEASE_LOCKED = _GET_LEASE.with_for_update()
 _PROMPTS = select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position)
 _MARK = update(lease_prompts).where(_p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"),
                                     _p.submitted.is_(False)).values(submitted=True)
-_CLOSE = update(leases).where(_l.id == bindparam("b_lease")).values(state="done")
-_CLOSE_IF_COMPLETE = _CLOSE.where(_l.state == "open", ~exists().where(_p.lease_id == bindparam("b_lease"),
-                                                                      _p.submitted.is_(False)))
 _INSERT_GROUP = rollout_groups.insert().returning(_g.id)
+_EARLIEST = select(func.min(_l.expires_at)).where(_l.node_id == bindparam("b_node"), _l.state == "open",
+                                                 _l.expires_at > bindparam("b_now", type_=Double))
 
 
 def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
@@ -48,10 +51,13 @@ def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
 
 
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
-                 sampling: dict[str, Any], prompts: list[tuple[str, str, str, list[int]]]) -> None:
-    """Store a lease and its prompts, each (prompt_id, text, answer, seeds)."""
+                 sampling: dict[str, Any], prompts: list[tuple[str, str, str, list[int]]],
+                 signature: dict[str, Any] | None = None, digests: list[str] | None = None) -> None:
+    """Store a lease (with its signature and its prompts' digests, as signed) and its prompts, each (prompt_id,
+    text, answer, seeds)."""
     tx.execute(leases.insert(), {"id": lease_id, "node_id": node_id, "policy_version": policy_version,
-                                 "issued_at": issued_at, "expires_at": expires_at, "sampling": sampling})
+                                 "issued_at": issued_at, "expires_at": expires_at, "sampling": sampling,
+                                 "signature": signature, "digests": digests})
     if prompts:
         tx.execute(lease_prompts.insert(), [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a,
                                                  seeds=s) for i, (p, t, a, s) in enumerate(prompts)])
@@ -73,14 +79,6 @@ def mark_submitted(tx: Tx, lease_id: str, prompt_id: str) -> bool:
     return tx.execute(_MARK, {"b_lease": lease_id, "b_prompt": prompt_id}).rowcount == 1
 
 
-def close_lease(tx: Tx, lease_id: str) -> None:
-    tx.execute(_CLOSE, {"b_lease": lease_id})
-
-
-def close_lease_if_complete(tx: Tx, lease_id: str) -> bool:
-    return tx.execute(_CLOSE_IF_COMPLETE, {"b_lease": lease_id}).rowcount == 1
-
-
 def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int, payload: dict[str, Any],
                  now: float) -> int:
     """A new pending group; its id."""
@@ -89,65 +87,96 @@ def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_ver
                       ).scalar_one()
 
 
-def buffered_work(tx: Tx, min_version: int, now: float) -> int:
-    """Groups in flight that the trainer may still use: leased and not yet submitted, submitted and not yet
-    decided, or accepted and not yet acknowledged by the trainer; all of policy version >= `min_version`."""
-    p, lc, g = lease_prompts.c, leases.c, rollout_groups.c
-    leased = tx.execute(select(func.count()).select_from(lease_prompts.join(leases, lc.id == p.lease_id)).where(
-        p.submitted.is_(False), lc.state == "open", lc.expires_at > now, lc.policy_version >= min_version)).scalar_one()
-    groups = tx.execute(select(func.count()).select_from(rollout_groups).where(
+def buffered_groups(tx: Tx, min_version: int) -> int:
+    """Submitted groups in flight that the trainer may still use: submitted and not yet decided, or accepted and not
+    yet acknowledged by the trainer; all of policy version >= `min_version`. (Leased prompts in flight are
+    `coordinator.admission.in_flight`'s, counted per identity.)"""
+    g = rollout_groups.c
+    return int(tx.execute(select(func.count()).select_from(rollout_groups).where(
         g.policy_version >= min_version,
-        or_(g.status == "pending", and_(g.status == "accepted", g.accepted_seq > feed.acked(tx))))).scalar_one()
-    return int(leased) + int(groups)
+        or_(g.status == "pending", and_(g.status == "accepted", g.accepted_seq > feed.acked(tx))))).scalar_one())
+
+
+def earliest_expiry(tx: Tx, node_id: str, now: float) -> float | None:
+    """When the node's first open lease expires (None without one)."""
+    return tx.execute(_EARLIEST, {"b_node": node_id, "b_now": now}).scalar_one()
 
 
 # -- rules ------------------------------------------------------------------------------------------------
 
 
 class Leases:
-    """Issuing leases of `task` prompts and taking submissions against them."""
+    """Issuing signed leases of `task` prompts to admitted identities, and taking submissions against them."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], task: Task):
+    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], task: Task,
+                 identity: Identity, pool: str, secret: RunSecret):
         self.store, self.config, self.clock, self.task = store, config, clock, task
+        self.identity, self.pool, self.secret = identity, pool, secret
+
+    def _prompt_rng(self, counter: int) -> random.Random:
+        """The prompt stream of lease number `counter`: drawn from the run's secret (nobody can tell what the next
+        lease holds), or from `prompt_seed` when the operator fixed one for a reproducible stream."""
+        seed = self.config.prompt_seed
+        if seed is not None:
+            return random.Random(f"{seed}/{counter}")
+        return random.Random(self.secret.derive("prompts", str(counter).encode()))
 
     def issue(self, req: Signed) -> m.Lease | None:
-        """A new lease of prompts for the signer, or None before the first manifest or while enough work is in
-        flight (`max_buffered_groups`)."""
+        """A new lease for the signer (`coordinator.admission`: at most its allowance in flight, abandoned prompts
+        first), or None before the first manifest or while enough work is in flight (`max_buffered_groups`)."""
         body: m.LeaseRequest = req.payload
         now = self.clock()
-        cfg, run = self.config, self.config.run
+        cfg, run, adm = self.config, self.config.run, self.config.admission
 
         def lease(tx: Tx) -> m.Lease | None:
-            require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
+            node = require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
             version = current_version(tx)
             if version < 0:
                 return None
-            if cfg.max_buffered_groups is not None and \
-                    buffered_work(tx, version - run.max_staleness, now) >= cfg.max_buffered_groups:
-                # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
-                return None
+            admission.sweep_expired(tx, now, adm.sweep_batch)
+            min_version = version - run.max_staleness
+            flight = admission.in_flight(tx, req.signer, now, min_version, adm)
+            allowed = admission.allowance(node, adm)
+            if flight.own >= allowed:
+                wait = max((earliest_expiry(tx, req.signer, now) or now) - now, 1.0)
+                raise Refused(429, f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
+                                   "them (or let their leases expire) first", retry_after=wait)
             if count_open_leases(tx, req.signer, now) >= cfg.max_outstanding_leases:
                 raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
-                                   "them expire first")
-            # Deterministic prompts from (prompt_seed, counter): a run's prompt stream is reproducible.
-            rng = random.Random(f"{cfg.prompt_seed}/{add_to_counter(tx, LEASE_COUNTER)}")
-            lease_id = secrets.token_hex(12)
-            prompts = []
-            for i in range(body.max_prompts):
+                                   "them expire first", retry_after=max((earliest_expiry(tx, req.signer, now) or now)
+                                                                        - now, 1.0))
+            cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
+            if not admission.is_proven(node, adm) and flight.unproven >= cap:
+                return None  # the unproven identities' share is taken: only they wait
+            if cfg.max_buffered_groups is not None and buffered_groups(tx, min_version) + \
+                    admission.counted_in_flight(flight, cap) >= cfg.max_buffered_groups:
+                # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
+                return None
+            n = min(body.max_prompts, allowed - flight.own)
+            drawn = admission.take_queued(tx, req.signer, n)
+            rng = self._prompt_rng(add_to_counter(tx, LEASE_COUNTER))
+            while len(drawn) < n:
                 problem = self.task.sample(rng)
-                seeds = [secrets.randbits(63) for _ in range(run.sampling.group_size)]
-                prompts.append((f"{lease_id}.{i}", problem.prompt, problem.answer, seeds))
-            expires_at = now + cfg.lease_ttl_s
-            insert_lease(tx, lease_id, req.signer, version, now, expires_at, run.sampling.model_dump(mode="json"),
-                         prompts)
-            return m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=run.sampling,
-                           prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+                drawn.append((problem.prompt, problem.answer))
+            lease_id = secrets.token_hex(12)
+            prompts = [(f"{lease_id}.{i}", text, answer, [secrets.randbits(63) for _ in range(run.sampling.group_size)])
+                       for i, (text, answer) in enumerate(drawn)]
+            signed = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=req.signer,
+                                   policy_version=version, expires_at=now + cfg.lease_ttl_s, sampling=run.sampling,
+                                   prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+            insert_lease(tx, lease_id, req.signer, version, now, signed.expires_at,
+                         run.sampling.model_dump(mode="json"), prompts, signed.signature.model_dump(mode="json"),
+                         signed.digests())
+            admission.count_leased(tx, req.signer, n)
+            return signed
 
         return self.store.write(lease)
 
     def submit(self, req: Signed) -> m.SubmitResult:
-        """Take the submission's valid groups for verification; say why each other group was refused."""
+        """Take the submission's valid groups for verification and say why each other group was refused. The
+        submission settles its lease: every leased prompt it does not deliver is abandoned (queued for another
+        identity, and counted against this one)."""
         sub: m.RolloutSubmission = req.payload
         now = self.clock()
         ids = [g.prompt_id for g in sub.groups]
@@ -162,6 +191,9 @@ class Leases:
                 raise Refused(404, "unknown lease")
             if lease.node_id != req.signer:
                 raise Refused(403, "lease belongs to another node")
+            if lease.state != "open":
+                raise Refused(409, "lease already settled: a submission settles its whole lease (its missing prompts "
+                                   "were leased again), or it turned stale or expired")
             if lease.expires_at < now:
                 raise Refused(410, "lease expired")
             stale = staleness_problem(sub.policy_version, current_version(tx), max_staleness)
@@ -187,16 +219,17 @@ class Leases:
                 insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
                              group.model_dump(mode="json"), now)
                 accepted.append(group.prompt_id)
-            close_lease_if_complete(tx, sub.lease_id)
+            admission.settle_lease(tx, sub.lease_id, req.signer, now)
             touch(tx, req.signer, now)
             return m.SubmitResult(accepted=accepted, rejected=rejected)
 
         try:
             return self.store.write(take, notify=True)
         except _Stale as e:
-            # None of the lease's groups can be accepted any more: close it so that it stops holding one of the
-            # node's max_outstanding_leases slots (the one change a refused submission makes), then say why.
-            self.store.write(lambda tx: close_lease(tx, sub.lease_id))
+            # None of the lease's groups can be accepted any more: settle it so that it stops holding the node's
+            # allowance, its prompts leased again, without counting them against the node (the one change a refused
+            # submission makes); then say why.
+            self.store.write(lambda tx: admission.settle_lease(tx, sub.lease_id, req.signer, now, penalise=False))
             raise Refused(409, f"stale submission, against the current version: {e.reason}") from None
 
 

@@ -1,22 +1,25 @@
 """Nodes: registration by signed challenge, heartbeats and their time counters, verdict counters, bans.
 
-A node is registered by redeeming a single-use challenge issued to its public key; it is never deleted, and a
-ban is final. Other modules change a node only through the functions here (`touch`, `count_verdicts`,
-`count_check`, `ban`), inside their own transactions.
+A node is registered by redeeming a single-use challenge issued to its public key (stateless: a MAC under the
+run's secret, `challenge_for`); it is never deleted, and a ban is final. Other modules change a node only through
+the functions here (`touch`, `count_verdicts`, `count_check`, `ban`) and `coordinator.admission`'s lease counters,
+inside their own transactions.
 """
 
 from __future__ import annotations
 
-import secrets
+import hmac
 from collections.abc import Callable
 
-from sqlalchemy import BigInteger, Double, bindparam, delete, func, select, update
+from sqlalchemy import BigInteger, Double, bindparam, func, select, update
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
-from swarmrl.coordinator.db.schema import challenges, nodes
+from swarmrl.coordinator.db.schema import nodes
 from swarmrl.coordinator.db.store import Store, Tx, insert, load
+from swarmrl.coordinator.nonces import record_nonce
+from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import node_id_from_public_key
 
@@ -112,20 +115,32 @@ def time_totals(tx: Tx) -> tuple[float, float]:
     return float(idle), float(busy)
 
 
-def add_challenge(tx: Tx, challenge: str, public_key: str, expires_at: float, now: float, limit: int) -> bool:
-    """Store a challenge after dropping expired ones; False when `limit` are already outstanding."""
-    tx.execute(delete(challenges).where(challenges.c.expires_at < now))
-    if tx.execute(select(func.count()).select_from(challenges)).scalar_one() >= limit:
+def challenge_for(secret: RunSecret, public_key: str, expires_at: float) -> str:
+    """A challenge only the holder of `public_key` can redeem, until `expires_at`: its expiry and a MAC of both
+    under the run's secret, so that issuing one stores nothing (no table to fill, no cap to lock)."""
+    expires_ms = int(expires_at * 1000)
+    mac = secret.derive("challenge", f"{public_key}/{expires_ms}".encode()).hex()
+    return f"{expires_ms:x}.{mac}"
+
+
+def challenge_expiry(secret: RunSecret, challenge: str, public_key: str) -> float | None:
+    """When `challenge` (issued to `public_key`) expires; None if it is not one of ours for that key."""
+    head, _, mac = challenge.partition(".")
+    try:
+        expires_ms = int(head, 16)
+    except ValueError:
+        return None
+    want = secret.derive("challenge", f"{public_key}/{expires_ms}".encode()).hex()
+    return expires_ms / 1000 if hmac.compare_digest(mac, want) else None
+
+
+def take_challenge(tx: Tx, secret: RunSecret, challenge: str, public_key: str, now: float) -> bool:
+    """Redeem a challenge issued to `public_key` and still valid, once: it is remembered (with the nonces, until
+    it expires) so that it cannot be redeemed again; False (nothing changed) otherwise."""
+    expires_at = challenge_expiry(secret, challenge, public_key)
+    if expires_at is None or expires_at < now:
         return False
-    tx.execute(challenges.insert().values(challenge=challenge, public_key=public_key, expires_at=expires_at))
-    return True
-
-
-def take_challenge(tx: Tx, challenge: str, public_key: str, now: float) -> bool:
-    """Consume a challenge issued to `public_key` and still valid; False (and nothing consumed) otherwise."""
-    c = challenges.c
-    stmt = delete(challenges).where(c.challenge == challenge, c.public_key == public_key, c.expires_at >= now)
-    return tx.execute(stmt.returning(c.challenge)).first() is not None
+    return record_nonce(tx, node_id_from_public_key(public_key), "challenge:" + challenge[-32:], expires_at)
 
 
 # -- rules ------------------------------------------------------------------------------------------------
@@ -134,44 +149,38 @@ def take_challenge(tx: Tx, challenge: str, public_key: str, now: float) -> bool:
 class Registry:
     """Registration and heartbeats."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float]):
-        self.store, self.config, self.clock = store, config, clock
+    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], secret: RunSecret):
+        self.store, self.config, self.clock, self.secret = store, config, clock, secret
 
     def challenge(self, req: m.ChallengeRequest) -> m.Challenge:
-        """A fresh single-use challenge that only `req.public_key` can redeem, within challenge_ttl_s."""
+        """A fresh challenge that only `req.public_key` can redeem, once, within challenge_ttl_s. Nothing is stored:
+        how many a source may ask for is `coordinator.ratelimit`'s."""
         key = req.public_key.lower()
         try:
             node_id = node_id_from_public_key(key)
         except ValueError:
             raise Refused(422, "public_key is not a hex Ed25519 public key") from None
-        now = self.clock()
-        ch = m.Challenge(challenge=secrets.token_hex(32), expires_at=now + self.config.challenge_ttl_s)
-
-        def issue(tx: Tx) -> bool:
-            node = get_node(tx, node_id)
-            if node is not None and node.banned:
-                raise Refused(403, f"node is banned: {node.ban_reason}")
-            return add_challenge(tx, ch.challenge, key, ch.expires_at, now, self.config.max_challenges)
-
-        if not self.store.write(issue):
-            raise Refused(429, "too many outstanding challenges; retry shortly")
-        return ch
+        node = self.store.read(lambda tx: get_node(tx, node_id))
+        if node is not None and node.banned:
+            raise Refused(403, f"node is banned: {node.ban_reason}")
+        expires_at = self.clock() + self.config.challenge_ttl_s
+        return m.Challenge(challenge=challenge_for(self.secret, key, expires_at), expires_at=expires_at)
 
     def register(self, req: Signed) -> str:
         """Upsert the signer as a node, redeeming a challenge issued to its key; its node id."""
-        env, body = req.env, req.payload
+        body: m.RegisterRequest = req.payload
         now = self.clock()
 
         def redeem(tx: Tx) -> None:
-            node = get_node(tx, env.signer_id, lock=True)
+            node = get_node(tx, req.signer, lock=True)
             if node is not None and node.banned:
                 raise Refused(403, f"node is banned: {node.ban_reason}")
-            if not take_challenge(tx, body.challenge, env.public_key.lower(), now):
+            if not take_challenge(tx, self.secret, body.challenge, req.public_key, now):
                 raise Refused(401, "unknown, expired or already used challenge for this key")
-            upsert_node(tx, env.signer_id, env.public_key.lower(), body.name, body.engine, now)
+            upsert_node(tx, req.signer, req.public_key, body.name, body.engine, now)
 
         self.store.write(redeem)
-        return env.signer_id
+        return req.signer
 
     def heartbeat(self, req: Signed) -> None:
         """Note the node alive, its held version, and its self-reported idle and busy counters.

@@ -1,8 +1,8 @@
 """The coordinator: one object per run that builds the parts a rollout passes through and wires them together.
 
-    gate          every signed request: envelope, signature, replay, payload bounds, role   (coordinator.gate)
+    gate          every signed request: signature, rate limit, replay, payload bounds, role (coordinator.gate)
     registry      nodes: challenges, registration, heartbeats, bans                        (coordinator.registry)
-    leases        leases and submissions                                                   (coordinator.leases)
+    leases        signed leases to admitted identities, submissions    (coordinator.leases, coordinator.admission)
     verification  the pending queue, claims, verdicts, quarantine                          (coordinator.verification)
     feed          the trainer feed and its acknowledgements                                (coordinator.feed)
     checkpoints   shards, manifests, publishing                                            (coordinator.checkpoints)
@@ -27,10 +27,12 @@ from swarmrl.coordinator.gate import Gate
 from swarmrl.coordinator.leases import Leases
 from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.coordinator.registry import Registry
+from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.status import Status
 from swarmrl.coordinator.verification import Verification
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.signing import pool_id
 from swarmrl.protocol.tasks import load_task
 from swarmrl.transfer.store import ShardStore
 
@@ -43,10 +45,12 @@ class Coordinator:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(config.resolved_store_url, pool_size=config.store_pool_size)
         self.shards = ShardStore(config.data_dir / "shards")
+        self.secret = RunSecret(config.data_dir)
+        self.pool = pool_id(config.run.run_id, identity.public_key_hex)
         long_polls = LongPolls(self.store, config.max_long_polls)
-        self.gate = Gate(self.store, config, clock)
-        self.registry = Registry(self.store, config, clock)
-        self.leases = Leases(self.store, config, clock, load_task(config.run.task))
+        self.gate = Gate(self.store, config, clock, self.pool)
+        self.registry = Registry(self.store, config, clock, self.secret)
+        self.leases = Leases(self.store, config, clock, load_task(config.run.task), identity, self.pool, self.secret)
         self.verification = Verification(self.store, config, clock, long_polls)
         self.feed = Feed(self.store, long_polls)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)

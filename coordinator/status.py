@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from sqlalchemy import select
 
-from swarmrl.coordinator import registry
+from swarmrl.coordinator import admission, registry
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
@@ -18,6 +18,7 @@ from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, load
 from swarmrl.coordinator.verification import group_counts
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.run import sign_spec
 
 STATUS_METRICS_ROWS = 1000
 # Trainer metrics the coordinator sets itself (from the nodes' heartbeat counters) when it records a report.
@@ -51,13 +52,14 @@ class Status:
         self.store, self.config, self.identity, self.clock = store, config, identity, clock
         # Bootstrap multiaddrs of the checkpoint swarm's DHT, sent to nodes in RunInfo (the seed adds its own).
         self.dht_peers: list[str] = list(config.dht_peers)
+        self.spec_signature = sign_spec(config.run, identity)  # signed once: the run description never changes
 
     def run_info(self) -> m.RunInfo:
         return self._info(self.store.read(current_version))
 
     def _info(self, version: int) -> m.RunInfo:
-        return m.RunInfo(spec=self.config.run, coordinator_key=self.identity.public_key_hex, current_version=version,
-                         dht_peers=list(self.dht_peers))
+        return m.RunInfo(spec=self.config.run, coordinator_key=self.identity.public_key_hex,
+                         spec_signature=self.spec_signature, current_version=version, dht_peers=list(self.dht_peers))
 
     def snapshot(self) -> m.RunStatus:
         def read(tx: Tx) -> m.RunStatus:
@@ -65,7 +67,9 @@ class Status:
             nodes = [m.NodeStatus(node_id=n.id, name=n.name, engine=n.engine, held_version=n.held_version,
                                   groups_accepted=n.groups_accepted, groups_rejected=n.groups_rejected,
                                   banned=n.banned, last_seen=n.last_seen, checks_passed=n.checks_passed,
-                                  reputation=n.reputation, idle_s=n.idle_s, busy_s=n.busy_s)
+                                  reputation=n.reputation, idle_s=n.idle_s, busy_s=n.busy_s,
+                                  prompts_leased=n.prompts_leased, prompts_abandoned=n.prompts_abandoned,
+                                  lease_allowance=admission.allowance(n, self.config.admission))
                      for n in registry.list_nodes(tx)]
             reports = [m.TrainerMetrics(step=r.step, version=r.version, metrics=r.data)
                        for r in recent_metrics(tx, STATUS_METRICS_ROWS)]

@@ -52,8 +52,9 @@ _CLAIM = update(rollout_groups).where(g.id.in_(_ids)).values(claimed_by=bindpara
                                                              claimed_until=bindparam("b_until", type_=Double))
 _p, _l, _n = lease_prompts.c, leases.c, nodes.c
 _h = rollout_groups.alias("held_groups")
-_CLAIMED = (select(g.id, g.node_id, g.policy_version, g.payload, _p.text.label("prompt_text"), _p.answer, _p.seeds,
-                   _l.policy_version.label("lease_version"), _l.sampling, _n.checks_passed.label("node_checks_passed"),
+_CLAIMED = (select(g.id, g.node_id, g.policy_version, g.payload, g.lease_id, g.prompt_id, _p.text.label("prompt_text"),
+                   _p.answer, _p.seeds, _p.position, _l.policy_version.label("lease_version"), _l.expires_at,
+                   _l.sampling, _l.signature, _l.digests, _n.checks_passed.label("node_checks_passed"),
                    select(func.count()).select_from(_h).where(_h.c.node_id == g.node_id, _h.c.status == "pending",
                                                               _h.c.held.is_(True)).scalar_subquery().label("node_held"))
             .select_from(rollout_groups.join(lease_prompts, (_p.lease_id == g.lease_id) & (_p.prompt_id == g.prompt_id))
@@ -95,6 +96,20 @@ def claim_pending(tx: Tx, claimer: str, limit: int, now: float, until: float) ->
         return []
     tx.execute(_CLAIM, {"b_ids": ids, "b_by": claimer, "b_until": until})
     return [load(ClaimedGroup, r) for r in tx.execute(_CLAIMED, {"b_ids": ids})]
+
+
+def lease_excerpt(r: ClaimedGroup) -> m.LeaseExcerpt:
+    """The signed lease excerpt a claimed group is judged against, rebuilt from what was stored when it was signed
+    (a lease from before signed leases has no signature: its excerpt will not verify, and the verifier says so)."""
+    return m.LeaseExcerpt(lease_id=r.lease_id, node_id=r.node_id, policy_version=r.lease_version,
+                          expires_at=r.expires_at, sampling=m.SamplingSpec.model_validate(r.sampling),
+                          prompt=m.LeasedPrompt(prompt_id=r.prompt_id, text=r.prompt_text, seeds=r.seeds),
+                          index=r.position, digests=r.digests or [""],
+                          signature=r.signature or _UNSIGNED)
+
+
+_UNSIGNED = {"v": "", "kind": "", "pool": "", "key": "0" * 64, "nonce": "0" * 32, "ts": 0.0, "body": "0" * 64,
+             "sig": "0" * 128}
 
 
 def accept(tx: Tx, group_id: int, rewards: list[float], now: float) -> int | None:
@@ -163,11 +178,9 @@ class Verification:
             return self.store.write(lambda tx: claim_pending(tx, req.signer, req.payload.limit, now,
                                                              now + self.config.claim_ttl_s), durable=False)
 
-        return [m.PendingGroup(group_id=r.id, node_id=r.node_id, prompt_text=r.prompt_text, answer=r.answer,
-                               lease_version=r.lease_version, sampling=m.SamplingSpec.model_validate(r.sampling),
-                               seeds=r.seeds, policy_version=r.policy_version,
-                               group=m.RolloutGroup.model_validate(r.payload), node_checks_passed=r.node_checks_passed,
-                               node_held=r.node_held)
+        return [m.PendingGroup(group_id=r.id, node_id=r.node_id, answer=r.answer, lease=lease_excerpt(r),
+                               policy_version=r.policy_version, group=m.RolloutGroup.model_validate(r.payload),
+                               node_checks_passed=r.node_checks_passed, node_held=r.node_held)
                 for r in self.long_polls.wait(fetch, req.payload.wait_s)]
 
     def decide(self, req: Signed) -> None:

@@ -43,7 +43,7 @@ from swarmrl.protocol.messages import (
     SubmitResult,
 )
 from swarmrl.protocol.validation import is_fresh
-from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError, UntrustedResponse
 from swarmrl.runtime.retry import RetryPolicy
 from swarmrl.transfer.connect import open_fetcher
 from swarmrl.transfer.fetcher import CheckpointFetcher
@@ -69,7 +69,8 @@ class Node:
         self._stop = threading.Event()
         # Every request waits out an outage of any length (until stop()); the outage is logged once per outage.
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity, timeout=cfg.request_timeout_s,
-                                        retry=RetryPolicy(attempts=None, cap_s=cfg.max_backoff_s), stop=self._stop)
+                                        retry=RetryPolicy(attempts=None, cap_s=cfg.max_backoff_s), stop=self._stop,
+                                        coordinator_key=cfg.coordinator_key)
         self.client.outage.context = lambda: (f"keeping policy v{self.stats.held_version} and node identity "
                                               f"{self.identity.node_id[:10]}")
         self.stats = NodeStats()
@@ -271,11 +272,15 @@ class Node:
         """Register (waiting out a coordinator that cannot be reached), check its key against the one trusted,
         and take its run description. PermanentRefusal when banned or when the key is not the trusted one."""
         try:
+            # The key is settled (configured, pinned on first use, or refused) before anything is signed for it.
+            self.coordinator_key = pinned_coordinator_key(self.cfg, self.client.info().coordinator_key)
             reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8],
                                         engine=resolve_engine_kind(self.cfg.engine))
+        except UntrustedResponse as e:
+            raise PermanentRefusal(f"the coordinator at {self.cfg.coordinator_url} did not prove its key: "
+                                   f"{e.reason}") from None
         except CoordinatorError as e:
             raise permanent(e, self.cfg) or e from None
-        self.coordinator_key = pinned_coordinator_key(self.cfg, reg.run.coordinator_key)
         if self._run_info is not None and reg.run.spec != self._run_info.spec:
             log.warning("the coordinator's run description changed: %s", reg.run.spec.mismatch(self._run_info.spec))
         self._run_info = reg.run
@@ -289,6 +294,10 @@ class Node:
         if stop is not None:
             raise stop
         self.stats.last_error = e.reason
+        if isinstance(e, UntrustedResponse):  # e.g. a lease rewritten on the way: not acted on
+            self.stats.untrusted += 1
+            log.warning("%s", e.reason)
+            return
         if is_unknown_node(e):
             log.warning("the coordinator does not know this node (a new database?): registering again")
             try:

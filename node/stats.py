@@ -21,6 +21,7 @@ class NodeStats:
     held_version: int = -1
     current_version: int = -1  # the coordinator's newest version, as last seen
     registrations: int = 0
+    untrusted: int = 0  # answers refused because they did not carry the coordinator's signature (e.g. a lease)
     receipts: int = 0  # valid receipts of this pool held in receipts.jsonl
     receipt_tokens: int = 0
     last_error: str = ""

@@ -5,4 +5,4 @@ package, over the network. It imports nothing else of the project, so that each 
 audited and versioned on its own.
 """
 
-PROTOCOL_VERSION = "swarmrl/1"
+PROTOCOL_VERSION = "swarmrl/2"

@@ -3,8 +3,8 @@
 Bounds on every list, string and integer are part of the protocol: a message outside them is malformed and is
 refused whole with a 422 before any of it is used. Every integer a receiver may store fits a signed 64-bit
 database column (`Int64`, `Index64`, `VersionOrNone`), so an oversized number is a 422 with a reason, never a
-database error. Signed requests carry these models as the payload
-of a `protocol.signing.SignedEnvelope`; the `KIND_*` constants name them.
+database error. A signed request's body is one of these models as JSON; its `protocol.signing.Signature` (of
+kind `KIND_*`) travels in the `protocol.signing.SIGNATURE_HEADER` HTTP header.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swarmrl.protocol.identity import Identity, verify_signature
+from swarmrl.protocol.leases import MAX_PROMPTS_PER_LEASE, Lease, LeasedPrompt, LeaseExcerpt
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.run import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, RunInfo, SamplingSpec
 from swarmrl.protocol.signing import canonical_json
@@ -31,7 +32,6 @@ KIND_TRAINER_PUBLISH = "trainer.publish"
 KIND_TRAINER_METRICS = "trainer.metrics"
 KIND_TRAINER_ACK = "trainer.ack"
 
-MAX_PROMPTS_PER_LEASE = 256
 MAX_PROMPT_TOKENS = 8192
 
 INT64_END = 2**63
@@ -75,20 +75,6 @@ class Registered(Strict):
 class LeaseRequest(Strict):
     max_prompts: int = Field(8, ge=1, le=MAX_PROMPTS_PER_LEASE)
     held_version: VersionOrNone = Field(-1, description="Newest policy version the node holds (-1: none).")
-
-
-class LeasedPrompt(Strict):
-    prompt_id: str
-    text: str
-    seeds: list[int] = Field(description="One sampling seed per rollout, chosen by the coordinator.")
-
-
-class Lease(Strict):
-    lease_id: str
-    policy_version: int = Field(description="Coordinator's current version when the lease was issued.")
-    expires_at: float
-    sampling: SamplingSpec
-    prompts: list[LeasedPrompt]
 
 
 class Rollout(Strict):
@@ -195,15 +181,13 @@ class PendingRequest(Strict):
 
 
 class PendingGroup(Strict):
-    """A submitted group awaiting verification, with the trusted facts the verifier needs."""
+    """A submitted group awaiting verification, with the trusted facts the verifier needs: the answer, and the
+    signed lease excerpt the group is judged against (its prompt, seeds, sampling and version are the lease's)."""
 
     group_id: int
     node_id: str
-    prompt_text: str
     answer: str = Field(description="Ground truth, known only to the coordinator side.")
-    lease_version: int
-    sampling: SamplingSpec
-    seeds: list[int]
+    lease: LeaseExcerpt = Field(description="The prompt as leased, with the coordinator's signature of the lease.")
     policy_version: int
     group: RolloutGroup
     node_checks_passed: int = Field(0, description="Full checks the submitting node has passed so far (the "
@@ -211,6 +195,22 @@ class PendingGroup(Strict):
     node_held: int = Field(0, ge=0, description="Groups of the submitting node held (unchecked, unreleased) when "
                                                 "this one was claimed: at `protocol.quarantine` max_held, its next "
                                                 "group is fully checked.")
+
+    @property
+    def prompt_text(self) -> str:
+        return self.lease.prompt.text
+
+    @property
+    def seeds(self) -> list[int]:
+        return self.lease.prompt.seeds
+
+    @property
+    def sampling(self) -> SamplingSpec:
+        return self.lease.sampling
+
+    @property
+    def lease_version(self) -> int:
+        return self.lease.policy_version
 
 
 class Verdict(Strict):
@@ -271,11 +271,6 @@ class TrainingBatch(Strict):
     groups: list[TrainingGroup]
 
 
-class ShardUpload(Strict):
-    sha256: str = Field(min_length=64, max_length=64)
-    size: Index64
-
-
 class PublishRequest(Strict):
     manifest: CheckpointManifest
 
@@ -314,6 +309,11 @@ class NodeStatus(BaseModel):
     reputation: float = 0.5
     idle_s: float = Field(0.0, description="The node's last self-reported idle seconds since it started (untrusted).")
     busy_s: float = Field(0.0, description="The node's last self-reported busy seconds since it started (untrusted).")
+    prompts_leased: int = Field(0, description="Prompts ever leased to the node.")
+    prompts_abandoned: int = Field(0, description="Of those, how many it left unused (lease expired, left out of its "
+                                                  "submission, or refused at submission): they were leased again.")
+    lease_allowance: int = Field(0, description="Prompts the node may hold in flight now (earned by verified work, "
+                                                "lowered by abandoned prompts).")
 
 
 class RunStatus(BaseModel):
@@ -326,5 +326,6 @@ class RunStatus(BaseModel):
     groups_held: int = Field(0, description="Accepted by cheap checks, waiting for a later full check of the node.")
 
 
-__all__ = [name for name in dir() if not name.startswith("_")] + ["CheckpointManifest", "SignedManifest", "RunInfo",
-                                                                   "SamplingSpec"]
+__all__ = [name for name in dir() if not name.startswith("_")] + [
+    "CheckpointManifest", "SignedManifest", "RunInfo", "SamplingSpec", "Lease", "LeasedPrompt", "LeaseExcerpt",
+    "MAX_PROMPTS_PER_LEASE"]

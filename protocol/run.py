@@ -17,6 +17,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.protocol import proofs
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.signing import Signature, canonical_json, pool_id, sha256_hex, sign, verify_signed
 from swarmrl.protocol.tasks import TaskSpec
 
 MAX_COMPLETION_TOKENS = 4096
@@ -64,17 +66,48 @@ class RunSpec(_Strict):
         return "; ".join(diffs) or None
 
 
+KIND_RUN = "run"
+"""The kind of the coordinator's signature over the run description."""
+
+
+def sign_spec(spec: RunSpec, coordinator: Identity) -> Signature:
+    """The coordinator's signature of `spec` for its pool: timeless, and the same every time it is made."""
+    body = canonical_json(spec.model_dump(mode="json"))
+    return sign(coordinator, KIND_RUN, pool_id(spec.run_id, coordinator.public_key_hex), body, ts=0.0,
+                nonce=sha256_hex(body)[:32])
+
+
 class RunInfo(_Strict):
-    """What GET /v1/info answers: the run description, the coordinator's key, and what changes as it runs."""
+    """What GET /v1/info answers: the run description signed by the coordinator, its key, and what changes as it
+    runs (the current version and the DHT peers, which are not signed: a node checks what it fetches by them)."""
 
     spec: RunSpec
-    coordinator_key: str = Field(description="Ed25519 public key that signs manifests, hex.")
+    coordinator_key: str = Field(description="Ed25519 public key that signs manifests, leases and `spec`, hex.")
+    spec_signature: Signature = Field(description="The coordinator's signature of `spec` (`sign_spec`).")
     current_version: int = Field(description="Newest published policy version; -1 before the first.")
     dht_peers: list[str] = Field(default_factory=list, description="libp2p multiaddrs to bootstrap the DHT.")
 
     @property
     def run_id(self) -> str:
         return self.spec.run_id
+
+    @property
+    def pool(self) -> str:
+        """The pool every signature of this run names (`signing.pool_id`)."""
+        return pool_id(self.spec.run_id, self.coordinator_key)
+
+    @classmethod
+    def signed(cls, spec: RunSpec, coordinator: Identity, current_version: int, dht_peers: list[str] | None = None
+               ) -> RunInfo:
+        return cls(spec=spec, coordinator_key=coordinator.public_key_hex, spec_signature=sign_spec(spec, coordinator),
+                   current_version=current_version, dht_peers=list(dht_peers or []))
+
+    def verify(self, key: str | None = None) -> None:
+        """SignatureError unless `spec` carries the signature of `key` (default: the key this info names) for this
+        pool. A node passes the key it pinned, so a rewritten run description (or key) is refused."""
+        key = (key or self.coordinator_key).lower()
+        verify_signed(self.spec_signature, canonical_json(self.spec.model_dump(mode="json")), kind=KIND_RUN,
+                      pool=pool_id(self.spec.run_id, key), key=key, max_skew_s=None)
 
 
 def check_run(actual: RunSpec, expected: RunSpec | None, role: str) -> None:

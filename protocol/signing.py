@@ -1,29 +1,49 @@
-"""Signed envelopes: every request a key holder makes is signed over a canonical byte encoding.
+"""Signatures: every signed thing in a pool, whoever signs it, is signed by `sign` and checked by `verify`.
 
-The signed bytes bind the protocol version, the message type, the signer's key, a random nonce, a
-timestamp and the payload. The receiver checks, in this order: the signature, the timestamp window, and
-(with its own store) that the nonce was not seen before. A tampered, forged, replayed or stale envelope
-is therefore refused before its payload is looked at.
+A signature covers a small header and the sha256 of a body of bytes:
+
+    DOMAIN + canonical_json({"v", "kind", "pool", "key", "nonce", "ts", "body": sha256(body)})
+
+- `kind` names the message (an endpoint's request, a lease, the run description): one cannot pass for another;
+- `pool` names the pool it belongs to, `pool_id(run_id, coordinator_key)`: a message signed for one pool (or for
+  one coordinator key) is refused by every other, so it cannot be replayed elsewhere;
+- `key` is the signer's Ed25519 public key (the node id derives from it), `nonce` 16 random bytes and `ts` the
+  signer's clock (0 for timeless things, such as the run description);
+- `body` is the sha256 of the exact bytes sent: a request's raw HTTP body, or the canonical JSON of what the
+  coordinator signs (a lease, the run description).
+
+Requests carry the header (`Signature`, as compact JSON) in the HTTP header `SIGNATURE_HEADER` and their payload
+as the body, in whatever JSON the sender wrote. A receiver therefore checks, without parsing or re-encoding the
+body: the header's shape, kind, pool and clock window, then the signature over the header alone (one Ed25519
+verify), and only then reads the body, compares its sha256 with the signed one (`check_body`) and parses it.
+An unsigned, forged, misdirected or stale request costs the receiver microseconds whatever its size; a replayed
+one is refused on its nonce (the receiver remembers those).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.identity import Identity, node_id_from_public_key, verify_signature
 
 DEFAULT_CLOCK_SKEW_S = 120.0
+SIGNATURE_HEADER = "x-swarmrl-signature"
+"""The HTTP header a signed request's `Signature` travels in (compact JSON)."""
+DOMAIN = b"swarmrl-signed\n"
+MAX_RUN_ID = 128
+MAX_HEADER_CHARS = 1024
+"""A signature header longer than this is malformed: refused before it is parsed."""
 
 
 class SignatureError(Exception):
-    """An envelope failed verification; `reason` says why in words a node operator can act on."""
+    """A signature failed verification; `reason` says why in words a node operator can act on."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -31,81 +51,117 @@ class SignatureError(Exception):
 
 
 def canonical_json(obj: Any) -> bytes:
-    """Deterministic JSON bytes: sorted keys, no spaces, ASCII, finite floats only.
+    """Deterministic JSON bytes: sorted keys, no spaces, ASCII, finite floats only (ValueError otherwise).
 
-    Python writes the shortest repr that round-trips a float, so a payload parsed from the wire and
-    encoded again gives the same bytes the sender signed.
+    Python writes the shortest repr that round-trips a float, so an object parsed from the wire and encoded
+    again gives the same bytes its signer encoded.
     """
-
-    def check(o: Any) -> None:
-        if isinstance(o, float) and not math.isfinite(o):
-            raise ValueError("non-finite numbers cannot be signed")
-        if isinstance(o, dict):
-            for v in o.values():
-                check(v)
-        elif isinstance(o, list | tuple):
-            for v in o:
-                check(v)
-
-    check(obj)
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    except ValueError as e:  # allow_nan=False refuses NaN and the infinities
+        raise ValueError(f"non-finite numbers cannot be signed ({e})") from None
 
 
-class SignedEnvelope(BaseModel):
-    """A typed payload with its signer, nonce, timestamp and Ed25519 signature."""
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
-    kind: str = Field(max_length=64, description="Message type; the receiver checks it matches the endpoint.")
-    public_key: str = Field(min_length=64, max_length=64, description="Signer's Ed25519 public key, hex.")
-    nonce: str = Field(min_length=32, max_length=32, description="16 random bytes, hex; never reused.")
-    timestamp: float = Field(description="Signer's clock, unix seconds; must be within the receiver's window.")
-    payload: dict[str, Any] = Field(description="The message itself, as plain JSON.")
-    signature: str = Field(min_length=128, max_length=128, description="Ed25519 signature, hex.")
+
+def pool_id(run_id: str, coordinator_key: str) -> str:
+    """The name every signature of a pool carries: its run id and its coordinator's public key."""
+    return f"{run_id}/{coordinator_key.lower()}"
+
+
+_HEX64 = r"^[0-9a-f]{64}$"
+
+
+class Signature(BaseModel):
+    """A signature header: what was signed (kind, pool, body digest), by whom, when, and the Ed25519 signature."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: str = Field(max_length=16, description="Protocol version of the signer.")
+    kind: str = Field(max_length=64, description="Message type; the receiver checks it is the one it expects.")
+    pool: str = Field(max_length=MAX_RUN_ID + 65, description="`pool_id(run_id, coordinator_key)` of the pool.")
+    key: str = Field(pattern=_HEX64, description="Signer's Ed25519 public key, lower-case hex.")
+    nonce: str = Field(pattern=r"^[0-9a-f]{32}$", description="16 random bytes, hex; never reused by a signer.")
+    ts: float = Field(ge=0, le=1e11, description="Signer's clock, unix seconds (0: timeless).")
+    body: str = Field(pattern=_HEX64, description="sha256 of the signed body bytes, hex.")
+    sig: str = Field(pattern=r"^[0-9a-f]{128}$", description="Ed25519 signature of `signed_bytes()`, hex.")
 
     @property
     def signer_id(self) -> str:
-        return node_id_from_public_key(self.public_key)
+        return node_id_from_public_key(self.key)
 
     def signed_bytes(self) -> bytes:
-        return _signed_bytes(self.kind, self.public_key, self.nonce, self.timestamp, self.payload)
+        return _message(self.kind, self.pool, self.key, self.nonce, self.ts, self.body)
+
+    def header(self) -> str:
+        """As sent in `SIGNATURE_HEADER`."""
+        return self.model_dump_json()
 
 
-def _signed_bytes(kind: str, public_key: str, nonce: str, timestamp: float, payload: dict[str, Any]) -> bytes:
-    header = {"v": PROTOCOL_VERSION, "kind": kind, "key": public_key, "nonce": nonce, "ts": timestamp}
-    return canonical_json({"header": header, "payload": payload})
+def _message(kind: str, pool: str, key: str, nonce: str, ts: float, body: str) -> bytes:
+    return DOMAIN + canonical_json({"v": PROTOCOL_VERSION, "kind": kind, "pool": pool, "key": key, "nonce": nonce,
+                                    "ts": ts, "body": body})
 
 
-def sign(identity: Identity, kind: str, payload: BaseModel | dict[str, Any]) -> SignedEnvelope:
-    """Wrap `payload` in an envelope signed by `identity` with a fresh nonce and the current time."""
-    body = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
-    # Round-trip through JSON so that what we sign is exactly what the receiver will parse.
-    body = json.loads(canonical_json(body))
-    nonce = secrets.token_hex(16)
-    ts = round(time.time(), 3)
-    sig = identity.sign(_signed_bytes(kind, identity.public_key_hex, nonce, ts, body))
-    return SignedEnvelope(
-        kind=kind, public_key=identity.public_key_hex, nonce=nonce, timestamp=ts, payload=body, signature=sig
-    )
+def sign(identity: Identity, kind: str, pool: str, body: bytes, *, ts: float | None = None,
+         nonce: str | None = None) -> Signature:
+    """Sign `body` as a `kind` message of `pool`: the one signing function of every role and the coordinator.
+
+    `ts` defaults to now and `nonce` to a fresh random one; things signed once for good (the run description)
+    pass ts=0 and a nonce derived from what they sign, so that signing them again gives the same signature."""
+    ts = round(time.time(), 3) if ts is None else ts
+    nonce = secrets.token_hex(16) if nonce is None else nonce
+    digest, key = sha256_hex(body), identity.public_key_hex
+    return Signature(v=PROTOCOL_VERSION, kind=kind, pool=pool, key=key, nonce=nonce, ts=ts, body=digest,
+                     sig=identity.sign(_message(kind, pool, key, nonce, ts, digest)))
 
 
-def verify(
-    env: SignedEnvelope,
-    *,
-    kind: str,
-    now: float | None = None,
-    max_skew_s: float = DEFAULT_CLOCK_SKEW_S,
-) -> None:
-    """Raise SignatureError unless `env` is a valid signature of a `kind` message made within the window.
-
-    Replay protection needs state: the caller must also check that (signer, nonce) is new.
-    """
-    if env.kind != kind:
-        raise SignatureError(f"expected a {kind!r} message, got {env.kind!r}")
+def parse_header(text: str | None) -> Signature:
+    """The `Signature` in a request header, or SignatureError saying what is wrong with it (never a large parse:
+    an over-long header is refused unread)."""
+    if text is None:
+        raise SignatureError(f"unsigned request: the {SIGNATURE_HEADER} header is missing")
+    if len(text) > MAX_HEADER_CHARS:
+        raise SignatureError(f"malformed {SIGNATURE_HEADER} header: longer than {MAX_HEADER_CHARS} characters")
     try:
-        message = env.signed_bytes()
-    except ValueError as e:
-        raise SignatureError(f"payload cannot be encoded canonically: {e}") from e
-    if not verify_signature(env.public_key, message, env.signature):
+        return Signature.model_validate_json(text)
+    except ValidationError as e:
+        where = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'header'}: {err.get('msg', 'invalid')}"
+                          for err in e.errors()[:3])
+        raise SignatureError(f"malformed {SIGNATURE_HEADER} header: {where}") from None
+
+
+def verify(sig: Signature, *, kind: str, pool: str, key: str | None = None, now: float | None = None,
+           max_skew_s: float | None = DEFAULT_CLOCK_SKEW_S) -> None:
+    """Raise SignatureError unless `sig` is a valid signature of a `kind` message of `pool` (by `key`, when given)
+    made within `max_skew_s` of `now` (None: any time, for timeless things). The body is `check_body`'s.
+
+    Replay protection needs state: a receiver of requests must also check that (signer, nonce) is new."""
+    if sig.kind != kind:
+        raise SignatureError(f"expected a {kind!r} message, got {sig.kind!r}")
+    if sig.pool != pool:
+        raise SignatureError(f"signed for another pool ({sig.pool[:80]!r}), not this one ({pool[:80]!r})")
+    if key is not None and sig.key != key.lower():
+        raise SignatureError(f"signed by {sig.key[:16]}…, not by the expected key {key[:16]}…")
+    if sig.v != PROTOCOL_VERSION:
+        raise SignatureError(f"protocol version {sig.v!r}; this side speaks {PROTOCOL_VERSION!r}")
+    if not verify_signature(sig.key, sig.signed_bytes(), sig.sig):
         raise SignatureError("bad signature")
-    now = time.time() if now is None else now
-    if abs(now - env.timestamp) > max_skew_s:
-        raise SignatureError(f"stale or future timestamp ({now - env.timestamp:+.0f} s from the receiver's clock)")
+    if max_skew_s is not None:
+        now = time.time() if now is None else now
+        if abs(now - sig.ts) > max_skew_s:
+            raise SignatureError(f"stale or future timestamp ({now - sig.ts:+.0f} s from the receiver's clock)")
+
+
+def check_body(sig: Signature, body: bytes) -> None:
+    """SignatureError unless `body` is the body `sig` was made for."""
+    if sha256_hex(body) != sig.body:
+        raise SignatureError("the body is not the one signed (its sha256 differs)")
+
+
+def verify_signed(sig: Signature, body: bytes, **kw: Any) -> None:
+    """`verify(sig, **kw)` then `check_body(sig, body)`."""
+    verify(sig, **kw)
+    check_body(sig, body)

@@ -3,11 +3,16 @@
 Every call either returns a protocol object or raises `CoordinatorError` with the coordinator's reason.
 Transport errors (refused connections, timeouts, resets) and 5xx answers are retried with exponential backoff
 and full jitter (`runtime.retry.RetryPolicy`); `retries=None` retries for as long as it takes, which is how a
-node waits out a coordinator that is down or restarting. Every try of a signed request is signed afresh (a new
-nonce and timestamp), so a retry is neither refused as a replay nor as stale after a long outage. Requests that
-change state (POST, PUT) carry an `Idempotency-Key` header, one random key per logical request, the same on each
-of its retries, so that a coordinator can recognise a retry of a request it already applied. An `Outage` shared
-by the client's users logs the start and the end of each outage once.
+node waits out a coordinator that is down or restarting; a 429 is retried after its Retry-After. Every try of a
+signed request is signed afresh (a new nonce and timestamp), so a retry is neither refused as a replay nor as stale
+after a long outage. Requests that change state (POST, PUT) carry an `Idempotency-Key` header, one random key per
+logical request, the same on each of its retries, so that a coordinator can recognise a retry of a request it
+already applied. An `Outage` shared by the client's users logs the start and the end of each outage once.
+
+What the coordinator signs is checked before it is used: the run description (`RunInfo.verify`) against the
+coordinator key the client was given (or, without one, the first one it saw), and every lease (`Lease.verify`: for
+this pool, this node, the run's sampling). A response that does not verify raises `UntrustedResponse`: it was
+rewritten on the way (use https), and acting on it could get an honest node banned.
 """
 
 from __future__ import annotations
@@ -25,12 +30,11 @@ from pydantic import BaseModel
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
-from swarmrl.protocol.signing import sign
+from swarmrl.protocol.signing import SIGNATURE_HEADER, SignatureError, sign
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
 
 T = TypeVar("T", bound=BaseModel)
 
-ENVELOPE_HEADER = "x-swarmrl-envelope"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # Failures after which the request cannot have reached the server: its retry cannot be a repeat.
@@ -51,20 +55,32 @@ class CoordinatorError(Exception):
         self.retried = retried
 
 
+class UntrustedResponse(CoordinatorError):
+    """A response that should carry the coordinator's signature and does not verify: it is not acted on."""
+
+    def __init__(self, reason: str):
+        super().__init__(502, f"refused the coordinator's answer: {reason} (rewritten on the way? use https)")
+
+
 class CoordinatorClient:
     """Talks to one coordinator at `base_url` (e.g. http://127.0.0.1:8470).
 
     `retries`: retries after the first try of a request (None: until it succeeds or `stop` is set); `retry`, when
     given, replaces it with a full policy. `stop`: an event that ends a retrying request at once (it raises its
     last error). `outage`: shared outage bookkeeping (one is made if not given). `transport`: an httpx transport
-    (default: plain HTTP/1.1 connections).
+    (default: plain HTTP/1.1 connections). `coordinator_key`: the key the coordinator must sign with (a node's
+    pinned key); None trusts the key of the first run description fetched, for the client's lifetime.
     """
 
     def __init__(self, base_url: str, identity: Identity | None = None, timeout: float = 30.0,
                  retries: int | None = 5, *, retry: RetryPolicy | None = None, stop: threading.Event | None = None,
-                 outage: Outage | None = None, transport: httpx.BaseTransport | None = None):
+                 outage: Outage | None = None, transport: httpx.BaseTransport | None = None,
+                 coordinator_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.identity = identity
+        self.coordinator_key = coordinator_key.lower() if coordinator_key else None
+        self.run: m.RunInfo | None = None
+        """The newest verified run description."""
         self.retry = retry if retry is not None else RetryPolicy(attempts=retries)
         self.stop = stop
         self.outage = outage if outage is not None else Outage(self.base_url)
@@ -105,6 +121,18 @@ class CoordinatorClient:
                 self.outage.failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             else:
                 status = resp.status_code
+                wait = _retry_after(resp) if status == 429 else None
+                if wait is not None:  # a rate limit: wait as long as it says, then try again
+                    error = self._refusal(resp, maybe_sent)
+                    if not policy.may_retry(attempt, started, time.monotonic()):
+                        raise error
+                    if self.stop is not None:
+                        if self.stop.wait(min(wait, policy.cap_s)):
+                            raise error
+                    else:
+                        time.sleep(min(wait, policy.cap_s))
+                    attempt += 1
+                    continue
                 if status in UNAVAILABLE_STATUSES:
                     error = self._refusal(resp, maybe_sent)
                     self.outage.failed(f"HTTP {status}")
@@ -135,19 +163,44 @@ class CoordinatorClient:
             detail = resp.text
         return CoordinatorError(resp.status_code, detail if isinstance(detail, str) else json.dumps(detail), retried)
 
-    def _signed(self, path: str, kind: str, payload: BaseModel, out: type[T] | None) -> T | None:
-        identity = self.identity
-        if identity is None:
+    @property
+    def pool(self) -> str:
+        """The pool every request is signed for (from the verified run description, fetched when first needed)."""
+        return (self.run or self.info()).pool
+
+    def signature_header(self, kind: str, body: bytes) -> dict[str, str]:
+        """The header that signs `body` as a `kind` request of this pool."""
+        if self.identity is None:
             raise ValueError("this call must be signed: give the client an identity")
-        resp = self._request("POST", path, build=lambda: {"content": sign(identity, kind, payload).model_dump_json()})
+        return {SIGNATURE_HEADER: sign(self.identity, kind, self.pool, body).header()}
+
+    def _signed(self, path: str, kind: str, payload: BaseModel, out: type[T] | None) -> T | None:
+        body = payload.model_dump_json().encode()
+        resp = self._request("POST", path, build=lambda: {"content": body,
+                                                          "headers": self.signature_header(kind, body)})
         if out is None or resp.status_code == 204:
             return None
         return out.model_validate_json(resp.content)
 
+    def trust(self, run: m.RunInfo) -> m.RunInfo:
+        """`run`, once its signature verifies against the coordinator key (pinned on first use when none was
+        given); UntrustedResponse otherwise."""
+        if self.coordinator_key is not None and run.coordinator_key != self.coordinator_key:
+            raise UntrustedResponse(f"the run description names key {run.coordinator_key[:16]}…, not the "
+                                    f"coordinator's {self.coordinator_key[:16]}…")
+        try:
+            run.verify(self.coordinator_key)
+        except SignatureError as e:
+            raise UntrustedResponse(f"the run description does not verify: {e.reason}") from None
+        self.coordinator_key = run.coordinator_key
+        self.run = run
+        return run
+
     # -- public endpoints -----------------------------------------------------------------------------
 
     def info(self) -> m.RunInfo:
-        return m.RunInfo.model_validate_json(self._request("GET", "/v1/info").content)
+        """The run description, verified (`trust`)."""
+        return self.trust(m.RunInfo.model_validate_json(self._request("GET", "/v1/info").content))
 
     def status(self) -> m.RunStatus:
         return m.RunStatus.model_validate_json(self._request("GET", "/v1/status").content)
@@ -183,7 +236,11 @@ class CoordinatorClient:
             )
             req = m.RegisterRequest(challenge=ch.challenge, name=name, engine=engine)
             try:
-                return self._signed("/v1/register", m.KIND_REGISTER, req, m.Registered)  # type: ignore[return-value]
+                reg: m.Registered = self._signed("/v1/register", m.KIND_REGISTER, req, m.Registered)  # type: ignore
+                self.trust(reg.run)
+                return reg
+            except UntrustedResponse:
+                raise
             except CoordinatorError as e:
                 if e.status != 401 or "challenge" not in e.reason or attempt == REGISTER_TRIES - 1:
                     raise
@@ -192,7 +249,24 @@ class CoordinatorClient:
     def lease(self, max_prompts: int, held_version: int) -> m.Lease | None:
         """A lease of prompts, or None when the coordinator has no work right now."""
         req = m.LeaseRequest(max_prompts=max_prompts, held_version=held_version)
-        return self._signed("/v1/lease", m.KIND_LEASE, req, m.Lease)
+        lease = self._signed("/v1/lease", m.KIND_LEASE, req, m.Lease)
+        if lease is not None:
+            self.check_lease(lease)
+        return lease
+
+    def check_lease(self, lease: m.Lease) -> None:
+        """UntrustedResponse unless `lease` is the coordinator's, for this pool and this node, with the run's
+        sampling: a node generates only what it can be judged fairly on."""
+        run = self.run or self.info()
+        assert self.identity is not None and self.coordinator_key is not None
+        try:
+            lease.verify(self.coordinator_key, run.pool)
+        except SignatureError as e:
+            raise UntrustedResponse(f"lease {lease.lease_id[:24]} does not verify: {e.reason}") from None
+        if lease.node_id != self.identity.node_id:
+            raise UntrustedResponse(f"lease {lease.lease_id[:24]} was issued to another node")
+        if lease.sampling != run.spec.sampling:
+            raise UntrustedResponse(f"lease {lease.lease_id[:24]} samples otherwise than the run")
 
     def submit(self, submission: m.RolloutSubmission) -> m.SubmitResult:
         return self._signed("/v1/submit", m.KIND_SUBMIT, submission, m.SubmitResult)  # type: ignore[return-value]
@@ -229,11 +303,9 @@ class CoordinatorClient:
                             m.FeedAcked)  # type: ignore[return-value]
 
     def upload_shard(self, sha256: str, data: bytes) -> None:
-        identity = self.identity
-        assert identity is not None
-        upload = m.ShardUpload(sha256=sha256, size=len(data))
-        self._request("PUT", f"/v1/trainer/shards/{sha256}", content=data, build=lambda: {"headers": {
-            ENVELOPE_HEADER: sign(identity, m.KIND_TRAINER_SHARD, upload).model_dump_json()}})
+        """Upload a shard; its signature covers its bytes, whose sha256 is its address."""
+        self._request("PUT", f"/v1/trainer/shards/{sha256}", content=data,
+                      build=lambda: {"headers": self.signature_header(m.KIND_TRAINER_SHARD, data)})
 
     def publish(self, manifest: CheckpointManifest) -> SignedManifest:
         return self._signed("/v1/trainer/publish", m.KIND_TRAINER_PUBLISH, m.PublishRequest(manifest=manifest),
@@ -246,3 +318,11 @@ class CoordinatorClient:
 
 class _PendingList(BaseModel):
     groups: list[m.PendingGroup]
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    """The seconds a 429's Retry-After asks for (None without a usable one)."""
+    try:
+        return max(0.0, float(resp.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
-from swarmrl.protocol.messages import Rollout, RolloutGroup, TrainingGroup
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.leases import Lease, LeasedPrompt
+from swarmrl.protocol.messages import PendingGroup, Rollout, RolloutGroup, TrainingGroup
+from swarmrl.protocol.run import SamplingSpec
+from swarmrl.protocol.signing import pool_id
+
+LOCAL_RUN = "local"
 
 
 def training_group(*, group_id: int, policy_version: int, prompt_ids: Sequence[int],
@@ -16,3 +23,26 @@ def training_group(*, group_id: int, policy_version: int, prompt_ids: Sequence[i
                 for i, (c, lp, f) in enumerate(zip(completions, logprobs, reasons, strict=True))]
     return TrainingGroup(group_id=group_id, policy_version=policy_version, rewards=list(rewards),
                          group=RolloutGroup(prompt_id=f"p{group_id}", prompt_ids=list(prompt_ids), rollouts=rollouts))
+
+
+@cache
+def local_coordinator() -> Identity:
+    """The key that signs the leases of groups built here, outside any pool (one per process)."""
+    return Identity.generate()
+
+
+def local_pool() -> str:
+    return pool_id(LOCAL_RUN, local_coordinator().public_key_hex)
+
+
+def pending_group(*, group_id: int, node_id: str, prompt_text: str, answer: str, sampling: SamplingSpec,
+                  seeds: Sequence[int], group: RolloutGroup, policy_version: int = 0, lease_version: int | None = None,
+                  **kw: int) -> PendingGroup:
+    """A PendingGroup as a coordinator hands it out: judged against a lease of `prompt_text` with `seeds` and
+    `sampling`, signed by `local_coordinator()` for `local_pool()`."""
+    lease = Lease.issue(local_coordinator(), local_pool(), lease_id=f"local{group_id}", node_id=node_id,
+                        policy_version=policy_version if lease_version is None else lease_version, expires_at=0.0,
+                        sampling=sampling, prompts=[LeasedPrompt(prompt_id=group.prompt_id, text=prompt_text,
+                                                                 seeds=list(seeds))])
+    return PendingGroup(group_id=group_id, node_id=node_id, answer=answer, lease=lease.excerpt(group.prompt_id),
+                        policy_version=policy_version, group=group, **kw)

@@ -19,6 +19,7 @@ from swarmrl.node.engine import Completion, GenerationRequest
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import Task
+from swarmrl.testing.groups import pending_group
 from swarmrl.verifier.checks import CheckContext, cheap_checks
 from swarmrl.verifier.config import Tolerances
 from swarmrl.verifier.full_check import GroupReport, full_check
@@ -41,8 +42,8 @@ def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list[
         rs = [m.Rollout(seed=q.seed, completion_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
                         proof=c.proof) for q, c in zip(rq, cs, strict=True)]
         temperature = rq[0].temperature if rq[0].temperature is not None else 1.0
-        out.append(m.PendingGroup(
-            group_id=first_id + gi, node_id="local", prompt_text=text, answer="0", lease_version=0, policy_version=0,
+        out.append(pending_group(
+            group_id=first_id + gi, node_id="local", prompt_text=text, answer="0",
             sampling=m.SamplingSpec(temperature=temperature, max_tokens=max_tokens, group_size=group_size),
             seeds=[r.seed for r in rs],
             group=m.RolloutGroup(prompt_id=str(gi), prompt_ids=rq[0].prompt_ids, rollouts=rs)))

@@ -1,4 +1,7 @@
-"""Leasing stops while enough usable work is in flight, and resumes as the trainer acknowledges groups."""
+"""Leasing stops while enough usable work is in flight, and resumes as the trainer acknowledges groups.
+
+These nodes count as proven from the start (`admission.proven_after_groups=0`): the buffer as a whole is what is
+tested here; how unproven identities share it is tests/test_admission.py's."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from tests import test_coordinator_api as api
 from tests.test_coordinator_api import Run, submission
 
 run_factory = api.run_factory  # the coordinator fixture, shared with the API tests
+PROVEN = {"proven_after_groups": 0}
 
 
 def _verify_all(run: Run) -> None:
@@ -17,7 +21,7 @@ def _verify_all(run: Run) -> None:
 
 
 def test_leasing_pauses_at_the_buffer_limit_and_resumes(run_factory):
-    run: Run = run_factory(max_buffered_groups=4, max_staleness=1)
+    run: Run = run_factory(max_buffered_groups=4, max_staleness=1, admission=PROVEN)
     run.publish(0)
     node = run.node()
     first = node.lease(max_prompts=3, held_version=0)
@@ -40,7 +44,7 @@ def test_leasing_pauses_at_the_buffer_limit_and_resumes(run_factory):
 
 
 def test_stale_work_does_not_hold_the_buffer(run_factory):
-    run: Run = run_factory(max_buffered_groups=2, max_staleness=0)
+    run: Run = run_factory(max_buffered_groups=2, max_staleness=0, admission=PROVEN)
     run.publish(0)
     node = run.node()
     lease = node.lease(max_prompts=2, held_version=0)

@@ -18,14 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import BaseModel
 
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.coordinator.server import running_server
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunSpec
-from swarmrl.protocol.signing import SignedEnvelope, canonical_json, sign
-from swarmrl.runtime.client import ENVELOPE_HEADER, CoordinatorClient, CoordinatorError
+from swarmrl.protocol.signing import SIGNATURE_HEADER, pool_id, sign
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 GROUP = 3
@@ -54,9 +56,13 @@ class Run:
     clock: Clock
     tmp: Path
 
+    @property
+    def pool(self) -> str:
+        return pool_id(self.cfg.run.run_id, self.key.public_key_hex)
+
     def node(self, name: str = "node") -> CoordinatorClient:
         """A freshly registered node."""
-        client = CoordinatorClient(self.url, Identity.generate(), retries=0)
+        client = CoordinatorClient(self.url, Identity.generate(), retries=0, coordinator_key=self.key.public_key_hex)
         client.register(name=name, engine="torch")
         return client
 
@@ -99,7 +105,8 @@ def run_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
         run.update({k: overrides.pop(k) for k in ("max_staleness", "task", "proofs") if k in overrides})
         settings = dict(data_dir=data_dir or tmp_path / "coord", run=RunSpec(**run),
                         operator_keys=[op_key.public_key_hex],
-                        max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024, claim_ttl_s=30.0)
+                        max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024, claim_ttl_s=30.0,
+                        rate_limits=RateLimitConfig.off())
         settings.update(overrides)
         settings.setdefault("store_url", store_url_for(settings["data_dir"]))
         cfg = CoordinatorConfig(**settings)
@@ -138,16 +145,19 @@ def submission(lease: m.Lease, policy_version: int | None = None, prompts: list[
     return m.RolloutSubmission(lease_id=lease.lease_id, policy_version=version, groups=groups)
 
 
-def signed_at(identity: Identity, kind: str, payload: dict, ts: float) -> SignedEnvelope:
-    """An envelope correctly signed but with the timestamp `ts`."""
-    body = json.loads(canonical_json(payload))
-    env = SignedEnvelope(kind=kind, public_key=identity.public_key_hex, nonce=secrets.token_hex(16), timestamp=ts,
-                         payload=body, signature="0" * 128)
-    return env.model_copy(update={"signature": identity.sign(env.signed_bytes())})
+def signed(identity: Identity, kind: str, pool: str, payload: BaseModel | dict | bytes, ts: float | None = None
+           ) -> tuple[bytes, dict[str, str]]:
+    """A request (body, headers) correctly signed by `identity` for `pool` (at time `ts`, default now)."""
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json().encode()
+    else:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return body, {SIGNATURE_HEADER: sign(identity, kind, pool, body, ts=ts).header()}
 
 
-def post(url: str, path: str, body: str | bytes) -> tuple[int, str]:
-    resp = httpx.post(url + path, content=body)
+def post(url: str, path: str, body: str | bytes | tuple[bytes, dict[str, str]]) -> tuple[int, str]:
+    content, headers = body if isinstance(body, tuple) else (body, {})
+    resp = httpx.post(url + path, content=content, headers=headers)
     is_json = resp.headers.get("content-type", "").startswith("application/json")
     detail = resp.json().get("detail", "") if is_json else ""
     return resp.status_code, detail
@@ -170,17 +180,20 @@ def test_register_by_challenge(run_factory) -> None:
     ch = m.Challenge.model_validate(httpx.post(run.url + "/v1/register/challenge",
                                                json={"public_key": alice.public_key_hex}).json())
     # Mallory signs Alice's challenge with her own key: refused, and Alice's challenge is not used up.
-    bad = sign(mallory, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge, name="mallory"))
-    assert post(run.url, "/v1/register", bad.model_dump_json())[0] == 401
-    good = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge, name="alice", engine="vllm"))
-    status, _ = post(run.url, "/v1/register", good.model_dump_json())
+    bad = signed(mallory, m.KIND_REGISTER, run.pool, m.RegisterRequest(challenge=ch.challenge, name="mallory"))
+    assert post(run.url, "/v1/register", bad)[0] == 401
+    good = signed(alice, m.KIND_REGISTER, run.pool, m.RegisterRequest(challenge=ch.challenge, name="alice",
+                                                                      engine="vllm"))
+    status, _ = post(run.url, "/v1/register", good)
     assert status == 200
-    # The same challenge again, in a fresh envelope: single use.
-    again = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge, name="alice"))
-    status, detail = post(run.url, "/v1/register", again.model_dump_json())
+    # The same challenge again, in a fresh request: single use.
+    again = signed(alice, m.KIND_REGISTER, run.pool, m.RegisterRequest(challenge=ch.challenge, name="alice"))
+    status, detail = post(run.url, "/v1/register", again)
     assert status == 401 and "challenge" in detail
-    unknown = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge="00" * 32))
-    assert post(run.url, "/v1/register", unknown.model_dump_json())[0] == 401
+    unknown = signed(alice, m.KIND_REGISTER, run.pool, m.RegisterRequest(challenge="00" * 32))
+    assert post(run.url, "/v1/register", unknown)[0] == 401
+    forged = signed(alice, m.KIND_REGISTER, run.pool, m.RegisterRequest(challenge=ch.challenge[:-1] + "0"))
+    assert post(run.url, "/v1/register", forged)[0] == 401
 
     nodes = {n.node_id: n for n in run.op.status().nodes}
     assert set(nodes) == {alice.node_id}
@@ -198,8 +211,8 @@ def test_expired_challenge_refused(run_factory) -> None:
     ch = m.Challenge.model_validate(httpx.post(run.url + "/v1/register/challenge",
                                                json={"public_key": alice.public_key_hex}).json())
     run.clock.advance(run.cfg.challenge_ttl_s + 1)
-    env = sign(alice, m.KIND_REGISTER, m.RegisterRequest(challenge=ch.challenge))
-    assert post(run.url, "/v1/register", env.model_dump_json())[0] == 401
+    req = signed(alice, m.KIND_REGISTER, run.pool, m.RegisterRequest(challenge=ch.challenge), ts=run.clock())
+    assert post(run.url, "/v1/register", req)[0] == 401
     assert run.op.status().nodes == []
 
 
@@ -240,11 +253,11 @@ def test_lease_and_submit_happy_path(run: Run) -> None:
 
 def test_answers_never_sent_to_nodes(run: Run) -> None:
     node = run.node()
-    env = sign(node.identity, m.KIND_LEASE, m.LeaseRequest(max_prompts=5))
-    resp = httpx.post(run.url + "/v1/lease", content=env.model_dump_json())
+    body, headers = signed(node.identity, m.KIND_LEASE, run.pool, m.LeaseRequest(max_prompts=5))
+    resp = httpx.post(run.url + "/v1/lease", content=body, headers=headers)
     assert resp.status_code == 200
     assert "answer" not in resp.text
-    m.Lease.model_validate_json(resp.content)  # exactly the protocol's shape
+    m.Lease.model_validate_json(resp.content).verify(run.key.public_key_hex, run.pool)  # the protocol's, signed
 
 
 def test_prompts_are_deterministic_in_the_seed(run_factory, tmp_path: Path) -> None:
@@ -295,22 +308,22 @@ def test_unknown_lease_refused(run: Run) -> None:
     refused(lambda: node.submit(submission(fake)), 404)
 
 
-def test_duplicate_submission_never_double_counted(run: Run) -> None:
+def test_a_submission_settles_its_lease(run: Run) -> None:
     node = run.node()
     lease = node.lease(2, 0)
     first = node.submit(submission(lease, prompts=lease.prompts[:1]))
     assert first.accepted == [lease.prompts[0].prompt_id]
     before = run.accepted_state()
-    again = node.submit(submission(lease, prompts=lease.prompts[:1]))
-    assert again.accepted == [] and again.rejected == {lease.prompts[0].prompt_id: "already submitted"}
+    # Settled: neither the prompt submitted nor the one left out can be submitted again (that one was leased again).
+    refused(lambda: node.submit(submission(lease, prompts=lease.prompts[:1])), 409, "settled")
+    refused(lambda: node.submit(submission(lease, prompts=lease.prompts[1:])), 409, "settled")
     assert run.accepted_state() == before
-    # The same prompt twice in one submission is malformed: refused whole.
-    sub = submission(lease, prompts=[lease.prompts[1], lease.prompts[1]])
-    refused(lambda: node.submit(sub), 422, "twice")
+    # The same prompt twice in one submission is malformed: refused whole, and the lease is still open.
+    again = node.lease(2, 0)
+    refused(lambda: node.submit(submission(again, prompts=[again.prompts[1], again.prompts[1]])), 422, "twice")
     assert run.accepted_state() == before
-    rest = node.submit(submission(lease, prompts=lease.prompts[1:]))
-    assert rest.accepted == [lease.prompts[1].prompt_id]
-    assert run.op.status().groups_pending == 2
+    assert sorted(node.submit(submission(again)).accepted) == sorted(p.prompt_id for p in again.prompts)
+    assert run.op.status().groups_pending == 3
 
 
 def test_concurrent_duplicate_submissions_counted_once(run: Run) -> None:
@@ -319,11 +332,18 @@ def test_concurrent_duplicate_submissions_counted_once(run: Run) -> None:
     node = run.node()
     lease = node.lease(4, 0)
     sub = submission(lease)
+
+    def submit(_: int) -> m.SubmitResult | CoordinatorError:
+        try:
+            return CoordinatorClient(run.url, node.identity, retries=0).submit(sub)
+        except CoordinatorError as e:
+            return e
+
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: CoordinatorClient(run.url, node.identity, retries=0).submit(sub), range(4)))
-    taken = [pid for r in results for pid in r.accepted]
-    assert sorted(taken) == sorted(p.prompt_id for p in lease.prompts)
-    assert sum(len(r.rejected) for r in results) == 3 * len(lease.prompts)
+        results = list(pool.map(submit, range(4)))
+    taken = [r for r in results if isinstance(r, m.SubmitResult)]
+    assert len(taken) == 1 and sorted(taken[0].accepted) == sorted(p.prompt_id for p in lease.prompts)
+    assert sorted(r.status for r in results if isinstance(r, CoordinatorError)) == [409] * 3
     assert run.op.status().groups_pending == len(lease.prompts)
 
 
@@ -351,9 +371,14 @@ def test_bad_groups_rejected_individually(run: Run) -> None:
     assert "max_tokens" in reasons[g[6].prompt_id]
     assert "unknown prompt" in reasons["not-a-leased-prompt"]
     assert run.op.status().groups_pending == 1
-    # A rejected group can be resubmitted correctly: it was not marked submitted.
-    fixed = node.submit(submission(lease, prompts=[lease.prompts[1]]))
-    assert fixed.accepted == [lease.prompts[1].prompt_id]
+    # The submission settled the lease: its 6 refused groups and the prompt left out were abandoned, counted against
+    # the node, and are leased again (with fresh seeds) to the next other identity, before any new prompt.
+    refused(lambda: node.submit(submission(lease, prompts=[lease.prompts[1]])), 409, "settled")
+    row = next(n for n in run.op.status().nodes if n.node_id == node.identity.node_id)
+    assert (row.prompts_leased, row.prompts_abandoned) == (8, 7)
+    other = run.node("other").lease(8, 0)
+    assert [p.text for p in other.prompts[:7]] == [p.text for p in lease.prompts[1:]]
+    assert not {s for p in other.prompts for s in p.seeds} & {s for p in lease.prompts for s in p.seeds}
 
 
 def test_seeds_must_match_as_a_multiset(run: Run) -> None:
@@ -368,16 +393,20 @@ def test_seeds_must_match_as_a_multiset(run: Run) -> None:
 
 def test_stale_policy_version_refused(run: Run) -> None:
     node = run.node()
-    lease = node.lease(2, 0)
+    first, second, third = (node.lease(2, 0) for _ in range(3))
     for v in (1, 2, 3):
         run.publish(v)
     before = run.accepted_state()
-    err = refused(lambda: node.submit(submission(lease, policy_version=0)), 409, "stale submission")
+    err = refused(lambda: node.submit(submission(first, policy_version=0)), 409, "stale submission")
     assert "1..3" in err.reason
-    refused(lambda: node.submit(submission(lease, policy_version=4)), 409, "stale submission")
+    refused(lambda: node.submit(submission(second, policy_version=4)), 409, "stale submission")
     assert run.accepted_state() == before
-    result = node.submit(submission(lease, policy_version=1))  # exactly max_staleness behind: taken
+    # A stale submission settles its lease (its prompts are leased again, not counted against the node).
+    refused(lambda: node.submit(submission(first, policy_version=1)), 409, "settled")
+    result = node.submit(submission(third, policy_version=1))  # exactly max_staleness behind: taken
     assert len(result.accepted) == 2
+    row = next(n for n in run.op.status().nodes if n.node_id == node.identity.node_id)
+    assert (row.prompts_leased, row.prompts_abandoned) == (6, 0)
 
 
 def test_expired_lease_refused(run_factory) -> None:
@@ -400,62 +429,87 @@ def test_heartbeat_updates_node(run: Run) -> None:
 # -- signed-request checks ----------------------------------------------------------------------------
 
 
-def test_forged_tampered_replayed_and_stale_envelopes(run: Run) -> None:
+def test_forged_tampered_misdirected_replayed_and_stale_requests(run: Run) -> None:
     node = run.node()
     ident = node.identity
     lease_req = m.LeaseRequest(max_prompts=1, held_version=0)
     before = run.accepted_state()
 
     # Forged: claims the node's key, signed by someone else.
-    forged = sign(Identity.generate(), m.KIND_LEASE, lease_req).model_copy(update={"public_key": ident.public_key_hex})
-    assert post(run.url, "/v1/lease", forged.model_dump_json()) == (401, "bad signature")
-    # Tampered after signing.
-    env = sign(ident, m.KIND_LEASE, lease_req)
-    tampered = env.model_copy(update={"payload": {**env.payload, "max_prompts": 200}})
-    assert post(run.url, "/v1/lease", tampered.model_dump_json()) == (401, "bad signature")
+    body, headers = signed(Identity.generate(), m.KIND_LEASE, run.pool, lease_req)
+    sig = json.loads(headers[SIGNATURE_HEADER])
+    sig["key"] = ident.public_key_hex
+    assert post(run.url, "/v1/lease", (body, {SIGNATURE_HEADER: json.dumps(sig)})) == (401, "bad signature")
+    # The body changed after signing.
+    body, headers = signed(ident, m.KIND_LEASE, run.pool, lease_req)
+    status, detail = post(run.url, "/v1/lease", (body.replace(b'"max_prompts":1', b'"max_prompts":200'), headers))
+    assert status == 401 and "not the one signed" in detail
     # The right signature for another endpoint.
-    hb = sign(ident, m.KIND_HEARTBEAT, m.Heartbeat())
-    status, detail = post(run.url, "/v1/lease", hb.model_dump_json())
+    status, detail = post(run.url, "/v1/lease", signed(ident, m.KIND_HEARTBEAT, run.pool, m.Heartbeat()))
     assert status == 401 and "expected a 'lease' message" in detail
+    # Signed for another pool: another run, or the same run id under another coordinator key (a request replayed
+    # from another pool).
+    for pool in (pool_id("other-run", run.key.public_key_hex), pool_id(run.cfg.run.run_id, "ab" * 32)):
+        status, detail = post(run.url, "/v1/lease", signed(ident, m.KIND_LEASE, pool, lease_req))
+        assert status == 401 and "another pool" in detail
     # Stale and future timestamps.
     for ts in (time.time() - 600, time.time() + 600):
-        old = signed_at(ident, m.KIND_LEASE, lease_req.model_dump(), ts)
-        status, detail = post(run.url, "/v1/lease", old.model_dump_json())
+        status, detail = post(run.url, "/v1/lease", signed(ident, m.KIND_LEASE, run.pool, lease_req, ts=ts))
         assert status == 401 and "timestamp" in detail
+    # Unsigned, and a header that is not a signature.
+    status, detail = post(run.url, "/v1/lease", lease_req.model_dump_json())
+    assert status == 401 and "unsigned" in detail
+    status, detail = post(run.url, "/v1/lease", (b"{}", {SIGNATURE_HEADER: '{"kind": "lease"}'}))
+    assert status == 400 and "malformed" in detail
+    assert run.accepted_state() == before
     # Replayed: the first use works, the second is refused.
-    env = sign(ident, m.KIND_LEASE, lease_req)
-    assert post(run.url, "/v1/lease", env.model_dump_json())[0] == 200
-    assert post(run.url, "/v1/lease", env.model_dump_json()) == (409, "replayed request")
+    req = signed(ident, m.KIND_LEASE, run.pool, lease_req)
+    assert post(run.url, "/v1/lease", req)[0] == 200
+    assert post(run.url, "/v1/lease", req) == (409, "replayed request")
 
     lease = node.lease(1, 0)
-    sub_env = sign(ident, m.KIND_SUBMIT, submission(lease))
-    assert post(run.url, "/v1/submit", sub_env.model_dump_json())[0] == 200
+    sub_req = signed(ident, m.KIND_SUBMIT, run.pool, submission(lease))
+    assert post(run.url, "/v1/submit", sub_req)[0] == 200
     after_first = run.accepted_state()
     assert after_first != before
-    assert post(run.url, "/v1/submit", sub_env.model_dump_json()) == (409, "replayed request")
+    assert post(run.url, "/v1/submit", sub_req) == (409, "replayed request")
     assert run.accepted_state() == after_first
+
+
+def test_the_signature_is_checked_before_the_body_is_parsed(run: Run) -> None:
+    """A body that is not even JSON is never parsed (a parse would answer 422) unless a registered node signed it:
+    unsigned, with a bad signature, with another body's signature (401) or signed by a key that is no node (403)."""
+    node = run.node()
+    garbage = b"{" * 100_000
+    assert post(run.url, "/v1/submit", garbage)[0] == 401
+    headers = signed(Identity.generate(), m.KIND_SUBMIT, run.pool, garbage)[1]
+    bad = {**json.loads(headers[SIGNATURE_HEADER]), "sig": "0" * 128}
+    assert post(run.url, "/v1/submit", (garbage, {SIGNATURE_HEADER: json.dumps(bad)})) == (401, "bad signature")
+    other_body = signed(node.identity, m.KIND_SUBMIT, run.pool, b"{}")[1]
+    assert post(run.url, "/v1/submit", (garbage, other_body))[0] == 401
+    status, detail = post(run.url, "/v1/submit", signed(Identity.generate(), m.KIND_SUBMIT, run.pool, garbage))
+    assert status == 403 and "register" in detail
+    status, detail = post(run.url, "/v1/submit", signed(node.identity, m.KIND_SUBMIT, run.pool, garbage))
+    assert status == 422 and "JSON" in detail
 
 
 def test_malformed_requests(run: Run) -> None:
     node = run.node()
     ident = node.identity
     before = run.accepted_state()
-    status, detail = post(run.url, "/v1/lease", b"{not json")
-    assert status == 422 and "malformed envelope" in detail
-    status, detail = post(run.url, "/v1/lease", json.dumps({"kind": "lease"}))
-    assert status == 422 and "public_key" in detail
+    status, detail = post(run.url, "/v1/lease", signed(ident, m.KIND_LEASE, run.pool, b"{not json"))
+    assert status == 422 and "JSON" in detail
     # Unknown fields in the payload: correctly signed, still refused with pydantic's reason.
-    env = sign(ident, m.KIND_LEASE, {"max_prompts": 1, "held_version": 0, "greedy": True})
-    status, detail = post(run.url, "/v1/lease", env.model_dump_json())
+    req = signed(ident, m.KIND_LEASE, run.pool, {"max_prompts": 1, "held_version": 0, "greedy": True})
+    status, detail = post(run.url, "/v1/lease", req)
     assert status == 422 and "greedy" in detail and "Extra inputs" in detail
-    env = sign(ident, m.KIND_LEASE, {"max_prompts": 100000})
-    status, detail = post(run.url, "/v1/lease", env.model_dump_json())
+    status, detail = post(run.url, "/v1/lease", signed(ident, m.KIND_LEASE, run.pool, {"max_prompts": 100000}))
     assert status == 422 and "max_prompts" in detail
     # Out-of-bounds lists inside a submission.
     lease = node.lease(1, 0)
     sub = submission(lease).model_dump(mode="json")
     sub["groups"][0]["rollouts"][0]["completion_ids"] = [1] * (m.MAX_COMPLETION_TOKENS + 1)
-    status, detail = post(run.url, "/v1/submit", sign(ident, m.KIND_SUBMIT, sub).model_dump_json())
+    status, detail = post(run.url, "/v1/submit", signed(ident, m.KIND_SUBMIT, run.pool, sub))
     assert status == 422 and "completion_ids" in detail
     assert run.accepted_state() == before
 
@@ -466,11 +520,13 @@ def test_oversized_bodies_refused(run: Run) -> None:
     big = b"x" * (run.cfg.max_body_bytes + 1)
     status, detail = post(run.url, "/v1/submit", big)
     assert status == 413 and "exceeds" in detail
-    # Streamed without a Content-Length: counted as it arrives.
-    chunks = (b"y" * 65536 for _ in range(run.cfg.max_body_bytes // 65536 + 2))
-    resp = httpx.post(run.url + "/v1/submit", content=chunks)
-    assert resp.status_code == 413
-    # A correctly signed envelope that is simply too big.
+    # Streamed without a Content-Length: unsigned, it is refused before a byte is read; signed, counted as it
+    # arrives.
+    chunks = lambda: (b"y" * 65536 for _ in range(run.cfg.max_body_bytes // 65536 + 2))  # noqa: E731
+    assert httpx.post(run.url + "/v1/submit", content=chunks()).status_code == 401
+    headers = signed(node.identity, m.KIND_SUBMIT, run.pool, b"anything")[1]
+    assert httpx.post(run.url + "/v1/submit", content=chunks(), headers=headers).status_code == 413
+    # A correctly signed submission that is simply too big.
     lease = node.lease(2, 0)
     sub = submission(lease)
     for g in sub.groups:
@@ -650,7 +706,7 @@ def test_publish_rules_and_shard_serving(run_factory) -> None:
     for ref in refs[:-1]:
         run.op.upload_shard(ref.sha256, local.get(ref.sha256))
     refused(lambda: run.op.publish(manifest), 409, refs[-1].sha256)
-    refused(lambda: run.op.upload_shard(refs[-1].sha256, b"not the shard"), 422, "mismatch")
+    refused(lambda: run.op.upload_shard(refs[-1].sha256, b"not the shard"), 422, "another shard")
     run.op.upload_shard(refs[-1].sha256, local.get(refs[-1].sha256))
     refused(lambda: run.op.publish(manifest.model_copy(update={"run_id": "other"})), 409, "run")
     assert run.op.info().current_version == -1
@@ -697,20 +753,22 @@ def test_shard_upload_checks(run_factory) -> None:
     from swarmrl.protocol.manifest import sha256_bytes
 
     sha = sha256_bytes(data)
-    put = lambda env, body=data, path=sha: httpx.put(  # noqa: E731
-        f"{run.url}/v1/trainer/shards/{path}", content=body,
-        headers={} if env is None else {ENVELOPE_HEADER: env.model_dump_json()})
     op = run.op.identity
-    assert put(None).status_code == 401
-    assert put(sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256="ab" * 32, size=len(data)))).status_code == 422
-    assert put(sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256=sha, size=len(data) - 1))).status_code == 422
-    assert put(sign(op, m.KIND_TRAINER_PUBLISH, m.ShardUpload(sha256=sha, size=len(data)))).status_code == 401
+    put = lambda headers, body=data, path=sha: httpx.put(  # noqa: E731
+        f"{run.url}/v1/trainer/shards/{path}", content=body, headers=headers)
+    header = lambda body=data, kind=m.KIND_TRAINER_SHARD, who=op: {  # noqa: E731
+        SIGNATURE_HEADER: sign(who, kind, run.pool, body).header()}
+    assert put({}).status_code == 401
+    assert put(header(b"another shard")).status_code == 422  # signed for another shard than the URL's
+    assert put(header(kind=m.KIND_TRAINER_PUBLISH)).status_code == 401
+    assert put(header(who=Identity.generate())).status_code == 403  # not an operator
+    assert put(header(), body=data[:-1] + b"!").status_code == 401  # not the bytes signed
     too_big = b"z" * (run.cfg.max_shard_bytes + 1)
-    assert put(sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256=sha, size=len(too_big))), too_big).status_code == 413
+    assert put(header(too_big), too_big, sha256_bytes(too_big)).status_code == 413
     assert httpx.get(f"{run.url}/v1/shards/{sha}").status_code == 404
-    env = sign(op, m.KIND_TRAINER_SHARD, m.ShardUpload(sha256=sha, size=len(data)))
-    assert put(env).status_code == 204
-    assert put(env).status_code == 409  # replayed
+    headers = header()
+    assert put(headers).status_code == 204
+    assert put(headers).status_code == 409  # replayed
     assert httpx.get(f"{run.url}/v1/shards/{sha}").content == data
 
 

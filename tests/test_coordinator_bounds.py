@@ -1,10 +1,12 @@
 """Integers the coordinator would store are bounded in the protocol: 2**63 and 2**64 in any of them is a 422 with
-a reason (never a 500), signed by the right role or by a stranger, the largest storable value works, and the
-client's keep-alive connection survives every refusal. Real uvicorn on loopback, real Ed25519, real SQLite."""
+a reason (never a 500) when the right role signed it (a stranger is refused before the payload is read), the largest
+storable value works, and the client's keep-alive connection survives every refusal. Real uvicorn on loopback, real
+Ed25519, real SQLite."""
 
 from __future__ import annotations
 
 import copy
+import json
 import secrets
 
 import httpx
@@ -14,10 +16,9 @@ from swarmrl.coordinator.checkpoints import Checkpoints
 from swarmrl.coordinator.status import Status
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.signing import sign
-from swarmrl.runtime.client import ENVELOPE_HEADER
+from swarmrl.protocol.signing import SIGNATURE_HEADER, sign
 from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, submission
+from tests.test_coordinator_api import Run, signed, submission
 
 run_factory, run = api.run_factory, api.run  # the coordinator fixtures, shared with the API tests
 
@@ -28,9 +29,10 @@ LARGEST = 2**63 - 1
 class Connection:
     """One keep-alive HTTP connection to the coordinator; every response must come back over it."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, pool: str):
         self.http = httpx.Client(base_url=url, limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
         self.local_addr: object = None
+        self.pool = pool
 
     def send(self, method: str, path: str, **kw) -> httpx.Response:
         resp = self.http.request(method, path, **kw)
@@ -40,7 +42,8 @@ class Connection:
         return resp
 
     def post_signed(self, path: str, identity: Identity, kind: str, payload: dict) -> httpx.Response:
-        return self.send("POST", path, content=sign(identity, kind, payload).model_dump_json())
+        body, headers = signed(identity, kind, self.pool, payload)
+        return self.send("POST", path, content=body, headers=headers)
 
 
 def _set(payload: dict, where: tuple, value: int) -> dict:
@@ -78,28 +81,28 @@ def test_oversized_integers_are_refused_and_the_connection_survives(run: Run) ->
           ("manifest", "files", 0, "shards", 0, "size")]),
     ]
     before = run.accepted_state()
-    conn = Connection(run.url)
+    conn = Connection(run.url, run.pool)
     for path, kind, identity, payload, fields in cases:
         for where in fields:
             for value in TOO_BIG:
                 bad = _set(payload, where, value)
-                for signer in (identity, stranger):  # the payload is checked before the signer's role
-                    resp = conn.post_signed(path, signer, kind, bad)
-                    assert resp.status_code == 422, (path, where, value, resp.text)
-                    assert isinstance(resp.json()["detail"], str) and resp.json()["detail"]
+                resp = conn.post_signed(path, identity, kind, bad)
+                assert resp.status_code == 422, (path, where, value, resp.text)
+                assert isinstance(resp.json()["detail"], str) and resp.json()["detail"]
+                # A stranger's payload is not even read: the role comes first.
+                assert conn.post_signed(path, stranger, kind, bad).status_code == 403, (path, where, value)
                 # Without a valid signature nothing of the payload is looked at.
-                env = sign(identity, kind, bad).model_copy(update={"signature": "0" * 128})
-                resp = conn.send("POST", path, content=env.model_dump_json())
+                body, headers = signed(identity, kind, run.pool, bad)
+                bad_sig = {**json.loads(headers[SIGNATURE_HEADER]), "sig": "0" * 128}
+                resp = conn.send("POST", path, content=body, headers={SIGNATURE_HEADER: json.dumps(bad_sig)})
                 assert resp.status_code == 401, (path, where, value, resp.text)
-    # The envelope's own numbers: a timestamp of 2**64 is outside the clock window.
-    env = sign(node.identity, m.KIND_HEARTBEAT, {}).model_copy(update={"timestamp": float(2**64)})
-    assert conn.send("POST", "/v1/heartbeat", content=env.model_dump_json()).status_code == 401
-    # The shard upload's size travels in a header envelope.
-    sha = "ab" * 32
-    for value in TOO_BIG:
-        header = sign(op, m.KIND_TRAINER_SHARD, {"sha256": sha, "size": value}).model_dump_json()
-        resp = conn.send("PUT", f"/v1/trainer/shards/{sha}", content=b"x", headers={ENVELOPE_HEADER: header})
-        assert resp.status_code == 422 and "size" in resp.json()["detail"]
+    # The signature header's own numbers: a timestamp of 2**64 is malformed.
+    for path, kind, identity in (("/v1/heartbeat", m.KIND_HEARTBEAT, node.identity),
+                                 (f"/v1/trainer/shards/{'ab' * 32}", m.KIND_TRAINER_SHARD, op)):
+        sig = json.loads(sign(identity, kind, run.pool, b"x").header())
+        resp = conn.send("PUT" if "shards" in path else "POST", path, content=b"x",
+                         headers={SIGNATURE_HEADER: json.dumps({**sig, "ts": float(2**64)})})
+        assert resp.status_code == 400 and "ts" in resp.json()["detail"], resp.text
     # A path parameter, with no authentication at all.
     for value in (*TOO_BIG, -1, 10**30):
         resp = conn.send("GET", f"/v1/manifest/{value}")
@@ -110,7 +113,7 @@ def test_oversized_integers_are_refused_and_the_connection_survives(run: Run) ->
 
 def test_the_largest_storable_integers_work(run: Run) -> None:
     node = run.node()
-    conn = Connection(run.url)
+    conn = Connection(run.url, run.pool)
     op = run.op.identity
     assert conn.post_signed("/v1/heartbeat", node.identity, m.KIND_HEARTBEAT, {"held_version": LARGEST}
                             ).status_code == 204
@@ -144,7 +147,7 @@ def test_an_internal_error_keeps_the_connection(run: Run, path: str, monkeypatch
     # The test server runs in this process: break the parts behind both paths.
     monkeypatch.setattr(Checkpoints, "manifest", broken)
     monkeypatch.setattr(Status, "snapshot", broken)
-    conn = Connection(run.url)
+    conn = Connection(run.url, run.pool)
     resp = conn.send("GET", path)
     assert resp.status_code == 500 and resp.json() == {"detail": "internal error (RuntimeError)"}
     assert conn.send("GET", "/v1/info").status_code == 200

@@ -15,7 +15,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import text
 
-from swarmrl.coordinator import feed, gate, leases, registry, status, verification
+from swarmrl.coordinator import admission, feed, leases, nonces, registry, status, verification
 from swarmrl.coordinator.checkpoints import current_version, get_manifest, latest_manifests
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
@@ -68,27 +68,33 @@ def test_a_failed_transaction_changes_nothing(store: Store) -> None:
 
 
 def test_nonces_refuse_replays_and_are_pruned(store: Store) -> None:
-    record = lambda signer, nonce, ts: store.write(lambda tx: gate.record_nonce(tx, signer, nonce, ts))  # noqa: E731
+    record = lambda signer, nonce, ts: store.write(lambda tx: nonces.record_nonce(tx, signer, nonce, ts))  # noqa: E731
     assert record("a", "n1", 10.0)
     assert not record("a", "n1", 10.0)
     assert record("b", "n1", 10.0)  # per signer
     assert record("a", "n2", 500.0)
-    assert store.write(lambda tx: gate.prune_nonces(tx, older_than=100.0)) == 2
+    assert store.write(lambda tx: nonces.prune_nonces(tx, older_than=100.0)) == 2
     assert not record("a", "n2", 500.0)
 
 
-def test_challenges_are_bound_single_use_and_expire(store: Store) -> None:
-    add = lambda c, exp, now, limit: store.write(  # noqa: E731
-        lambda tx: registry.add_challenge(tx, c, "keyA", expires_at=exp, now=now, limit=limit))
-    take = lambda c, key, now: store.write(lambda tx: registry.take_challenge(tx, c, key, now))  # noqa: E731
-    assert add("c1", 160.0, 100.0, 10)
-    assert not take("c1", "keyB", 110.0)  # someone else's: not consumed
-    assert take("c1", "keyA", 110.0)
-    assert not take("c1", "keyA", 111.0)  # single use
-    assert add("c2", 160.0, 100.0, 10)
-    assert not take("c2", "keyA", 161.0)  # expired
-    assert add("c3", 300.0, 200.0, 1)  # c2 pruned as expired
-    assert not add("c4", 300.0, 200.0, 1)
+def test_challenges_are_bound_single_use_and_expire(store: Store, tmp_path: Path) -> None:
+    """A challenge is a MAC under the run's secret: nothing is stored when it is issued, any number may be out."""
+    from swarmrl.coordinator.run_secret import RunSecret
+
+    secret = RunSecret(tmp_path)
+    key_a, key_b = "a" * 64, "b" * 64
+    take = lambda c, key, now, s=secret: store.write(lambda tx: registry.take_challenge(tx, s, c, key, now))  # noqa
+    c1 = registry.challenge_for(secret, key_a, expires_at=160.0)
+    assert not take(c1, key_b, 110.0)  # someone else's: not consumed
+    assert take(c1, key_a, 110.0)
+    assert not take(c1, key_a, 111.0)  # single use
+    c2 = registry.challenge_for(secret, key_a, expires_at=160.0)
+    assert c2 == c1 and not take(c2, key_a, 112.0)  # the same again is the same, still used
+    assert not take(registry.challenge_for(secret, key_a, expires_at=170.0), key_a, 171.0)  # expired
+    assert not take(registry.challenge_for(RunSecret(tmp_path / "other"), key_a, 300.0), key_a, 200.0)  # not ours
+    assert not take("not-a-challenge", key_a, 200.0)
+    assert oct((tmp_path / "run.secret").stat().st_mode & 0o777) == "0o600"
+    assert RunSecret(tmp_path).derive("x") == secret.derive("x") != RunSecret(tmp_path / "other").derive("x")
 
 
 def test_node_upsert_keeps_counters_and_ban(store: Store) -> None:
@@ -116,13 +122,20 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     assert prompts["L1.1"].answer == "2" and store.read(lambda tx: leases.get_lease(tx, "L1")).sampling == {
         "group_size": 2}
     mark = lambda p: store.write(lambda tx: leases.mark_submitted(tx, "L1", p))  # noqa: E731
-    close = lambda: store.write(lambda tx: leases.close_lease_if_complete(tx, "L1"))  # noqa: E731
     assert mark("L1.0")
     assert not mark("L1.0")
-    assert not close()
-    assert mark("L1.1")
-    assert close()
+    # Settling a lease queues what was not submitted, counted against its node; a settled lease stays settled.
+    assert store.write(lambda tx: admission.settle_lease(tx, "L1", "n1", now=110.0)) == 1
+    assert store.write(lambda tx: admission.settle_lease(tx, "L1", "n1", now=110.0)) == 0
     assert open_at(110.0) == 1
+    node = _get_node(store)
+    assert node.prompts_abandoned == 1
+    assert store.write(lambda tx: admission.take_queued(tx, "n1", 5)) == []  # not back to the node that left it
+    # An expired lease is settled by the sweep the same way.
+    assert store.write(lambda tx: admission.sweep_expired(tx, now=150.0, limit=10)) == 2
+    assert _get_node(store).prompts_abandoned == 3
+    assert store.write(lambda tx: admission.take_queued(tx, "n2", 2)) == [("1+1=", "2"), ("0+0=", "0")]
+    assert store.read(admission.queued) == 1
 
 
 def test_group_lifecycle_claims_and_feed(store: Store) -> None:
@@ -283,7 +296,7 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
         assert s.write(feed.next_position) == 2  # the feed continues, never reuses a position
         assert s.read(lambda tx: counter(tx, "feed_acked")) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0003"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0004"
     finally:
         s.close()
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from swarmrl.protocol.identity import Identity, IdentityError, node_id_from_public_key
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.protocol.messages import RolloutSubmission
-from swarmrl.protocol.signing import SignatureError, SignedEnvelope, sign, verify
+from swarmrl.protocol.signing import SignatureError, canonical_json, parse_header, sign, verify, verify_signed
 from swarmrl.runtime.config import deep_update, dump_toml, load_config
 from swarmrl.transfer.store import CheckpointAssembly, ShardStore, assemble_checkpoint, cut_checkpoint
 
@@ -33,55 +33,113 @@ def test_identity_roundtrip_and_permissions(tmp_path):
         Identity.load(path)
 
 
+POOL = "run/" + "ab" * 32
+
+
 def _submission() -> dict:
     return {"lease_id": "L1", "policy_version": 3, "gen_seconds": 0.25,
             "groups": [{"prompt_id": "p", "prompt_ids": [1, 2], "rollouts": [
                 {"seed": 7, "completion_ids": [4, 2], "logprobs": [-0.1, -1e-7], "finish_reason": "stop"}]}]}
 
 
-def test_envelope_signature_survives_the_wire():
+def test_a_signature_survives_the_wire():
     ident = Identity.generate()
-    env = sign(ident, "submit", RolloutSubmission.model_validate(_submission()))
-    received = SignedEnvelope.model_validate_json(env.model_dump_json())
-    verify(received, kind="submit")  # does not raise
+    body = RolloutSubmission.model_validate(_submission()).model_dump_json().encode()
+    sig = sign(ident, "submit", POOL, body)
+    received = parse_header(sig.header())
+    verify_signed(received, body, kind="submit", pool=POOL)  # does not raise
     assert received.signer_id == ident.node_id
 
 
-@pytest.mark.parametrize("attack", ["payload", "kind", "key", "nonce", "timestamp", "signature"])
-def test_tampered_envelope_is_refused(attack):
+@pytest.mark.parametrize("attack", ["body", "kind", "pool", "key", "nonce", "ts", "digest", "sig", "version"])
+def test_tampered_signatures_are_refused(attack):
     ident = Identity.generate()
-    env = json.loads(sign(ident, "submit", _submission()).model_dump_json())
-    if attack == "payload":
-        env["payload"]["groups"][0]["rollouts"][0]["logprobs"][0] = -0.2
+    body = json.dumps(_submission()).encode()
+    sig = json.loads(sign(ident, "submit", POOL, body).header())
+    if attack == "body":
+        body = body.replace(b"-0.1", b"-0.2")
     elif attack == "kind":
-        env["kind"] = "lease"
+        sig["kind"] = "lease"
+    elif attack == "pool":  # replayed into another pool (another run id, or the same run under another key)
+        sig["pool"] = "run/" + "cd" * 32
     elif attack == "key":  # claim someone else's identity with our signature
-        env["public_key"] = Identity.generate().public_key_hex
+        sig["key"] = Identity.generate().public_key_hex
     elif attack == "nonce":
-        env["nonce"] = "0" * 32
-    elif attack == "timestamp":
-        env["timestamp"] += 1
+        sig["nonce"] = "0" * 32
+    elif attack == "ts":
+        sig["ts"] += 1
+    elif attack == "digest":
+        sig["body"] = "0" * 64
+    elif attack == "version":
+        sig["v"] = "swarmrl/1"
     else:
-        sig = bytearray(bytes.fromhex(env["signature"]))
-        sig[5] ^= 1
-        env["signature"] = sig.hex()
-    received = SignedEnvelope.model_validate(env)
+        raw = bytearray(bytes.fromhex(sig["sig"]))
+        raw[5] ^= 1
+        sig["sig"] = raw.hex()
+    received = parse_header(json.dumps(sig))
     with pytest.raises(SignatureError):
-        verify(received, kind="submit" if attack != "kind" else "lease")
+        verify_signed(received, body, kind="submit", pool=POOL)
 
 
-def test_stale_and_future_envelopes_are_refused():
-    env = sign(Identity.generate(), "lease", {"max_prompts": 1})
-    verify(env, kind="lease", now=env.timestamp + 10)
+def test_stale_and_future_signatures_are_refused_and_timeless_ones_need_no_clock():
+    sig = sign(Identity.generate(), "lease", POOL, b"{}")
+    verify(sig, kind="lease", pool=POOL, now=sig.ts + 10)
     with pytest.raises(SignatureError, match="stale or future"):
-        verify(env, kind="lease", now=env.timestamp + 1000)
+        verify(sig, kind="lease", pool=POOL, now=sig.ts + 1000)
     with pytest.raises(SignatureError, match="stale or future"):
-        verify(env, kind="lease", now=env.timestamp - 1000)
+        verify(sig, kind="lease", pool=POOL, now=sig.ts - 1000)
+    verify(sig, kind="lease", pool=POOL, now=sig.ts + 1e6, max_skew_s=None)
 
 
-def test_non_finite_numbers_cannot_be_signed():
+def test_malformed_and_missing_headers_are_refused_unparsed():
+    with pytest.raises(SignatureError, match="missing"):
+        parse_header(None)
+    with pytest.raises(SignatureError, match="longer than"):
+        parse_header("{" + " " * 5000 + "}")
+    with pytest.raises(SignatureError, match="malformed"):
+        parse_header('{"kind": "x"}')
+
+
+def test_non_finite_numbers_cannot_be_signed_canonically():
     with pytest.raises(ValueError):
-        sign(Identity.generate(), "x", {"v": float("nan")})
+        canonical_json({"v": float("nan")})
+
+
+def test_the_run_description_and_leases_carry_the_coordinators_signature():
+    from swarmrl.protocol.leases import Lease, LeasedPrompt
+    from swarmrl.protocol.run import RunInfo, RunSpec, SamplingSpec
+
+    coordinator, mallory = Identity.generate(), Identity.generate()
+    info = RunInfo.signed(RunSpec(run_id="r"), coordinator, current_version=3)
+    again = RunInfo.model_validate_json(info.model_dump_json())
+    again.verify(coordinator.public_key_hex)
+    assert again.spec_signature == RunInfo.signed(RunSpec(run_id="r"), coordinator, 4).spec_signature  # signed once
+    hotter = again.model_copy(update={"spec": again.spec.model_copy(update={
+        "sampling": SamplingSpec(temperature=2.0)})})
+    with pytest.raises(SignatureError):
+        hotter.verify(coordinator.public_key_hex)
+    with pytest.raises(SignatureError):  # mallory's own, valid signature: not the pinned key
+        RunInfo.signed(RunSpec(run_id="r"), mallory, 3).verify(coordinator.public_key_hex)
+
+    pool = info.pool
+    lease = Lease.issue(coordinator, pool, lease_id="L", node_id="n" * 40, policy_version=3, expires_at=123.25,
+                        sampling=SamplingSpec(), prompts=[LeasedPrompt(prompt_id=f"L.{i}", text=f"{i}+{i}=",
+                                                                       seeds=[i, i + 1]) for i in range(3)])
+    wire = Lease.model_validate_json(lease.model_dump_json())
+    wire.verify(coordinator.public_key_hex, pool)
+    excerpt = wire.excerpt("L.1")
+    excerpt.verify(coordinator.public_key_hex, pool)
+    for changed in (wire.model_copy(update={"sampling": SamplingSpec(max_tokens=9)}),
+                    wire.model_copy(update={"prompts": [wire.prompts[0].model_copy(update={"text": "9+9="}),
+                                                        *wire.prompts[1:]]}),
+                    wire.model_copy(update={"node_id": "m" * 40})):
+        with pytest.raises(SignatureError):
+            changed.verify(coordinator.public_key_hex, pool)
+    with pytest.raises(SignatureError):
+        wire.verify(coordinator.public_key_hex, "other/" + coordinator.public_key_hex)
+    with pytest.raises(SignatureError):
+        excerpt.model_copy(update={"prompt": excerpt.prompt.model_copy(update={"seeds": [7, 7]})}).verify(
+            coordinator.public_key_hex, pool)
 
 
 def _checkpoint(tmp_path, size=10_000):

@@ -11,6 +11,7 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.quarantine import Check, Rules
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import TaskSpec, load_task
+from swarmrl.testing.groups import pending_group
 from swarmrl.trainer.model import build_tokenizer
 from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, reward_problem
 from swarmrl.verifier.policy import CheckPolicy
@@ -28,10 +29,10 @@ def rollout(ids: list[int], finish: str, seed: int, **kw) -> m.Rollout:
 
 def group(rollouts: list[m.Rollout], *, prompt: str = "123+456=", max_tokens: int = 4, policy_version: int = 3,
           lease_version: int = 3) -> m.PendingGroup:
-    return m.PendingGroup(group_id=1, node_id="n", prompt_text="123+456=", answer="579", lease_version=lease_version,
-                          sampling=m.SamplingSpec(max_tokens=max_tokens, group_size=2), seeds=[1, 2],
-                          policy_version=policy_version,
-                          group=m.RolloutGroup(prompt_id="p", prompt_ids=TOK(prompt).input_ids, rollouts=rollouts))
+    return pending_group(group_id=1, node_id="n", prompt_text="123+456=", answer="579", lease_version=lease_version,
+                         sampling=m.SamplingSpec(max_tokens=max_tokens, group_size=2), seeds=[1, 2],
+                         policy_version=policy_version,
+                         group=m.RolloutGroup(prompt_id="p", prompt_ids=TOK(prompt).input_ids, rollouts=rollouts))
 
 
 CTX = CheckContext(tokenizer=TOK, task=load_task(TaskSpec()), run=RunSpec(max_staleness=1), max_positions=13,

@@ -135,6 +135,7 @@ def test_a_long_completion_of_a_large_vocabulary_is_scored_in_pieces(tmp_path, m
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from swarmrl.protocol import messages as m
+    from swarmrl.testing.groups import pending_group
     from swarmrl.verifier.models import PolicyModel
 
     vocab, n = 152_000, 512
@@ -146,9 +147,9 @@ def test_a_long_completion_of_a_large_vocabulary_is_scored_in_pieces(tmp_path, m
     rng = random.Random(7)
     rollout = m.Rollout(seed=1, completion_ids=[rng.randrange(4, vocab) for _ in range(n)], logprobs=[-1.0] * n,
                         finish_reason="length")
-    g = m.PendingGroup(group_id=1, node_id="n", prompt_text="1+1=", answer="2", lease_version=0, policy_version=0,
-                       sampling=m.SamplingSpec(max_tokens=n, group_size=2), seeds=[1, 2],
-                       group=m.RolloutGroup(prompt_id="p", prompt_ids=[1, 5, 14, 5, 15], rollouts=[rollout]))
+    g = pending_group(group_id=1, node_id="n", prompt_text="1+1=", answer="2", policy_version=0,
+                      sampling=m.SamplingSpec(max_tokens=n, group_size=2), seeds=[1, 2],
+                      group=m.RolloutGroup(prompt_id="p", prompt_ids=[1, 5, 14, 5, 15], rollouts=[rollout]))
     seen = []
     real = fc.replay_gaps
     monkeypatch.setattr(fc, "replay_gaps", lambda logits, *a: seen.append(logits.shape) or real(logits, *a))

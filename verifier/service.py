@@ -1,7 +1,9 @@
 """The verifier process: claim pending groups from the coordinator, check them, post verdicts.
 
 Per batch, in group-id order:
-1. the facts: the weights of the group's policy version (a version the coordinator can no longer supply, or a
+1. the facts: the signed lease the group is judged against (`protocol.leases.lease_problem`: a prompt, seeds,
+   sampling or version the coordinator did not sign for this node is rejected without a ban, since the node is
+   not to blame), the weights of the group's policy version (a version the coordinator can no longer supply, or a
    missing proof, is rejected without a ban), then the cheap checks (`verifier.checks`; a failure bans);
    rewards come last (step 5): they can cost far more than the checks (a sandbox runs code);
 2. the budget: an identity that has used its verifier time (`verifier.budget`) has its groups deferred: no
@@ -29,6 +31,7 @@ import torch
 
 from swarmrl.protocol import quarantine
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.leases import lease_problem
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import PendingGroup, Verdict
 from swarmrl.protocol.run import RunSpec, check_run
@@ -65,7 +68,7 @@ class Verifier:
                  clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.identity = identity or Identity.load_or_create(cfg.key_path)
-        self.client = CoordinatorClient(cfg.coordinator_url, self.identity)
+        self.client = CoordinatorClient(cfg.coordinator_url, self.identity, coordinator_key=cfg.coordinator_key)
         self.task: Task | None = None
         rules = cfg.quarantine_rules()
         self.policy = CheckPolicy(rules, cfg.policy_seed)
@@ -123,7 +126,13 @@ class Verifier:
         verdicts: list[Verdict] = []
         passed: list[tuple[PendingGroup, CheckContext]] = []
         banned_here: set[str] = set()
+        run = self.client.run
+        assert run is not None
         for g in sorted(groups, key=lambda g: g.group_id):
+            why = lease_problem(g.lease, g.node_id, g.group.prompt_id, run.coordinator_key, run.pool)
+            if why is not None:
+                verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {why}"))
+                continue
             try:
                 weights = self.models.get(g.policy_version)
             except VersionUnavailable as e:

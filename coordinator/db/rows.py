@@ -35,6 +35,11 @@ class NodeRow:
     busy_total: float
     counters_at: float | None
     """When the node last reported its counters; None before its first report."""
+    prompts_leased: int
+    """Prompts ever leased to the node."""
+    prompts_abandoned: int
+    """Of those, how many it left unused: not submitted by the lease's expiry, left out of its submission, or refused
+    at submission (`coordinator.admission`)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,11 @@ class LeaseRow:
     expires_at: float
     sampling: dict[str, Any]
     state: str
-    """'open' until every prompt is submitted or the lease turns stale; then 'done'."""
+    """'open' until a submission settles it, it turns stale or it expires; then 'done'."""
+    signature: dict[str, Any] | None
+    """The coordinator's signature of the lease (`protocol.leases`); None for leases from before signed leases."""
+    digests: list[str] | None
+    """The digests of its prompts, in leased order, as signed."""
 
 
 @dataclass(frozen=True)
@@ -90,17 +99,23 @@ class GroupRow:
 
 @dataclass(frozen=True)
 class ClaimedGroup:
-    """A pending group a verifier claimed, with the lease facts it is checked against."""
+    """A pending group a verifier claimed, with the signed lease it is checked against."""
 
     id: int
     node_id: str
     policy_version: int
     payload: dict[str, Any]
+    lease_id: str
+    prompt_id: str
     prompt_text: str
     answer: str
     seeds: list[int]
+    position: int
     lease_version: int
+    expires_at: float
     sampling: dict[str, Any]
+    signature: dict[str, Any] | None
+    digests: list[str] | None
     node_checks_passed: int
     node_held: int
     """Groups of the node held when this one was claimed."""

@@ -55,14 +55,8 @@ nodes = Table(
     Column("idle_total", Double, nullable=False, server_default="0"),
     Column("busy_total", Double, nullable=False, server_default="0"),
     Column("counters_at", Double),
-)
-
-challenges = Table(
-    "challenges", metadata,
-    Column("challenge", Text, primary_key=True),
-    Column("public_key", Text, nullable=False),
-    Column("expires_at", Double, nullable=False),
-    Index("challenges_expiry", "expires_at"),
+    Column("prompts_leased", BigInteger, nullable=False, server_default="0"),
+    Column("prompts_abandoned", BigInteger, nullable=False, server_default="0"),
 )
 
 nonces = Table(
@@ -82,8 +76,11 @@ leases = Table(
     Column("expires_at", Double, nullable=False),
     Column("sampling", JSON, nullable=False),
     Column("state", Text, nullable=False, server_default="open"),
+    Column("signature", JSON(none_as_null=True)),
+    Column("digests", JSON(none_as_null=True)),
     CheckConstraint("state IN ('open', 'done')", name="leases_state"),
     Index("leases_node", "node_id", "state", "expires_at"),
+    Index("leases_open_expiry", "state", "expires_at"),
 )
 
 lease_prompts = Table(
@@ -120,6 +117,18 @@ rollout_groups = Table(
     Index("rollout_groups_status", "status", "id"),
     Index("rollout_groups_node", "node_id", "status"),
     Index("rollout_groups_held", "node_id", "held", "id"),
+    sqlite_autoincrement=True,
+)
+
+# Prompts leased and not used (abandoned by their node, or leased until the lease expired), waiting to be leased
+# again, with fresh seeds, to another identity (`coordinator.admission`).
+prompt_queue = Table(
+    "prompt_queue", metadata,
+    Column("id", AutoId, primary_key=True, autoincrement=True),
+    Column("text", Text, nullable=False),
+    Column("answer", Text, nullable=False),
+    Column("abandoned_by", Text, nullable=False),
+    Column("queued_at", Double, nullable=False),
     sqlite_autoincrement=True,
 )
 

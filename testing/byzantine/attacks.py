@@ -17,7 +17,7 @@ import httpx
 
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.signing import sign
+from swarmrl.protocol.signing import SIGNATURE_HEADER, sign
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.testing.byzantine import nodes as bad
 from swarmrl.testing.byzantine.harness import Pool, ScriptedNode
@@ -113,12 +113,16 @@ def replayed_group(pool: Pool, i: int) -> Attempt:
     refused: list[str] = []
     variant = i % 3
     if variant == 0:
-        env = sign(node.identity, m.KIND_SUBMIT, sub).model_dump_json()
-        for _ in range(2):  # the first copy is refused as already submitted, the second as a replayed request
-            r = httpx.post(pool.url + "/v1/submit", content=env)
+        body = sub.model_dump_json().encode()
+        headers = node.client.signature_header(m.KIND_SUBMIT, body)
+        for _ in range(2):  # the first copy is refused as its lease is settled, the second as a replayed request
+            r = httpx.post(pool.url + "/v1/submit", content=body, headers=headers)
             refused.append(f"{r.status_code}: {r.text[:100]}")
     elif variant == 1:
-        refused += [f"refused: {x}" for x in node.client.submit(sub).rejected.values()]
+        try:
+            refused += [f"refused: {x}" for x in node.client.submit(sub).rejected.values()]
+        except CoordinatorError as e:  # the lease was settled by the first submission
+            refused.append(f"{e.status}: {e.reason}")
     else:
         new = node.client.lease(1, held_version=node.stats.held_version)
         old = sub.groups[0]
@@ -155,13 +159,18 @@ def stale_policy_version(pool: Pool, i: int) -> Attempt:
 def forged_signature(pool: Pool, i: int) -> Attempt:
     """An honest-looking submission whose signature (or signed payload) was altered after signing."""
     node, lease, sub = _honest_submission(pool, f"forger{i}")
-    env = json.loads(sign(node.identity, m.KIND_SUBMIT, sub).model_dump_json())
+    body = sub.model_dump_json().encode()
+    headers = node.client.signature_header(m.KIND_SUBMIT, body)
     if i % 2:
-        env["signature"] = ("0" if env["signature"][0] != "0" else "1") + env["signature"][1:]
+        sig = json.loads(headers[SIGNATURE_HEADER])
+        sig["sig"] = ("0" if sig["sig"][0] != "0" else "1") + sig["sig"][1:]
+        headers = {SIGNATURE_HEADER: json.dumps(sig)}
     else:
-        env["payload"]["groups"][0]["rollouts"][0]["logprobs"][0] -= 0.5
+        payload = json.loads(body)
+        payload["groups"][0]["rollouts"][0]["logprobs"][0] -= 0.5
+        body = json.dumps(payload).encode()
     before = _last_id(pool)
-    r = httpx.post(pool.url + "/v1/submit", content=json.dumps(env))
+    r = httpx.post(pool.url + "/v1/submit", content=body, headers=headers)
     return _outcome(pool, [node.node_id], before, [f"{r.status_code}: {r.text[:100]}"] if r.status_code >= 400 else [])
 
 
@@ -171,9 +180,10 @@ def other_node_identity(pool: Pool, i: int) -> Attempt:
     thief = Identity.generate()
     before = _last_id(pool)
     if i % 2 == 0:
-        env = json.loads(sign(thief, m.KIND_SUBMIT, vsub).model_dump_json())
-        env["public_key"] = victim.identity.public_key_hex
-        r = httpx.post(pool.url + "/v1/submit", content=json.dumps(env))
+        body = vsub.model_dump_json().encode()
+        sig = sign(thief, m.KIND_SUBMIT, victim.client.pool, body).model_copy(
+            update={"key": victim.identity.public_key_hex})
+        r = httpx.post(pool.url + "/v1/submit", content=body, headers={SIGNATURE_HEADER: sig.header()})
         refused = [f"{r.status_code}: {r.text[:100]}"] if r.status_code >= 400 else []
         ids = [victim.node_id]
     else:
@@ -191,14 +201,14 @@ def other_node_identity(pool: Pool, i: int) -> Attempt:
 def oversized_body(pool: Pool, i: int) -> Attempt:
     """A signed submission padded past the coordinator's body limit (declared or streamed)."""
     node, lease, sub = _honest_submission(pool, f"big{i}")
-    body = sign(node.identity, m.KIND_SUBMIT, sub).model_dump_json()
-    body = body[:-1] + ', "pad": "' + "x" * (pool.cfg.max_body_bytes + 1) + '"}'
+    body = (sub.model_dump_json()[:-1] + ', "pad": "' + "x" * (pool.cfg.max_body_bytes + 1) + '"}').encode()
+    headers = node.client.signature_header(m.KIND_SUBMIT, body)
     before = _last_id(pool)
     if i % 2:
-        r = httpx.post(pool.url + "/v1/submit", content=iter([body.encode()[k:k + 65536]
-                                                               for k in range(0, len(body), 65536)]))
+        r = httpx.post(pool.url + "/v1/submit", headers=headers,
+                       content=iter([body[k:k + 65536] for k in range(0, len(body), 65536)]))
     else:
-        r = httpx.post(pool.url + "/v1/submit", content=body)
+        r = httpx.post(pool.url + "/v1/submit", content=body, headers=headers)
     return _outcome(pool, [node.node_id], before, [f"{r.status_code}: {r.text[:100]}"] if r.status_code >= 400 else [])
 
 

@@ -14,6 +14,7 @@ from swarmrl.models.prompts import render_prompt
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest
 from swarmrl.node.engines import build_engine
 from swarmrl.protocol import messages as m
+from swarmrl.testing.groups import pending_group
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
 
 
@@ -45,8 +46,8 @@ def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list[
         rs = [m.Rollout(seed=reqs[gi * group + k].seed, completion_ids=c.token_ids, logprobs=c.logprobs,
                         finish_reason=c.finish_reason, proof=c.proof)
               for k, c in enumerate(comps[gi * group:(gi + 1) * group])]
-        out.append(m.PendingGroup(
-            group_id=gi + 1, node_id=node_id, prompt_text=text, answer="0", lease_version=0, policy_version=0,
+        out.append(pending_group(
+            group_id=gi + 1, node_id=node_id, prompt_text=text, answer="0",
             sampling=m.SamplingSpec(temperature=temperature, max_tokens=max_tokens, group_size=group),
             seeds=[r.seed for r in rs], group=m.RolloutGroup(prompt_id=str(gi), prompt_ids=reqs[gi * group].prompt_ids,
                                                            rollouts=rs)))

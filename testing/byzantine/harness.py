@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.coordinator.server import running_server
 from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
@@ -72,7 +73,8 @@ class ScriptedNode(Node):
 
     def __init__(self, cfg: NodeConfig):
         super().__init__(cfg)
-        self.client = RecordingClient(cfg.coordinator_url, self.identity, retries=0)
+        self.client = RecordingClient(cfg.coordinator_url, self.identity, retries=0,
+                                      coordinator_key=cfg.coordinator_key)
         self.true_checkpoint: Path | None = None
         self.last_lease: m.Lease | None = None
         self.last_submission: m.RolloutSubmission | None = None
@@ -202,7 +204,7 @@ def open_pool(root: Path, checkpoint: Path, *, sampling: m.SamplingSpec | None =
                   sampling=sampling or m.SamplingSpec(temperature=0.8, max_tokens=8, group_size=8))
     settings: dict = dict(data_dir=root / "coordinator", run=run, operator_keys=[op_key.public_key_hex],
                           keep_versions=max_staleness + 2, max_body_bytes=2 << 20,
-                          max_outstanding_leases=64, lease_ttl_s=600.0)
+                          max_outstanding_leases=64, lease_ttl_s=600.0, rate_limits=RateLimitConfig.off())
     settings.update(coordinator)
     cfg = CoordinatorConfig(**settings)
     key = cfg.load_identity()
@@ -210,7 +212,7 @@ def open_pool(root: Path, checkpoint: Path, *, sampling: m.SamplingSpec | None =
         # The harness drains the queue synchronously (verify_all): an empty poll must answer at once, not wait.
         vcfg = VerifierConfig(coordinator_url=url, coordinator_key=key.public_key_hex, work_dir=root / "verifier",
                               **{"long_poll_s": 0.0, **(verifier or {})})
-        pool = Pool(url=url, cfg=cfg, op=CoordinatorClient(url, op_key, retries=0),
+        pool = Pool(url=url, cfg=cfg, op=CoordinatorClient(url, op_key, retries=0, coordinator_key=key.public_key_hex),
                     verifier=Verifier(vcfg, identity=op_key), root=root, coordinator_key=key.public_key_hex)
         pool.publish(checkpoint)
         yield pool
