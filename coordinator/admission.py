@@ -15,8 +15,10 @@ prompt is drawn (`take_queued`). So leaving out the prompts one does not like re
 
 Backpressure counts work in flight per identity (`in_flight`): the prompts leased to identities that have not yet
 done `proven_after_groups` of verified work count at most `unproven_share` of `max_buffered_groups` (and never
-more than `max_unproven_prompts`), and while that share is taken only unproven identities wait. One identity, or
-any number of fresh ones, cannot fill the buffer that proven nodes' leases are judged against.
+more than `max_unproven_prompts`), and while that share is taken only unproven identities wait; the unproven
+identities registered from one source hold at most `unproven_per_source` of it together. One identity, or any
+number of fresh ones, cannot fill the buffer that proven nodes' leases are judged against, and one machine making
+identities cannot take the newcomers' share from the others.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class AdmissionConfig(BaseModel):
     max_unproven_prompts: int = Field(1024, ge=1, description="Prompts in flight unproven identities may hold "
                                       "together at most (also without backpressure): free identities cannot make "
                                       "the lease tables grow without bound.")
+    unproven_per_source: int = Field(16, ge=1, description="Prompts in flight the unproven identities registered "
+                                     "from one source (address, IPv6 /64) may hold together: identities made on one "
+                                     "machine share this, so one source cannot take the whole unproven share.")
     sweep_batch: int = Field(64, ge=1, description="Expired leases settled (their prompts queued again) per lease "
                              "request.")
 
@@ -86,30 +91,36 @@ class InFlight:
     """Unproven identities' (the requester's included), any version."""
     unproven_usable: int
     """Unproven identities', of a usable policy version."""
+    unproven_same_source: int
+    """Unproven identities' registered from the requester's source (any version)."""
 
 
 _p, _l, _n, _q = lease_prompts.c, leases.c, nodes.c, prompt_queue.c
 _now = bindparam("b_now", type_=Double)
 _proven = (_n.groups_accepted >= bindparam("b_proven")).label("proven")
 _usable = (_l.policy_version >= bindparam("b_min")).label("usable")
-_IN_FLIGHT = (select(case((_l.node_id == bindparam("b_me"), 1), else_=0).label("mine"), _proven, _usable,
+_same = (_n.source == bindparam("b_source")).label("same")
+_IN_FLIGHT = (select(case((_l.node_id == bindparam("b_me"), 1), else_=0).label("mine"), _proven, _usable, _same,
                      func.count().label("n"))
               .select_from(lease_prompts.join(leases, _l.id == _p.lease_id).join(nodes, _n.id == _l.node_id))
               .where(_p.submitted.is_(False), _l.state == "open", _l.expires_at > _now)
-              .group_by("mine", "proven", "usable"))
+              .group_by("mine", "proven", "usable", "same"))
 
 
-def in_flight(tx: Tx, node_id: str, now: float, min_version: int, cfg: AdmissionConfig) -> InFlight:
-    own = proven = unproven = unproven_usable = 0
-    for mine, prv, usable, n in tx.execute(_IN_FLIGHT, {"b_me": node_id, "b_now": now, "b_min": min_version,
-                                                        "b_proven": cfg.proven_after_groups}):
+def in_flight(tx: Tx, node: NodeRow, now: float, min_version: int, cfg: AdmissionConfig) -> InFlight:
+    """What is in flight, as seen by `node` asking for a lease."""
+    own = proven = unproven = unproven_usable = same_source = 0
+    for mine, prv, usable, same, n in tx.execute(_IN_FLIGHT, {
+            "b_me": node.id, "b_now": now, "b_min": min_version, "b_proven": cfg.proven_after_groups,
+            "b_source": node.source}):
         own += n if mine else 0
         if prv:
             proven += n if usable else 0
         else:
             unproven += n
             unproven_usable += n if usable else 0
-    return InFlight(own, proven, unproven, unproven_usable)
+            same_source += n if same else 0
+    return InFlight(own, proven, unproven, unproven_usable, same_source)
 
 
 def counted_in_flight(flight: InFlight, cap: int) -> int:
@@ -134,25 +145,41 @@ def count_leased(tx: Tx, node_id: str, n: int) -> None:
     tx.execute(_LEASED, {"b_node": node_id, "b_n": n})
 
 
-def settle_lease(tx: Tx, lease_id: str, node_id: str, now: float, *, penalise: bool = True) -> int:
-    """Close an open lease: its prompts not submitted go to the queue, counted as abandoned by `node_id` unless
-    `penalise` is False; how many. 0 (and nothing changed) if the lease is not open."""
+def _requeue(tx: Tx, lease_id: str, node_id: str, now: float) -> int:
+    """Close an open lease and queue its prompts not submitted; how many (0, nothing changed, if it is not open)."""
     if tx.execute(_SETTLE, {"b_lease": lease_id}).rowcount != 1:
         return 0
     unused = [(r.text, r.answer) for r in tx.execute(_UNUSED, {"b_lease": lease_id})]
     if unused:
         tx.execute(prompt_queue.insert(), [{"text": t, "answer": a, "abandoned_by": node_id, "queued_at": now}
                                            for t, a in unused])
-        if penalise:
-            tx.execute(_ABANDONED, {"b_node": node_id, "b_n": len(unused)})
     return len(unused)
+
+
+def count_abandoned(tx: Tx, node_id: str, n: int) -> None:
+    if n:
+        tx.execute(_ABANDONED, {"b_node": node_id, "b_n": n})
+
+
+def settle_lease(tx: Tx, lease_id: str, node_id: str, now: float, *, penalise: bool = True) -> int:
+    """Close an open lease: its prompts not submitted go to the queue, counted as abandoned by `node_id` unless
+    `penalise` is False; how many. 0 (and nothing changed) if the lease is not open."""
+    n = _requeue(tx, lease_id, node_id, now)
+    if penalise:
+        count_abandoned(tx, node_id, n)
+    return n
 
 
 def sweep_expired(tx: Tx, now: float, limit: int) -> int:
     """Settle up to `limit` open leases that expired (oldest first; rows others are settling are skipped): their
-    unsubmitted prompts are queued and count as abandoned by their node. How many prompts were queued."""
-    return sum(settle_lease(tx, r.id, r.node_id, now) for r in tx.execute(_EXPIRED, {"b_now": now,
-                                                                                          "b_limit": limit}).all())
+    unsubmitted prompts are queued and count as abandoned by their node. How many prompts were queued. Nodes'
+    counters are moved in node-id order, so that two sweeps never wait on each other's node rows."""
+    per_node: dict[str, int] = {}
+    for r in tx.execute(_EXPIRED, {"b_now": now, "b_limit": limit}).all():
+        per_node[r.node_id] = per_node.get(r.node_id, 0) + _requeue(tx, r.id, r.node_id, now)
+    for node_id in sorted(per_node):
+        count_abandoned(tx, node_id, per_node[node_id])
+    return sum(per_node.values())
 
 
 def take_queued(tx: Tx, node_id: str, limit: int) -> list[tuple[str, str]]:

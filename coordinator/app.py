@@ -29,7 +29,7 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import is_sha256
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware
-from swarmrl.coordinator.ratelimit import RateLimitMiddleware, retry_after_header
+from swarmrl.coordinator.ratelimit import RateLimitMiddleware, retry_after_header, source_of
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
@@ -142,8 +142,9 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         return _json(svc.registry.challenge(req))
 
     @app.post("/v1/register")
-    def register(req: Annotated[Signed, signed(m.KIND_REGISTER, m.RegisterRequest, None)]) -> Response:
-        return _json(svc.register(req))
+    def register(request: Request, req: Annotated[Signed, signed(m.KIND_REGISTER, m.RegisterRequest, None)]
+                 ) -> Response:
+        return _json(svc.register(req, source_of(request.scope, config.rate_limits)))
 
     @app.post("/v1/lease")
     def lease(req: Annotated[Signed, signed(m.KIND_LEASE, m.LeaseRequest, "node")]) -> Response:

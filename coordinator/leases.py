@@ -31,6 +31,8 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.tasks import Task
 from swarmrl.protocol.validation import group_problem, staleness_problem
 
+SWEEP_EVERY_S = 1.0
+
 # -- queries ----------------------------------------------------------------------------------------------
 
 _l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
@@ -112,6 +114,7 @@ class Leases:
                  identity: Identity, pool: str, secret: RunSecret):
         self.store, self.config, self.clock, self.task = store, config, clock, task
         self.identity, self.pool, self.secret = identity, pool, secret
+        self._last_sweep = float("-inf")
 
     def _prompt_rng(self, counter: int) -> random.Random:
         """The prompt stream of lease number `counter`: drawn from the run's secret (nobody can tell what the next
@@ -121,6 +124,14 @@ class Leases:
             return random.Random(f"{seed}/{counter}")
         return random.Random(self.secret.derive("prompts", str(counter).encode()))
 
+    def _sweep(self, now: float) -> None:
+        """Settle expired leases (`admission.sweep_expired`), at most once per SWEEP_EVERY_S in this process, in a
+        transaction of its own (it moves other nodes' counters: never while holding one node's row)."""
+        if now - self._last_sweep < SWEEP_EVERY_S:
+            return
+        self._last_sweep = now
+        self.store.write(lambda tx: admission.sweep_expired(tx, now, self.config.admission.sweep_batch))
+
     def issue(self, req: Signed) -> m.Lease | None:
         """A new lease for the signer (`coordinator.admission`: at most its allowance in flight, abandoned prompts
         first), or None before the first manifest or while enough work is in flight (`max_buffered_groups`)."""
@@ -128,15 +139,16 @@ class Leases:
         now = self.clock()
         cfg, run, adm = self.config, self.config.run, self.config.admission
 
+        self._sweep(now)
+
         def lease(tx: Tx) -> m.Lease | None:
             node = require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
             version = current_version(tx)
             if version < 0:
                 return None
-            admission.sweep_expired(tx, now, adm.sweep_batch)
             min_version = version - run.max_staleness
-            flight = admission.in_flight(tx, req.signer, now, min_version, adm)
+            flight = admission.in_flight(tx, node, now, min_version, adm)
             allowed = admission.allowance(node, adm)
             if flight.own >= allowed:
                 wait = max((earliest_expiry(tx, req.signer, now) or now) - now, 1.0)
@@ -147,8 +159,9 @@ class Leases:
                                    "them expire first", retry_after=max((earliest_expiry(tx, req.signer, now) or now)
                                                                         - now, 1.0))
             cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
-            if not admission.is_proven(node, adm) and flight.unproven >= cap:
-                return None  # the unproven identities' share is taken: only they wait
+            if not admission.is_proven(node, adm) and (flight.unproven >= cap or
+                                                       flight.unproven_same_source >= adm.unproven_per_source):
+                return None  # the unproven identities' share (or their source's) is taken: only they wait
             if cfg.max_buffered_groups is not None and buffered_groups(tx, min_version) + \
                     admission.counted_in_flight(flight, cap) >= cfg.max_buffered_groups:
                 # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
@@ -191,9 +204,10 @@ class Leases:
                 raise Refused(404, "unknown lease")
             if lease.node_id != req.signer:
                 raise Refused(403, "lease belongs to another node")
-            if lease.state != "open":
-                raise Refused(409, "lease already settled: a submission settles its whole lease (its missing prompts "
-                                   "were leased again), or it turned stale or expired")
+            if lease.state != "open":  # a late or repeated submission: each group says why, nothing changes
+                prompts = get_prompts(tx, sub.lease_id)
+                return m.SubmitResult(accepted=[], rejected={g.prompt_id: _too_late(prompts.get(g.prompt_id))
+                                                             for g in sub.groups})
             if lease.expires_at < now:
                 raise Refused(410, "lease expired")
             stale = staleness_problem(sub.policy_version, current_version(tx), max_staleness)
@@ -231,6 +245,17 @@ class Leases:
             # submission makes); then say why.
             self.store.write(lambda tx: admission.settle_lease(tx, sub.lease_id, req.signer, now, penalise=False))
             raise Refused(409, f"stale submission, against the current version: {e.reason}") from None
+
+
+SETTLED = ("lease settled: this prompt was not in the submission that settled it (or the lease turned stale or "
+           "expired), and has been leased again")
+
+
+def _too_late(leased: LeasePromptRow | None) -> str:
+    """Why a group for a lease already settled is refused."""
+    if leased is None:
+        return "unknown prompt id for this lease"
+    return "already submitted" if leased.submitted else SETTLED
 
 
 class _Stale(Exception):

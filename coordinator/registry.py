@@ -74,12 +74,13 @@ def list_nodes(tx: Tx) -> list[NodeRow]:
     return [load(NodeRow, r) for r in tx.execute(select(nodes).order_by(nodes.c.registered_at, nodes.c.id))]
 
 
-def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, now: float) -> None:
-    """Register a node, or refresh its name and engine; counters and ban state are kept."""
+def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, now: float, source: str = "") -> None:
+    """Register a node, or refresh its name, engine and source; counters and ban state are kept."""
     stmt = insert(tx, nodes).values(id=node_id, public_key=public_key, name=name, engine=engine, registered_at=now,
-                                    last_seen=now)
+                                    last_seen=now, source=source)
     tx.execute(stmt.on_conflict_do_update(index_elements=[nodes.c.id], set_={
-        "name": stmt.excluded.name, "engine": stmt.excluded.engine, "last_seen": stmt.excluded.last_seen}))
+        "name": stmt.excluded.name, "engine": stmt.excluded.engine, "last_seen": stmt.excluded.last_seen,
+        "source": stmt.excluded.source}))
 
 
 def touch(tx: Tx, node_id: str, now: float, held_version: int | None = None) -> None:
@@ -166,8 +167,9 @@ class Registry:
         expires_at = self.clock() + self.config.challenge_ttl_s
         return m.Challenge(challenge=challenge_for(self.secret, key, expires_at), expires_at=expires_at)
 
-    def register(self, req: Signed) -> str:
-        """Upsert the signer as a node, redeeming a challenge issued to its key; its node id."""
+    def register(self, req: Signed, source: str = "") -> str:
+        """Upsert the signer as a node registered from `source`, redeeming a challenge issued to its key; its node
+        id."""
         body: m.RegisterRequest = req.payload
         now = self.clock()
 
@@ -177,7 +179,7 @@ class Registry:
                 raise Refused(403, f"node is banned: {node.ban_reason}")
             if not take_challenge(tx, self.secret, body.challenge, req.public_key, now):
                 raise Refused(401, "unknown, expired or already used challenge for this key")
-            upsert_node(tx, req.signer, req.public_key, body.name, body.engine, now)
+            upsert_node(tx, req.signer, req.public_key, body.name, body.engine, now, source)
 
         self.store.write(redeem)
         return req.signer

@@ -59,6 +59,6 @@ class Coordinator:
     def close(self) -> None:
         self.store.close()
 
-    def register(self, req: Signed) -> m.Registered:
-        """Register the signer (`Registry.register`) and tell it about the run."""
-        return m.Registered(node_id=self.registry.register(req), run=self.status.run_info())
+    def register(self, req: Signed, source: str = "") -> m.Registered:
+        """Register the signer from `source` (`Registry.register`) and tell it about the run."""
+        return m.Registered(node_id=self.registry.register(req, source), run=self.status.run_info())

@@ -28,7 +28,7 @@ from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine
 from swarmrl.node.engines import build_engine, resolve_engine_kind
 from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook
-from swarmrl.node.refusal import PermanentRefusal, is_unknown_node, permanent, pinned_coordinator_key
+from swarmrl.node.refusal import PermanentRefusal, is_other_pool, is_unknown_node, permanent, pinned_coordinator_key
 from swarmrl.node.stats import Download, NodeStats
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
@@ -227,7 +227,7 @@ class Node:
             result = self.client.submit(submission)
         except CoordinatorError as e:
             self._count_refused(submission, e)
-            if permanent(e, self.cfg) is not None or is_unknown_node(e):
+            if permanent(e, self.cfg) is not None or is_unknown_node(e) or is_other_pool(e):
                 raise  # the main loop stops, or registers again
             return True
         finally:
@@ -273,7 +273,10 @@ class Node:
         and take its run description. PermanentRefusal when banned or when the key is not the trusted one."""
         try:
             # The key is settled (configured, pinned on first use, or refused) before anything is signed for it.
-            self.coordinator_key = pinned_coordinator_key(self.cfg, self.client.info().coordinator_key)
+            info = self.client.info(trust=False)
+            self.coordinator_key = pinned_coordinator_key(self.cfg, info.coordinator_key)
+            self.client.coordinator_key = self.coordinator_key
+            self.client.trust(info)
             reg = self.client.register(name=self.cfg.name or self.identity.node_id[:8],
                                         engine=resolve_engine_kind(self.cfg.engine))
         except UntrustedResponse as e:
@@ -298,8 +301,9 @@ class Node:
             self.stats.untrusted += 1
             log.warning("%s", e.reason)
             return
-        if is_unknown_node(e):
-            log.warning("the coordinator does not know this node (a new database?): registering again")
+        if is_unknown_node(e) or is_other_pool(e):
+            log.warning("the coordinator does not know this node (a new database, a new run, another key?): "
+                        "registering again")
             try:
                 self._register()
             except CoordinatorError as again:  # e.g. too many challenges at once: the main loop backs off

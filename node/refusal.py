@@ -26,6 +26,12 @@ def is_unknown_node(e: CoordinatorError) -> bool:
     return e.status == 403 and "unknown node" in e.reason
 
 
+def is_other_pool(e: CoordinatorError) -> bool:
+    """The coordinator refuses what this node signed as being for another pool: it runs another run, or has another
+    key, than the one the node joined (registering again finds out which, and stops on a key it does not trust)."""
+    return e.status == 401 and "another pool" in e.reason
+
+
 def permanent(e: CoordinatorError, cfg: NodeConfig) -> PermanentRefusal | None:
     """The PermanentRefusal a refusal amounts to, or None when the node should wait and try again."""
     if e.status == 403 and "banned" in e.reason:

@@ -198,9 +198,18 @@ class CoordinatorClient:
 
     # -- public endpoints -----------------------------------------------------------------------------
 
-    def info(self) -> m.RunInfo:
-        """The run description, verified (`trust`)."""
-        return self.trust(m.RunInfo.model_validate_json(self._request("GET", "/v1/info").content))
+    def info(self, trust: bool = True) -> m.RunInfo:
+        """The run description, verified (`trust`). With trust=False it is only checked to carry a valid signature
+        of the key it names, and changes nothing here: for a caller that decides itself whether that key is the
+        one it trusts (a node's pin)."""
+        run = m.RunInfo.model_validate_json(self._request("GET", "/v1/info").content)
+        if not trust:
+            try:
+                run.verify()
+            except SignatureError as e:
+                raise UntrustedResponse(f"the run description does not verify: {e.reason}") from None
+            return run
+        return self.trust(run)
 
     def status(self) -> m.RunStatus:
         return m.RunStatus.model_validate_json(self._request("GET", "/v1/status").content)

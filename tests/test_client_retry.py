@@ -1,6 +1,7 @@
 """The coordinator client's request plumbing against a real HTTP server on loopback that answers what each test
-scripts: which failures are retried (transport errors, 5xx; 500 only a few times), which are not (4xx), the
-Idempotency-Key kept across the retries of one request, the outage logged once, and a stop that ends the wait."""
+scripts: which failures are retried (transport errors, 5xx; 500 only a few times; a 429 after its Retry-After), which
+are not (other 4xx), the Idempotency-Key kept across the retries of one request, the outage logged once, and a stop
+that ends the wait."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import httpx
 import pytest
 
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.run import RunInfo, RunSpec
+from swarmrl.protocol.signing import SIGNATURE_HEADER
 from swarmrl.runtime.client import IDEMPOTENCY_HEADER, CoordinatorClient, CoordinatorError
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, RetryPolicy
 
@@ -27,16 +30,19 @@ class Scripted:
 
     def __init__(self, statuses: list[int]):
         self.statuses = statuses
-        self.seen: list[tuple[str, str, str | None, bytes]] = []  # method, path, idempotency key, body
+        self.seen: list[tuple[str, str, str | None, str | None]] = []  # method, path, idempotency key, signature
         script = self
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                script.seen.append((self.command, self.path, self.headers.get(IDEMPOTENCY_HEADER), body))
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                script.seen.append((self.command, self.path, self.headers.get(IDEMPOTENCY_HEADER),
+                                    self.headers.get(SIGNATURE_HEADER)))
                 status = script.statuses[min(len(script.seen), len(script.statuses)) - 1]
                 payload = json.dumps({"detail": f"scripted {status}"} if status >= 400 else {}).encode()
                 self.send_response(status)
+                if status == 429:
+                    self.send_header("retry-after", "0")
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(payload)))
                 self.end_headers()
@@ -79,15 +85,22 @@ def test_full_jitter_stays_within_its_bound() -> None:
     assert not RetryPolicy(attempts=None, give_up_after_s=5).may_retry(0, started=0.0, now=6.0)
 
 
+def signing_client(url: str, **kw) -> CoordinatorClient:
+    """A client with a node key that knows its pool already (a scripted server has no /v1/info)."""
+    client = CoordinatorClient(url, Identity.generate(), **kw)
+    client.trust(RunInfo.signed(RunSpec(), Identity.generate(), current_version=0))
+    return client
+
+
 def test_unavailable_is_waited_out_with_one_key_and_one_log_line(scripted, caplog) -> None:
     caplog.set_level(logging.INFO, logger="swarmrl.client")
     server = scripted([503, 502, 200])
-    client = CoordinatorClient(server.url, Identity.generate(), retry=RetryPolicy(attempts=None, **FAST))
+    client = signing_client(server.url, retry=RetryPolicy(attempts=None, **FAST))
     client.heartbeat(3)
     assert len(server.seen) == 3
     keys = {key for _, _, key, _ in server.seen}
     assert len(keys) == 1 and None not in keys  # one key for the logical request, on every try
-    nonces = {json.loads(body)["nonce"] for _, _, _, body in server.seen}
+    nonces = {json.loads(sig)["nonce"] for _, _, _, sig in server.seen}
     assert len(nonces) == 3  # each try signed afresh
     logged = [r.getMessage() for r in caplog.records if r.name == "swarmrl.client"]
     assert len(logged) == 2 and "unreachable (HTTP 503)" in logged[0] and "reachable again" in logged[1]
@@ -104,17 +117,28 @@ def test_internal_errors_retried_a_few_times_and_refusals_not_at_all(scripted) -
     assert server.seen[0][2] is None  # a GET changes nothing: no key
 
     refusing = scripted([409])
-    client = CoordinatorClient(refusing.url, Identity.generate(), retry=RetryPolicy(attempts=None, **FAST))
+    client = signing_client(refusing.url, retry=RetryPolicy(attempts=None, **FAST))
     with pytest.raises(CoordinatorError) as e:
         client.heartbeat(0)
     assert (e.value.status, e.value.reason, e.value.retried, len(refusing.seen)) == (409, "scripted 409", False, 1)
 
     # A refusal after a try that may have reached the server says so.
     flaky = scripted([503, 404])
-    client = CoordinatorClient(flaky.url, Identity.generate(), retry=RetryPolicy(attempts=None, **FAST))
+    client = signing_client(flaky.url, retry=RetryPolicy(attempts=None, **FAST))
     with pytest.raises(CoordinatorError) as e:
         client.heartbeat(0)
     assert e.value.status == 404 and e.value.retried
+
+
+def test_a_rate_limit_is_waited_out_as_it_asks_without_an_outage(scripted) -> None:
+    server = scripted([429, 429, 200])
+    client = signing_client(server.url, retry=RetryPolicy(attempts=None, **FAST))
+    client.heartbeat(0)
+    assert len(server.seen) == 3 and client.outage.outages == 0
+    once = signing_client(scripted([429]).url, retries=0)
+    with pytest.raises(CoordinatorError) as e:
+        once.heartbeat(0)
+    assert e.value.status == 429
 
 
 def test_stop_ends_an_endless_wait() -> None:

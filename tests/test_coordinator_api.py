@@ -315,14 +315,15 @@ def test_a_submission_settles_its_lease(run: Run) -> None:
     assert first.accepted == [lease.prompts[0].prompt_id]
     before = run.accepted_state()
     # Settled: neither the prompt submitted nor the one left out can be submitted again (that one was leased again).
-    refused(lambda: node.submit(submission(lease, prompts=lease.prompts[:1])), 409, "settled")
-    refused(lambda: node.submit(submission(lease, prompts=lease.prompts[1:])), 409, "settled")
+    again = node.submit(submission(lease))
+    assert again.accepted == [] and again.rejected[lease.prompts[0].prompt_id] == "already submitted"
+    assert "settled" in again.rejected[lease.prompts[1].prompt_id]
     assert run.accepted_state() == before
     # The same prompt twice in one submission is malformed: refused whole, and the lease is still open.
-    again = node.lease(2, 0)
-    refused(lambda: node.submit(submission(again, prompts=[again.prompts[1], again.prompts[1]])), 422, "twice")
+    second = node.lease(2, 0)
+    refused(lambda: node.submit(submission(second, prompts=[second.prompts[1], second.prompts[1]])), 422, "twice")
     assert run.accepted_state() == before
-    assert sorted(node.submit(submission(again)).accepted) == sorted(p.prompt_id for p in again.prompts)
+    assert sorted(node.submit(submission(second)).accepted) == sorted(p.prompt_id for p in second.prompts)
     assert run.op.status().groups_pending == 3
 
 
@@ -333,17 +334,13 @@ def test_concurrent_duplicate_submissions_counted_once(run: Run) -> None:
     lease = node.lease(4, 0)
     sub = submission(lease)
 
-    def submit(_: int) -> m.SubmitResult | CoordinatorError:
-        try:
-            return CoordinatorClient(run.url, node.identity, retries=0).submit(sub)
-        except CoordinatorError as e:
-            return e
-
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(submit, range(4)))
-    taken = [r for r in results if isinstance(r, m.SubmitResult)]
-    assert len(taken) == 1 and sorted(taken[0].accepted) == sorted(p.prompt_id for p in lease.prompts)
-    assert sorted(r.status for r in results if isinstance(r, CoordinatorError)) == [409] * 3
+        results = list(pool.map(lambda _: CoordinatorClient(run.url, node.identity, retries=0).submit(sub), range(4)))
+    taken = [pid for r in results for pid in r.accepted]
+    assert sorted(taken) == sorted(p.prompt_id for p in lease.prompts)
+    assert [r.rejected for r in results].count({}) == 1
+    assert all(reason == "already submitted" for r in results for reason in r.rejected.values())
+    assert sum(len(r.rejected) for r in results) == 3 * len(lease.prompts)
     assert run.op.status().groups_pending == len(lease.prompts)
 
 
@@ -373,7 +370,8 @@ def test_bad_groups_rejected_individually(run: Run) -> None:
     assert run.op.status().groups_pending == 1
     # The submission settled the lease: its 6 refused groups and the prompt left out were abandoned, counted against
     # the node, and are leased again (with fresh seeds) to the next other identity, before any new prompt.
-    refused(lambda: node.submit(submission(lease, prompts=[lease.prompts[1]])), 409, "settled")
+    late = node.submit(submission(lease, prompts=[lease.prompts[1]]))
+    assert late.accepted == [] and "settled" in late.rejected[lease.prompts[1].prompt_id]
     row = next(n for n in run.op.status().nodes if n.node_id == node.identity.node_id)
     assert (row.prompts_leased, row.prompts_abandoned) == (8, 7)
     other = run.node("other").lease(8, 0)
@@ -402,7 +400,8 @@ def test_stale_policy_version_refused(run: Run) -> None:
     refused(lambda: node.submit(submission(second, policy_version=4)), 409, "stale submission")
     assert run.accepted_state() == before
     # A stale submission settles its lease (its prompts are leased again, not counted against the node).
-    refused(lambda: node.submit(submission(first, policy_version=1)), 409, "settled")
+    late = node.submit(submission(first, policy_version=1))
+    assert late.accepted == [] and all("settled" in r for r in late.rejected.values())
     result = node.submit(submission(third, policy_version=1))  # exactly max_staleness behind: taken
     assert len(result.accepted) == 2
     row = next(n for n in run.op.status().nodes if n.node_id == node.identity.node_id)

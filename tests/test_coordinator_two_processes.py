@@ -21,11 +21,11 @@ import pytest
 
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.signing import sign
+from swarmrl.protocol.signing import pool_id
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 from tests.postgres import fresh_database, needs_pg
-from tests.test_coordinator_api import submission
+from tests.test_coordinator_api import signed, submission
 
 GROUP = 3
 NODES, ROUNDS, PROMPTS = 4, 4, 2
@@ -81,15 +81,16 @@ def _verdict(pg: m.PendingGroup) -> m.Verdict:
 @pytest.mark.timeout(600)
 def test_two_coordinator_processes_serve_one_pool(tmp_path: Path) -> None:
     verifier_key, trainer_key = Identity.generate(), Identity.generate()
-    shared = tmp_path / "shared"  # key and shards, as on a shared volume
-    Identity.load_or_create(shared / "coordinator.key")
+    shared = tmp_path / "shared"  # key, run secret and shards, as on a shared volume
+    coordinator_key = Identity.load_or_create(shared / "coordinator.key").public_key_hex
     with fresh_database() as db_url, ExitStack() as stack:
         config = tmp_path / "coordinator.toml"
         config.write_text(
             f'host = "127.0.0.1"\nport = 0\ndata_dir = "{shared}"\nstore_url = "{db_url}"\n'
             f'operator_keys = ["{verifier_key.public_key_hex}", "{trainer_key.public_key_hex}"]\n'
             "lease_ttl_s = 600.0\nclaim_ttl_s = 600.0\nmax_outstanding_leases = 64\nmax_long_polls = 4\n\n"
-            f'[run]\nrun_id = "two-processes"\n\n[run.sampling]\ngroup_size = {GROUP}\nmax_tokens = 4\n')
+            f'[run]\nrun_id = "two-processes"\n\n[run.sampling]\ngroup_size = {GROUP}\nmax_tokens = 4\n\n'
+            "[rate_limits]\nsource_rate_per_s = 1e9\nsource_burst = 1e9\n")
         urls = [stack.enter_context(coordinator_process(config, name)) for name in "AB"]
 
         def clients(identity: Identity) -> list[CoordinatorClient]:
@@ -108,12 +109,14 @@ def test_two_coordinator_processes_serve_one_pool(tmp_path: Path) -> None:
         assert trainer[1].info().current_version == 0
         assert trainer[1].shard(manifest.shards()[0].sha256) == local.get(manifest.shards()[0].sha256)
 
-        # Nodes: a challenge issued by one process is redeemed at the other.
+        # Nodes: a challenge issued by one process is redeemed at the other (they share the run's secret).
         node_keys = [Identity.generate() for _ in range(NODES)]
+        pool = pool_id("two-processes", coordinator_key)
         for i, key in enumerate(node_keys):
             ch = httpx.post(urls[i % 2] + "/v1/register/challenge", json={"public_key": key.public_key_hex}).json()
-            env = sign(key, m.KIND_REGISTER, m.RegisterRequest(challenge=ch["challenge"], name=f"n{i}"))
-            assert httpx.post(urls[1 - i % 2] + "/v1/register", content=env.model_dump_json()).status_code == 200
+            req = m.RegisterRequest(challenge=ch["challenge"], name=f"n{i}")
+            body, headers = signed(key, m.KIND_REGISTER, pool, req)
+            assert httpx.post(urls[1 - i % 2] + "/v1/register", content=body, headers=headers).status_code == 200
 
         lock = threading.Lock()
         taken: list[str] = []  # prompt ids a submission took

@@ -20,7 +20,7 @@ from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
 from swarmrl.protocol import messages as m
 from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, post, signed_at, submission
+from tests.test_coordinator_api import Run, post, signed, submission
 
 run_factory = api.run_factory  # the coordinator fixture, shared with the API tests
 
@@ -124,8 +124,8 @@ def test_out_of_range_counters_refused(run: Run) -> None:
     run.clock.advance(100)
     node.heartbeat(3, idle_s=1.0, busy_s=2.0)
     for bad in ({"idle_s": -1.0}, {"busy_s": -0.5}, {"idle_s": 2e9}, {"busy_s": 1e9 + 1}, {"idle_s": "lots"}):
-        env = signed_at(node.identity, m.KIND_HEARTBEAT, {"held_version": 9, **bad}, time.time() + run.clock.offset)
-        status, detail = post(run.url, "/v1/heartbeat", env.model_dump_json())
+        req = signed(node.identity, m.KIND_HEARTBEAT, run.pool, {"held_version": 9, **bad}, ts=run.clock())
+        status, detail = post(run.url, "/v1/heartbeat", req)
         assert status == 422, (bad, status, detail)
         assert next(iter(bad)) in detail, detail
     row = _node_row(run, node.identity.node_id)

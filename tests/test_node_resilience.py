@@ -37,6 +37,7 @@ from swarmrl.pools.config import PoolsConfig
 from swarmrl.pools.records import open_pools_dht
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.signing import SIGNATURE_HEADER
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.runtime.config import dump_toml
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
@@ -298,8 +299,8 @@ def test_a_submission_applied_but_unanswered_counts_once(tmp_path, checkpoint) -
 
         def handle_request(self, request: httpx.Request) -> httpx.Response:
             response = super().handle_request(request)
-            body = json.loads(request.content) if request.url.path == "/v1/submit" else {}
-            seen.append((request.url.path, request.headers.get("idempotency-key"), body.get("nonce", "")))
+            signature = json.loads(request.headers.get(SIGNATURE_HEADER, "{}"))
+            seen.append((request.url.path, request.headers.get("idempotency-key"), signature.get("nonce", "")))
             if request.url.path == "/v1/submit" and sum(p == "/v1/submit" for p, _, _ in seen) == 1:
                 response.read()
                 raise httpx.ReadError("connection reset by peer", request=request)

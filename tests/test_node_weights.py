@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
 
 
 def _node(tmp_path: Path, held: int, ready: int) -> tuple[Node, list[Path]]:
@@ -22,8 +23,8 @@ def _node(tmp_path: Path, held: int, ready: int) -> tuple[Node, list[Path]]:
 
 
 def _lease(version: int) -> m.Lease:
-    return m.Lease(lease_id="l", policy_version=version, expires_at=time.time() + 30, sampling=m.SamplingSpec(),
-                   prompts=[])
+    return m.Lease.issue(Identity.generate(), "pool", lease_id="l", node_id="n", policy_version=version,
+                         expires_at=time.time() + 30, sampling=m.SamplingSpec(), prompts=[])
 
 
 def test_catch_up_loads_recent_enough_weights(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.messages import TrainingBatch, TrainingGroup
 from swarmrl.protocol.run import RunInfo, RunSpec, SamplingSpec
@@ -40,6 +41,8 @@ torch.set_num_threads(1)
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=64, seed=0)
 
 
+COORDINATOR = Identity.generate()
+
 class FakeCoordinator:
     """In-memory coordinator for the trainer's calls. `offsets` cycles the staleness of the groups it makes."""
 
@@ -65,7 +68,7 @@ class FakeCoordinator:
     def info(self) -> RunInfo:
         spec = RunSpec(run_id=self.run_id, max_staleness=self.max_staleness,
                        sampling=SamplingSpec(temperature=1.0, max_tokens=6, group_size=self.group_size))
-        return RunInfo(spec=spec, coordinator_key="0" * 64, current_version=self.version)
+        return RunInfo.signed(spec, COORDINATOR, current_version=self.version)
 
     def _group(self) -> TrainingGroup:
         self.next_id += 1

@@ -40,6 +40,8 @@ class NodeRow:
     prompts_abandoned: int
     """Of those, how many it left unused: not submitted by the lease's expiry, left out of its submission, or refused
     at submission (`coordinator.admission`)."""
+    source: str
+    """The address it last registered from (`coordinator.ratelimit.source_of`)."""
 
 
 @dataclass(frozen=True)

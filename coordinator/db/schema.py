@@ -57,6 +57,7 @@ nodes = Table(
     Column("counters_at", Double),
     Column("prompts_leased", BigInteger, nullable=False, server_default="0"),
     Column("prompts_abandoned", BigInteger, nullable=False, server_default="0"),
+    Column("source", Text, nullable=False, server_default=""),
 )
 
 nonces = Table(

@@ -1,6 +1,7 @@
 """Admission: per-node lease counters, signed leases, the queue of prompts to lease again; stateless challenges.
 
-- nodes.prompts_leased / prompts_abandoned: what a node's lease allowance is judged on (`coordinator.admission`);
+- nodes.prompts_leased / prompts_abandoned: what a node's lease allowance is judged on (`coordinator.admission`),
+  and nodes.source, the address it registered from (unproven identities of one source share an allowance);
 - leases.signature / digests: the coordinator's signature of each lease and the digests of its prompts, so a
   verifier judges a group against exactly what was signed (leases from before this revision have neither);
 - prompt_queue: prompts leased and not used, leased again to other identities;
@@ -26,6 +27,7 @@ def upgrade() -> None:
     with op.batch_alter_table("nodes") as batch:
         batch.add_column(sa.Column("prompts_leased", sa.BigInteger, nullable=False, server_default="0"))
         batch.add_column(sa.Column("prompts_abandoned", sa.BigInteger, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("source", sa.Text, nullable=False, server_default=""))
     with op.batch_alter_table("leases") as batch:
         batch.add_column(sa.Column("signature", sa.JSON(none_as_null=True)))
         batch.add_column(sa.Column("digests", sa.JSON(none_as_null=True)))
@@ -58,5 +60,6 @@ def downgrade() -> None:
         batch.drop_column("digests")
         batch.drop_column("signature")
     with op.batch_alter_table("nodes") as batch:
+        batch.drop_column("source")
         batch.drop_column("prompts_abandoned")
         batch.drop_column("prompts_leased")
