@@ -77,7 +77,7 @@ class Gate:
         if not operator:
             wait = self.identities.take(sig.key)
             if wait > 0:
-                raise Refused(429, f"too many requests from this identity: retry in {wait:.1f} s", retry_after=wait)
+                raise Refused(429, f"too many requests from this identity: retry in {wait:.2f} s", retry_after=wait)
         return sig
 
     def admit(self, sig: Signature, body: bytes, model: type[T] | None, role: str | None = None) -> Signed:

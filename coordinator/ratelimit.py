@@ -38,9 +38,9 @@ class RateLimitConfig(BaseModel):
         1.0, gt=0, description="Registration challenges per second one source may ask for (each new identity needs "
         "one): free identities cost time per source, and no source can keep others from registering.")
     registration_burst: float = Field(30.0, ge=1, description="Registration challenges one source may ask at once.")
-    identity_rate_per_s: float = Field(10.0, gt=0, description="Signed requests per second one node identity may "
+    identity_rate_per_s: float = Field(20.0, gt=0, description="Signed requests per second one node identity may "
                                        "make (operators are not limited).")
-    identity_burst: float = Field(50.0, ge=1, description="Signed requests one node identity may make at once.")
+    identity_burst: float = Field(100.0, ge=1, description="Signed requests one node identity may make at once.")
     source_header: str | None = Field(
         None, description="Behind a reverse proxy: the header it puts the client's address in (e.g. "
         "x-forwarded-for, whose last entry is used, or x-real-ip). Honoured only on connections from "
@@ -131,7 +131,7 @@ class RateLimitMiddleware:
             wait = self.challenges.take(source)
             reason = "too many registration challenges from this address"
         if wait > 0.0:
-            body = json.dumps({"detail": f"{reason}: retry in {wait:.1f} s"}).encode()
+            body = json.dumps({"detail": f"{reason}: retry in {wait:.2f} s"}).encode()
             await send({"type": "http.response.start", "status": 429, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"retry-after", retry_after_header(wait))]})

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 
 from swarmrl.coordinator.config import CoordinatorConfig
@@ -69,12 +70,14 @@ class RecordingClient(CoordinatorClient):
 
 class ScriptedNode(Node):
     """`node.agent.Node` driven step by step (no threads): register, fetch, then `step()` = lease, generate,
-    submit. Subclasses change what an honest node would do through the hooks below."""
+    submit. Subclasses change what an honest node would do through the hooks below. `source`: the local address it
+    connects from (127.0.0.x: on loopback, a machine of its own to the coordinator's per-source rules)."""
 
-    def __init__(self, cfg: NodeConfig):
+    def __init__(self, cfg: NodeConfig, source: str | None = None):
         super().__init__(cfg)
+        transport = httpx.HTTPTransport(local_address=source) if source is not None else None
         self.client = RecordingClient(cfg.coordinator_url, self.identity, retries=0,
-                                      coordinator_key=cfg.coordinator_key)
+                                      coordinator_key=cfg.coordinator_key, transport=transport)
         self.true_checkpoint: Path | None = None
         self.last_lease: m.Lease | None = None
         self.last_submission: m.RolloutSubmission | None = None
