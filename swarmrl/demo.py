@@ -231,6 +231,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                     "task": {"name": "addition"}, "max_staleness": cfg.max_staleness,
                     "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size}},
             "max_buffered_groups": cfg.batch_groups * max(cfg.max_staleness, 1),
+            # Every node of the demo runs on this machine, so from one address: give them all a newcomer's allowance.
+            "admission": {"unproven_per_source": cfg.prompts_per_lease * (cfg.nodes + 1)},
             "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
             "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
         }, CoordinatorConfig)
@@ -249,7 +251,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             }, NodeConfig, nice=cfg.node_nice)
         for name in verifier_names:
             swarm.start(name, "verifier", {
-                "coordinator_url": url, "key_path": str(run_dir / "keys" / f"{name}.key"),
+                "coordinator_url": url, "coordinator_key": keys["coordinator"].public_key_hex,
+                "key_path": str(run_dir / "keys" / f"{name}.key"),
                 "work_dir": str(run_dir / name),
             }, VerifierConfig)
 
