@@ -303,8 +303,8 @@ def test_every_arch_replays_at_any_temperature(kind, arch, arch_ckpts, bpe):
     assert {c.finish_reason for c in comps} == {"stop", "length"}
     assert {c.token_ids[-1] for c in comps if c.finish_reason == "stop"} == engine.stop_ids
     # The verifier's replay is not satisfied by tokens sampled at the other temperature.
-    swapped = [g.model_copy(update={"sampling": g.sampling.model_copy(update={"temperature": 1.7 - t})})
-               for g, t in ((g, g.sampling.temperature) for g in groups)]
+    swapped = [g.model_copy(update={"lease": g.lease.model_copy(update={
+        "sampling": g.sampling.model_copy(update={"temperature": 1.7 - g.sampling.temperature})})}) for g in groups]
     assert sum(r is not None for r in verify_groups(load_policy(arch_ckpts[arch], 0), swapped)[0]) >= len(groups) // 2
 
 
