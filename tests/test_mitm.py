@@ -55,3 +55,30 @@ def test_a_rewritten_run_description_is_refused(tmp_path: Path, checkpoint: Path
             "sampling": info.spec.sampling.model_copy(update={"temperature": 3.0})})})
         with pytest.raises(UntrustedResponse, match="does not verify"):
             node.client.trust(hotter)
+
+
+def test_the_verifier_judges_a_group_against_the_signed_lease(tmp_path: Path, checkpoint: Path) -> None:
+    """A group whose lease excerpt does not verify (a prompt, a seed or the sampling not as the coordinator signed
+    them, or another node's lease) is rejected without a ban: its node is not to blame. The untouched ones pass."""
+    with open_pool(tmp_path, checkpoint, verifier={"sample_rate": 1.0}) as pool:
+        node = pool.node(name="honest", max_prompts=5)
+        assert node.step()
+        node.engine.close()
+        groups = pool.verifier.client.pending(limit=10)
+        assert len(groups) == 5
+        first = groups[0].lease
+        tampered = [
+            groups[0].model_copy(update={"lease": first.model_copy(update={
+                "prompt": first.prompt.model_copy(update={"text": "999+999="})})}),
+            groups[1].model_copy(update={"lease": groups[1].lease.model_copy(update={
+                "prompt": groups[1].lease.prompt.model_copy(update={"seeds": groups[0].seeds})})}),
+            groups[2].model_copy(update={"lease": groups[2].lease.model_copy(update={
+                "sampling": groups[2].sampling.model_copy(update={"max_tokens": 2})})}),
+            groups[3].model_copy(update={"node_id": "0" * 40}),
+        ]
+        verdicts = {v.group_id: v for v in pool.verifier.verify([*tampered, groups[4]])}
+        for g in tampered:
+            v = verdicts[g.group_id]
+            assert not v.accepted and not v.ban and v.reason.startswith("cannot verify"), v
+        assert verdicts[groups[4].group_id].accepted
+
