@@ -81,6 +81,9 @@ class CoordinatorConfig(BaseModel):
     claim_ttl_s: float = Field(
         120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
     )
+    node_gone_after_s: float = Field(
+        60.0, gt=0, description="A node not heard from (no signed request) for this long is shown as gone on the "
+        "dashboard and in /metrics, and no longer counts towards checkpoint spread.")
     max_challenges: int = Field(
         10000, ge=1, description="Outstanding registration challenges at most (429 above), against flooding."
     )
