@@ -165,7 +165,9 @@ function showStatus(s, ov) {
     const tr = document.createElement("tr");
     cell(tr, r.reason); cell(tr, r.groups, "num"); cell(tr, r.example); reasons.appendChild(tr);
   }
-  if (!ov.reasons.length) { const tr = document.createElement("tr"); cell(tr, "no rejections"); reasons.appendChild(tr); }
+  if (!ov.reasons.length) {
+    const tr = document.createElement("tr"); cell(tr, "no rejections"); reasons.appendChild(tr);
+  }
 
   const body = $("nodelist"); clear(body);
   for (const n of s.nodes) {

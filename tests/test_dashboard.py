@@ -16,9 +16,9 @@ import httpx
 import pytest
 from PIL import Image
 
-from swarmrl.protocol import messages as m
 from tests import test_coordinator_api as api
-from tests.test_coordinator_api import GROUP, Run, submission
+from tests.test_coordinator_api import GROUP
+from tests.test_metrics import busy_pool
 
 run_factory = api.run_factory
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -64,30 +64,6 @@ def chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
-
-
-def busy_pool(run_factory) -> Run:
-    """Version 1 current; alpha holds it, bravo holds 0, ghost was last heard from long ago, cheater is banned."""
-    run = run_factory(clock_skew_s=3600.0)
-    run.publish(0)
-    ghost = run.node("ghost")
-    ghost.heartbeat(0)
-    run.clock.advance(600)  # ghost is not heard from again: gone after node_gone_after_s (60 s)
-    alpha, bravo, cheater = run.node("alpha"), run.node("bravo"), run.node("cheater")
-    for node, n in ((alpha, 3), (bravo, 2), (cheater, 2)):
-        node.submit(submission(node.lease(n, 0)))
-    pending = {p.group_id: p.node_id for p in run.op.pending(1024)}
-    bad = [g for g, nid in pending.items() if nid == cheater.identity.node_id]
-    run.op.verdicts([m.Verdict(group_id=g, accepted=True, rewards=[1.0, 0.5, 0.0][:GROUP])
-                     for g, nid in pending.items() if nid != cheater.identity.node_id]
-                    + [m.Verdict(group_id=bad[0], accepted=False, reason="rollout 2: tokens after a stop token",
-                                 ban=True)])
-    run.publish(1)
-    alpha.heartbeat(1)
-    bravo.heartbeat(0)
-    for step, (reward, acc) in enumerate([(0.2, 0.25), (0.35, 0.3), (0.5, 0.42)], 1):
-        run.op.metrics(step=step, version=step - 1, metrics={"reward_mean": reward, "eval_accuracy": acc})
-    return run
 
 
 def test_dashboard_shows_every_section_with_the_runs_data(run_factory, tmp_path: Path) -> None:
