@@ -55,7 +55,11 @@ def _single_thread() -> None:
 
 def cmd_coordinator(args: argparse.Namespace) -> None:
     from swarmrl.coordinator.config import CoordinatorConfig
-    from swarmrl.coordinator.server import serve
+
+    try:
+        from swarmrl.coordinator.server import serve
+    except ImportError as e:  # fastapi, uvicorn, sqlalchemy...: the coordinator's own extra
+        sys.exit(f"swarmrl coordinator: {e}; the coordinator side installs with pip install 'swarmrl[coordinator]'")
 
     serve(_load(CoordinatorConfig, args))
 
