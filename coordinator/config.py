@@ -86,6 +86,9 @@ class CoordinatorConfig(BaseModel):
         quarantine.RELEASE_PASSES, ge=1, description="m: a held (unchecked) group reaches the trainer once this "
         "many vouching full checks of later groups of its node have passed (protocol.quarantine; docs/quarantine.md)."
     )
+    node_gone_after_s: float = Field(
+        60.0, gt=0, description="A node not heard from (no signed request) for this long is shown as gone on the "
+        "dashboard and in /metrics, and no longer counts towards checkpoint spread.")
     max_challenges: int = Field(
         10000, ge=1, description="Outstanding registration challenges at most (429 above), against flooding."
     )

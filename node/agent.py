@@ -27,7 +27,8 @@ from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine
 from swarmrl.node.engines import build_engine, resolve_engine_kind
-from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook
+from swarmrl.node.metrics import node_families
+from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook, collect_receipts
 from swarmrl.node.refusal import PermanentRefusal, is_unknown_node, permanent, pinned_coordinator_key
 from swarmrl.node.stats import Download, NodeStats
 from swarmrl.protocol.identity import Identity
@@ -44,6 +45,7 @@ from swarmrl.protocol.messages import (
 )
 from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.metrics import registry_of, serve_metrics
 from swarmrl.runtime.retry import RetryPolicy
 from swarmrl.transfer.connect import open_fetcher
 from swarmrl.transfer.fetcher import CheckpointFetcher
@@ -263,9 +265,6 @@ class Node:
         for pid, reason in refused.items():
             self.stats.last_rejection = f"{pid}: {reason}"
             log.warning("group %s refused: %s", pid, reason)
-        if result.receipts and self.receipts is not None:
-            self.receipts.add(result.receipts)
-            self.stats.receipts, self.stats.receipt_tokens = self.receipts.count, self.receipts.tokens
 
     def _register(self) -> Registered:
         """Register (waiting out a coordinator that cannot be reached), check its key against the one trusted,
@@ -325,8 +324,18 @@ class Node:
         log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
 
     def run(self) -> NodeStats:
-        """Join, then lease, generate and submit until stop() or max_leases. Raises PermanentRefusal when the
-        pool refuses the node for good (its message says what to do)."""
+        """Join, then lease, generate and submit until stop() or max_leases, serving metrics on `metrics_port`
+        meanwhile. Raises PermanentRefusal when the pool refuses the node for good (its message says what to do)."""
+        metrics = serve_metrics(registry_of(lambda: node_families(
+            self.identity.node_id, self.cfg.name, self.stats, self.client.outage,
+            self.fetcher.stats if self.fetcher is not None else None)), self.cfg.metrics_host, self.cfg.metrics_port)
+        try:
+            return self._run()
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _run(self) -> NodeStats:
         try:
             self._setup()
         except httpx.TransportError:
@@ -335,7 +344,7 @@ class Node:
             raise
         fetch_thread = threading.Thread(target=self._fetch_loop, name="fetch", daemon=True)
         fetch_thread.start()
-        last_beat, refusals = 0.0, 0
+        last_beat, last_receipts, refusals = 0.0, time.time(), 0
         try:
             while not self._stop.is_set():
                 if self.cfg.max_leases is not None and self.stats.leases >= self.cfg.max_leases:
@@ -347,6 +356,9 @@ class Node:
                         self.client.heartbeat(self.stats.held_version, status="generating" if worked else "idle",
                                               idle_s=min(self.stats.idle_seconds, MAX_NODE_SECONDS),
                                               busy_s=min(self.stats.busy_seconds, MAX_NODE_SECONDS))
+                    if time.time() - last_receipts > self.cfg.receipts_interval_s:
+                        last_receipts = time.time()
+                        self.collect_receipts()
                     refusals = 0
                 except CoordinatorError as e:
                     self._refused(e)
@@ -368,6 +380,18 @@ class Node:
             if self.swarm is not None:
                 self.swarm.close()
         return self.stats
+
+    def collect_receipts(self) -> int:
+        """Collect the receipts the coordinator signed for this node since the last ones held (`node.receipts`);
+        how many new ones were kept. A refusal (e.g. a coordinator without receipts) is logged, not raised."""
+        assert self.receipts is not None
+        try:
+            new = collect_receipts(self.client, self.receipts)
+        except CoordinatorError as e:
+            log.warning("collecting receipts was refused: %s", e.reason)
+            return 0
+        self.stats.receipts, self.stats.receipt_tokens = self.receipts.count, self.receipts.tokens
+        return new
 
     def stop(self) -> None:
         self._stop.set()

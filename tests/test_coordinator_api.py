@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.server import running_server
@@ -726,10 +727,13 @@ def test_metrics_status_and_dashboard(run: Run) -> None:
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/status" in page.text and "<svg" in page.text
     assert "cdn" not in page.text.lower() and "src=" not in page.text
-    prom = httpx.get(run.url + "/metrics").text
-    assert 'swarmrl_groups{run="test-run",status="accepted"} 0' in prom
-    assert 'swarmrl_current_version{run="test-run"} 0' in prom
-    assert "swarmrl_trainer_reward_mean" in prom and "swarmrl_trainer_eval_accuracy" in prom
+    prom = {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(httpx.get(run.url + "/metrics").text) for s in f.samples}
+    assert prom[("swarmrl_coordinator_groups", (("status", "accepted"),))] == 0
+    assert prom[("swarmrl_coordinator_current_version", ())] == 0
+    assert prom[("swarmrl_coordinator_info", (("key", run.key.public_key_hex), ("run", "test-run")))] == 1
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "reward_mean"),))] == 0.5
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "eval/accuracy"),))] == 0.2
 
 
 def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from swarmrl.coordinator import registry, status
@@ -54,11 +55,13 @@ def test_heartbeat_counters_in_status_metrics_and_dashboard(run: Run) -> None:
     row = _node_row(run, node.identity.node_id)
     assert (row.idle_s, row.busy_s) == (20.0, 70.0)
 
-    prom = httpx.get(run.url + "/metrics").text
-    labels = f'run="test-run",node="{node.identity.node_id}",name="alpha"'
-    assert "# TYPE swarmrl_node_idle_seconds_total counter" in prom
-    assert f"swarmrl_node_idle_seconds_total{{{labels}}} 20" in prom.splitlines()
-    assert f"swarmrl_node_busy_seconds_total{{{labels}}} 70" in prom.splitlines()
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(run.url + "/metrics").text)}
+    labels = {"node": node.identity.node_id, "name": "alpha"}
+    assert families["swarmrl_coordinator_node_idle_seconds"].type == "counter"
+    for name, value in (("idle", 20.0), ("busy", 70.0)):
+        samples = families[f"swarmrl_coordinator_node_{name}_seconds"].samples
+        assert [(s.name, s.labels, s.value) for s in samples] == [
+            (f"swarmrl_coordinator_node_{name}_seconds_total", labels, value)]
 
     page = httpx.get(run.url + "/").text
     assert "n.idle_s" in page and "n.busy_s" in page and "node_idle_frac" in page
@@ -84,8 +87,9 @@ def test_node_idle_frac_across_two_steps(run: Run) -> None:
     assert second["node_idle_frac"] == pytest.approx(5.0 / 35.0)
     assert _step_metrics(run, 1) == first  # earlier rows are not rewritten
 
-    prom = httpx.get(run.url + "/metrics").text
-    assert f'swarmrl_trainer_node_idle_frac{{run="test-run"}} {5.0 / 35.0!r}' in prom.splitlines()
+    samples = [s for f in text_string_to_metric_families(httpx.get(run.url + "/metrics").text) for s in f.samples]
+    assert [s.value for s in samples if s.name == "swarmrl_coordinator_trainer_metric"
+            and s.labels == {"metric": "node_idle_frac"}] == [pytest.approx(5.0 / 35.0)]
 
     # No node time since step 2: node_idle_s is 0 and the fraction is left out, even if the trainer sent one.
     run.op.metrics(step=3, version=2, metrics={"reward_mean": 0.7, "node_idle_frac": 0.99, "node_idle_s": 9.0})
