@@ -67,8 +67,13 @@ class Run:
         ckpt.mkdir()
         (ckpt / "config.json").write_text(json.dumps({"version": version, "tag": tag}))
         (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(2500))
+        return self.publish_checkpoint(ckpt, version)
+
+    def publish_checkpoint(self, ckpt: Path, version: int, shard_size: int = 1024) -> m.SignedManifest:
+        """Cut the checkpoint directory `ckpt`, upload its shards and publish it as `version`."""
         local = ShardStore(self.tmp / "trainer-shards")
-        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run.run_id, version=version, store=local, shard_size=1024)
+        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run.run_id, version=version, store=local,
+                                  shard_size=shard_size)
         for ref in manifest.shards():
             self.op.upload_shard(ref.sha256, local.get(ref.sha256))
         return self.op.publish(manifest)

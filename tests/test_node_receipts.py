@@ -93,7 +93,7 @@ def test_node_counts_a_submission_result(tmp_path: Path) -> None:
     groups = [m.RolloutGroup(prompt_id=f"l1.{i}", prompt_ids=[1, 4], rollouts=[rollout, rollout]) for i in range(3)]
     submission = m.RolloutSubmission(lease_id="l1", policy_version=0, groups=groups)
     result = m.SubmitResult(accepted=["l1.0"], rejected={"l1.1": "already submitted", "l1.2": "bad shape"})
-    node._count_result(submission, result)
+    node.stats.count_result(submission, result)
     node.receipts.add([receipt(coordinator, node.identity.node_id, "l1.0", 6)])
     node.stats.receipts, node.stats.receipt_tokens = node.receipts.count, node.receipts.tokens
     s = node.stats
