@@ -1,4 +1,5 @@
-"""The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, plus a dashboard.
+"""The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, the dashboard (`/`) and
+Prometheus metrics (`/metrics`).
 
 HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed
 endpoints are sync functions (FastAPI runs them in its thread pool) whose request is authenticated by two
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Path, Request, Response
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel
@@ -33,7 +34,9 @@ from swarmrl.coordinator.ratelimit import RateLimitMiddleware, retry_after_heade
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.signing import SIGNATURE_HEADER, Signature
+from swarmrl.protocol.ledger import MAX_LEDGER_PAGE
+from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptsRequest
+from swarmrl.protocol.signing import MAX_HEADER_CHARS, PAYLOAD_HEADER, SIGNATURE_HEADER, Signature
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
 
@@ -70,7 +73,9 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
     app.add_middleware(RateLimitMiddleware, cfg=config.rate_limits)  # outside the body limit: before any body
-    app.add_middleware(ErrorMiddleware)  # added last: the outermost, so it sees every error
+    app.add_middleware(ErrorMiddleware)
+    prometheus_registry = metrics.coordinator_registry(svc)
+    app.add_middleware(metrics.HttpMetrics, registry=prometheus_registry)  # added last: the outermost, counts all
 
     @app.exception_handler(Refused)
     async def _refused(_: Request, e: Refused) -> JSONResponse:
@@ -133,7 +138,29 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     @app.get("/metrics")
     def prometheus() -> Response:
-        return Response(metrics.render(svc.status.snapshot()), media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(prometheus_registry), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/overview")
+    def overview() -> Response:
+        return _json(svc.overviews.overview())
+
+    @app.get("/v1/ledger")
+    def ledger(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,
+               limit: Annotated[int, Query(ge=1, le=MAX_LEDGER_PAGE)] = 100,
+               node_id: Annotated[str | None, Query(pattern="^[0-9a-f]{40}$")] = None) -> Response:
+        return _json(svc.ledger.page(after, limit, node_id))
+
+    def header_signed(request: Request, kind: str, model: type[BaseModel], role: str | None) -> Signed:
+        """A signed request without a body (a GET): its payload travels in PAYLOAD_HEADER, signed as the body."""
+        payload = request.headers.get(PAYLOAD_HEADER, "")
+        if len(payload) > MAX_HEADER_CHARS:
+            raise Refused(400, f"the {PAYLOAD_HEADER} header is longer than {MAX_HEADER_CHARS} characters")
+        return svc.gate.open(request.headers.get(SIGNATURE_HEADER), payload.encode(), kind, model, role)
+
+    @app.get("/v1/receipts")
+    def receipts(request: Request) -> Response:
+        # A signed GET (payload and signature in headers). Any key may ask; it gets its own.
+        return _json(svc.ledger.receipts_page(header_signed(request, KIND_RECEIPTS, ReceiptsRequest, None)))
 
     # -- nodes ----------------------------------------------------------------------------------------
 

@@ -95,6 +95,9 @@ class CoordinatorConfig(BaseModel):
                                        "may hold in flight, and the share of the buffer unproven identities may hold.")
     rate_limits: RateLimitConfig = Field(default_factory=RateLimitConfig, description="Requests per source and per "
                                          "identity (429 with Retry-After above them).")
+    node_gone_after_s: float = Field(
+        60.0, gt=0, description="A node not heard from (no signed request) for this long is shown as gone on the "
+        "dashboard and in /metrics, and no longer counts towards checkpoint spread.")
 
     @field_validator("operator_keys")
     @classmethod

@@ -167,6 +167,9 @@ class Verification:
 
     def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], long_polls: LongPolls):
         self.store, self.config, self.clock, self.long_polls = store, config, clock, long_polls
+        self.accept_hooks: list[Callable[[Tx, list[int], float], object]] = []
+        """Called with the ids of the groups a verdict batch accepted (released ones included), inside the batch's
+        transaction, before it commits (the ledger signs their receipts there)."""
 
     def claim(self, req: Signed) -> list[m.PendingGroup]:
         """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s (waiting up to `wait_s`
@@ -202,6 +205,7 @@ class Verification:
                     if not all(math.isfinite(r) for r in v.rewards):
                         raise Refused(422, f"group {v.group_id}: rewards must be finite")
             counts: dict[str, list[int]] = {}  # node id -> [accepted, rejected, checks passed], added at the end
+            accepted: list[int] = []
             for v in batch.verdicts:
                 grp = groups.get(v.group_id)
                 if grp is None:
@@ -209,15 +213,19 @@ class Verification:
                 # Re-read: an earlier verdict of this batch (a release, a ban) may have decided it.
                 status, held = tx.execute(_STATE, {"b_id": grp.id}).one()
                 if status == "pending" and not held:
-                    self._apply(tx, grp, v, now, counts.setdefault(grp.node_id, [0, 0, 0]), self.config.release_passes)
-            for node_id, (accepted, rejected, checks) in counts.items():
-                registry.count_verdicts(tx, node_id, accepted=accepted, rejected=rejected, checks=checks)
+                    accepted += self._apply(tx, grp, v, now, counts.setdefault(grp.node_id, [0, 0, 0]),
+                                            self.config.release_passes)
+            for node_id, (n_accepted, n_rejected, checks) in counts.items():
+                registry.count_verdicts(tx, node_id, accepted=n_accepted, rejected=n_rejected, checks=checks)
+            for hook in self.accept_hooks:
+                hook(tx, accepted, now)
 
         self.store.write(apply, notify=True)
 
     @staticmethod
-    def _apply(tx: Tx, grp: GroupRow, v: m.Verdict, now: float, counts: list[int], release_passes: int) -> None:
-        """One verdict on a pending, unheld group; `counts` (the node's [accepted, rejected, checks]) grows."""
+    def _apply(tx: Tx, grp: GroupRow, v: m.Verdict, now: float, counts: list[int], release_passes: int) -> list[int]:
+        """One verdict on a pending, unheld group; `counts` (the node's [accepted, rejected, checks]) grows. The ids
+        of the groups it accepted."""
         if v.accepted and not v.checked:
             hold(tx, grp.id, list(v.rewards), now)
         elif v.accepted:
@@ -226,6 +234,7 @@ class Verification:
             accept(tx, grp.id, list(v.rewards), now)
             counts[0] += 1 + len(released)
             counts[2] += 1
+            return [*released, grp.id]
         else:
             reason = (v.reason or "rejected by the verifier")[:MAX_REASON_CHARS]
             reject(tx, grp.id, reason, now)
@@ -233,3 +242,4 @@ class Verification:
             if v.ban:
                 registry.ban(tx, grp.node_id, reason)
                 counts[1] += reject_pending_of_node(tx, grp.node_id, "node banned", now)
+        return []

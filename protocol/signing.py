@@ -36,6 +36,8 @@ from swarmrl.protocol.identity import Identity, node_id_from_public_key, verify_
 DEFAULT_CLOCK_SKEW_S = 120.0
 SIGNATURE_HEADER = "x-swarmrl-signature"
 """The HTTP header a signed request's `Signature` travels in (compact JSON)."""
+PAYLOAD_HEADER = "x-swarmrl-payload"
+"""A signed request without a body (a GET): the header its payload (JSON, signed as the body) travels in."""
 DOMAIN = b"swarmrl-signed\n"
 MAX_RUN_ID = 128
 MAX_HEADER_CHARS = 1024

@@ -94,6 +94,9 @@ class VerifierConfig(BaseModel):
     run: RunSpec | None = Field(None, description="The run this verifier is meant for (the pool's [run] table); "
                                 "when set, the verifier refuses to start against a coordinator whose run differs. "
                                 "The task, staleness bound and proof parameters always come from the coordinator.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics (swarmrl_verifier_*) "
+                                     "on this port at /metrics; 0 or None: off.")
+    metrics_host: str = Field("127.0.0.1", description="Interface the metrics port listens on (0.0.0.0: all).")
     batch: int = Field(64, ge=1, description="Pending groups claimed per poll.")
     poll_interval_s: float = Field(0.2, gt=0, description="Wait between polls when nothing is pending and the "
                                    "coordinator did not wait (long_poll_s = 0, or an error).")

@@ -24,7 +24,6 @@ import random
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import httpx
 import torch
@@ -41,6 +40,7 @@ from swarmrl.verifier.budget import IdentityBudget
 from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, missing_proof, score
 from swarmrl.verifier.config import VerifierConfig
 from swarmrl.verifier.full_check import GroupReport, Staging, full_check
+from swarmrl.verifier.metrics import VerifierStats, serve_verifier_metrics
 from swarmrl.verifier.models import ModelCache, PolicyModel, VersionUnavailable
 from swarmrl.verifier.policy import CheckPolicy
 
@@ -48,19 +48,6 @@ log = logging.getLogger("swarmrl.verifier")
 MAX_REPORTS = 100_000
 
 Item = tuple[PendingGroup, CheckContext, quarantine.Check]
-
-
-@dataclass
-class VerifierStats:
-    groups: int = 0
-    full_checks: int = 0
-    held: int = 0
-    rejected: int = 0
-    deferred: int = 0
-    """Groups left without a verdict because their identity was over its verification budget."""
-    tokens_checked: int = 0
-    check_seconds: float = 0.0
-    """Wall time of full checks (prefill + comparisons), for the cost ratio."""
 
 
 class Verifier:
@@ -243,6 +230,7 @@ class Verifier:
         for v in verdicts:
             if not v.accepted:
                 self.stats.rejected += 1
+                self.stats.bans += int(v.ban)
                 log.warning("group %d rejected%s: %s", v.group_id, " (node banned)" if v.ban else "", v.reason)
             elif not v.checked:
                 self.stats.held += 1
@@ -252,6 +240,7 @@ class Verifier:
         """Poll until `stop_after_s` (forever by default). Coordinator errors and unreachable or inconsistent
         weights are logged and retried: claimed groups left without a verdict are claimed again later."""
         t0 = time.time()
+        metrics = serve_verifier_metrics(self.stats, self.cfg.metrics_host, self.cfg.metrics_port)
         try:
             while stop_after_s is None or time.time() - t0 < stop_after_s:
                 t_poll = time.monotonic()
@@ -259,9 +248,12 @@ class Verifier:
                     worked = self.poll_once()
                 except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
                     log.error("poll failed: %s", e)
+                    self.stats.poll_errors += 1
                     worked = 0
                 if worked == 0 and time.monotonic() - t_poll < self.cfg.poll_interval_s:
                     time.sleep(self.cfg.poll_interval_s)  # the coordinator did not hold the poll: do not spin
         finally:
+            if metrics is not None:
+                metrics.close()
             if self.models is not None:
                 self.models.close()  # leaves the checkpoint swarm, if it joined one

@@ -96,9 +96,9 @@ def _node_attack(make: Callable[[Pool, int], ScriptedNode], tries: int = 1) -> C
 def _honest_submission(pool: Pool, name: str) -> tuple[ScriptedNode, m.Lease, m.RolloutSubmission]:
     """A node with an honestly generated, not yet submitted submission (for protocol-level attacks)."""
     node = pool.node(name=name, max_prompts=1)
-    node._swap_in_weights(node._run_info.spec.sampling.temperature)
+    node.load_ready_weights(node._run_info.spec.sampling.temperature)
     lease = node.client.lease(1, held_version=node.stats.held_version)
-    sub = node._generate(lease)
+    sub = node.generate(lease)
     node.engine.close()
     return node, lease, sub
 

@@ -96,7 +96,7 @@ class ScriptedNode(Node):
 
     def sync(self) -> None:
         """Fetch the newest published version now (an honest node's fetch thread does this in the background)."""
-        self._fetch_newer()
+        self.fetch_newer()
         if self._ready is not None:
             version, path = self._ready
             self.true_checkpoint = path
@@ -116,18 +116,18 @@ class ScriptedNode(Node):
 
     # -- the agent's steps, with the hooks applied --------------------------------------------------------------
 
-    def _swap_in_weights(self, temperature: float, max_version: int | None = None) -> None:
-        super()._swap_in_weights(self.engine_temperature(temperature), max_version)
+    def load_ready_weights(self, temperature: float, max_version: int | None = None) -> None:
+        super().load_ready_weights(self.engine_temperature(temperature), max_version)
 
-    def _catch_up(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
+    def wait_for_weights(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
         # No fetch thread here: fetch now if the lease needs newer weights than this node holds.
         if not is_fresh(self.stats.held_version, lease.policy_version, max_staleness):
             self.sync()
-        super()._catch_up(lease, max_staleness, temperature)
+        super().wait_for_weights(lease, max_staleness, temperature)
 
-    def _generate(self, lease: m.Lease) -> m.RolloutSubmission:
+    def generate(self, lease: m.Lease) -> m.RolloutSubmission:
         self.last_lease = lease
-        self.last_submission = self.tamper(super()._generate(lease), lease)
+        self.last_submission = self.tamper(super().generate(lease), lease)
         return self.last_submission
 
 

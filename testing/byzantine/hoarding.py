@@ -112,7 +112,7 @@ def arm(root: Path, ckpt: Path, hoarder: str | None, duration_s: float, honest_n
         honest = [pool.node(name=f"honest{i}", engine=engine, max_prompts=8, source=f"127.0.0.{10 + i}")
                   for i in range(honest_nodes)]
         for h in honest:  # engines are built one at a time, before the clock starts (loading is not thread-safe)
-            h._swap_in_weights(pool.cfg.run.sampling.temperature)
+            h.load_ready_weights(pool.cfg.run.sampling.temperature)
         stop, errors = threading.Event(), []
         threads = [threading.Thread(target=_honest, args=(h, stop, errors), daemon=True) for h in honest]
         threads += [threading.Thread(target=f, args=(pool, stop), daemon=True) for f in (_verifier, _trainer)]

@@ -237,7 +237,7 @@ class OldWeightsNode(ScriptedNode):
         self.true_checkpoint = path
         self._ready = (manifest.version, path)
 
-    def _catch_up(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
+    def wait_for_weights(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
         pass  # it stays on the old weights on purpose
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:

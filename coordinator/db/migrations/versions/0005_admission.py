@@ -7,8 +7,8 @@
 - prompt_queue: prompts leased and not used, leased again to other identities;
 - challenges: dropped; a registration challenge is a MAC under the run's secret now, and nothing is stored.
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-12-03
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
