@@ -99,9 +99,11 @@ def buffered_groups(tx: Tx, min_version: int) -> int:
         or_(g.status == "pending", and_(g.status == "accepted", g.accepted_seq > feed.acked(tx))))).scalar_one())
 
 
-def earliest_expiry(tx: Tx, node_id: str, now: float) -> float | None:
-    """When the node's first open lease expires (None without one)."""
-    return tx.execute(_EARLIEST, {"b_node": node_id, "b_now": now}).scalar_one()
+def until_a_lease_expires(tx: Tx, node_id: str, now: float) -> float:
+    """Seconds until the node's first open lease expires (at least 1): the Retry-After of a node whose leases are
+    all it may hold."""
+    earliest = tx.execute(_EARLIEST, {"b_node": node_id, "b_now": now}).scalar_one()
+    return max((earliest if earliest is not None else now) - now, 1.0)
 
 
 # -- rules ------------------------------------------------------------------------------------------------
@@ -151,13 +153,12 @@ class Leases:
             flight = admission.in_flight(tx, node, now, min_version, adm)
             allowed = admission.allowance(node, adm)
             if flight.own >= allowed:
-                wait = max((earliest_expiry(tx, req.signer, now) or now) - now, 1.0)
                 raise Refused(429, f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
-                                   "them (or let their leases expire) first", retry_after=wait)
+                                   "them (or let their leases expire) first",
+                              retry_after=until_a_lease_expires(tx, req.signer, now))
             if count_open_leases(tx, req.signer, now) >= cfg.max_outstanding_leases:
                 raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
-                                   "them expire first", retry_after=max((earliest_expiry(tx, req.signer, now) or now)
-                                                                        - now, 1.0))
+                                   "them expire first", retry_after=until_a_lease_expires(tx, req.signer, now))
             cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
             if not admission.is_proven(node, adm) and (flight.unproven >= cap or
                                                        flight.unproven_same_source >= adm.unproven_per_source):

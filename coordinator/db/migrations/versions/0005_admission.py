@@ -1,7 +1,8 @@
 """Admission: per-node lease counters, signed leases, the queue of prompts to lease again; stateless challenges.
 
 - nodes.prompts_leased / prompts_abandoned: what a node's lease allowance is judged on (`coordinator.admission`),
-  and nodes.source, the address it registered from (unproven identities of one source share an allowance);
+  and nodes.source, the address it registered from (unproven identities of one source share an allowance; nodes
+  registered before this revision share the source '' until they register again or earn their record);
 - leases.signature / digests: the coordinator's signature of each lease and the digests of its prompts, so a
   verifier judges a group against exactly what was signed (leases from before this revision have neither);
 - prompt_queue: prompts leased and not used, leased again to other identities;
