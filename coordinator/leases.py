@@ -22,6 +22,8 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow
 from swarmrl.coordinator.db.schema import LEASE_COUNTER, lease_prompts, leases, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, load
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.registry import require_node, touch
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.tasks import Task
@@ -118,6 +120,7 @@ class Leases:
         cfg, run = self.config, self.config.run
 
         def lease(tx: Tx) -> m.Lease | None:
+            admit(tx, req)
             require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
             version = current_version(tx)
@@ -126,7 +129,7 @@ class Leases:
             if cfg.max_buffered_groups is not None and \
                     buffered_work(tx, version - run.max_staleness, now) >= cfg.max_buffered_groups:
                 # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
-                return None
+                return None  # not remembered: no work was handed out, and a retry may find some
             if count_open_leases(tx, req.signer, now) >= cfg.max_outstanding_leases:
                 raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
                                    "them expire first")
@@ -141,8 +144,10 @@ class Leases:
             expires_at = now + cfg.lease_ttl_s
             insert_lease(tx, lease_id, req.signer, version, now, expires_at, run.sampling.model_dump(mode="json"),
                          prompts)
-            return m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=run.sampling,
-                           prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+            answer = m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=run.sampling,
+                             prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+            remember(tx, req, answer, now)
+            return answer
 
         return self.store.write(lease)
 
@@ -157,6 +162,8 @@ class Leases:
         max_staleness = self.config.run.max_staleness
 
         def take(tx: Tx) -> m.SubmitResult:
+            admit(tx, req)
+            require_node(tx, req.signer)
             lease = get_lease(tx, sub.lease_id, lock=True)
             if lease is None:
                 raise Refused(404, "unknown lease")
@@ -189,7 +196,9 @@ class Leases:
                 accepted.append(group.prompt_id)
             close_lease_if_complete(tx, sub.lease_id)
             touch(tx, req.signer, now)
-            return m.SubmitResult(accepted=accepted, rejected=rejected)
+            answer = m.SubmitResult(accepted=accepted, rejected=rejected)
+            remember(tx, req, answer, now)
+            return answer
 
         try:
             return self.store.write(take, notify=True)

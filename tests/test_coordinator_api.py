@@ -719,7 +719,8 @@ def test_shard_upload_checks(run_factory) -> None:
 
 def test_metrics_status_and_dashboard(run: Run) -> None:
     run.op.metrics(step=1, version=0, metrics={"reward_mean": 0.25, "eval/accuracy": 0.1})
-    run.op.metrics(step=2, version=1, metrics={"reward_mean": 0.5, "eval/accuracy": 0.2})
+    run.op.metrics(step=2, version=1, metrics={"reward_mean": 0.5, "eval/accuracy": 0.2, "eval_accuracy": 0.3,
+                                               "step": 7.0})
     st = run.op.status()
     assert [(x.step, x.metrics["reward_mean"]) for x in st.metrics] == [(1, 0.25), (2, 0.5)]
     page = httpx.get(run.url + "/")
@@ -729,7 +730,14 @@ def test_metrics_status_and_dashboard(run: Run) -> None:
     prom = httpx.get(run.url + "/metrics").text
     assert 'swarmrl_groups{run="test-run",status="accepted"} 0' in prom
     assert 'swarmrl_current_version{run="test-run"} 0' in prom
-    assert "swarmrl_trainer_reward_mean" in prom and "swarmrl_trainer_eval_accuracy" in prom
+    # Trainer metric names are label values: names that would sanitize alike, or match a family, stay apart.
+    assert 'swarmrl_trainer_metric{run="test-run",name="reward_mean"} 0.5' in prom
+    assert 'swarmrl_trainer_metric{run="test-run",name="eval/accuracy"} 0.2' in prom
+    assert 'swarmrl_trainer_metric{run="test-run",name="eval_accuracy"} 0.3' in prom
+    assert 'swarmrl_trainer_metric{run="test-run",name="step"} 7' in prom
+    assert 'swarmrl_trainer_step{run="test-run"} 2' in prom
+    names = [line.split()[2] for line in prom.splitlines() if line.startswith("# TYPE")]
+    assert len(names) == len(set(names))
 
 
 def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def test_node_idle_frac_across_two_steps(run: Run) -> None:
     assert _step_metrics(run, 1) == first  # earlier rows are not rewritten
 
     prom = httpx.get(run.url + "/metrics").text
-    assert f'swarmrl_trainer_node_idle_frac{{run="test-run"}} {5.0 / 35.0!r}' in prom.splitlines()
+    assert f'swarmrl_trainer_metric{{run="test-run",name="node_idle_frac"}} {5.0 / 35.0!r}' in prom.splitlines()
 
     # No node time since step 2: node_idle_s is 0 and the fraction is left out, even if the trainer sent one.
     run.op.metrics(step=3, version=2, metrics={"reward_mean": 0.7, "node_idle_frac": 0.99, "node_idle_s": 9.0})
