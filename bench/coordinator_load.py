@@ -202,6 +202,8 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
         "machine_busy": round((busy1 - busy0) / max(total1 - total0, 1), 3),
         "load_avg_1m": round(load0, 2),
         "coordinator_cpu_s_per_s": round((cpu1[0] - cpu0[0]) / seconds, 3),
+        "coordinator_cpu_ms_per_request": round(1000 * (cpu1[0] - cpu0[0]) / max(1, sum(t["ok"] + t["errors"]
+                                                                                       for t in tallies.values())), 3),
         "load_procs_cpu_s_per_s": round((cpu1[1] - cpu0[1]) / seconds, 3),
     }
 
