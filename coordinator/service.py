@@ -46,7 +46,7 @@ class Coordinator:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(config.resolved_store_url, pool_size=config.store_pool_size,
                            group_commit=config.store_group_commit)
-        self.shards = ShardStore(config.data_dir / "shards")
+        self.shards = ShardStore(config.data_dir / "shards", durable=True)  # a published manifest refers to them
         long_polls = LongPolls(self.store, config.max_long_polls)
         self.gate = Gate(self.store, config, clock)
         self.registry = Registry(self.store, config, clock)
