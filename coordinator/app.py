@@ -28,9 +28,9 @@ from swarmrl.coordinator import dashboard, metrics
 from swarmrl.coordinator.auth import Refused
 from swarmrl.coordinator.checkpoints import is_sha256
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.failures import RETRY_AFTER_S, storage_failure
+from swarmrl.coordinator.failures import refusal_of
 from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware
-from swarmrl.coordinator.pipeline import REFUSALS, Offload, SignedRoutes
+from swarmrl.coordinator.pipeline import REFUSALS, Offload, SignedDispatch, SignedRoutes
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
@@ -75,12 +75,11 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
             return config.max_shard_bytes
         return config.max_body_bytes
 
+    signed = SignedRoutes(svc)
+    signed.install_openapi(app)
+    app.add_middleware(SignedDispatch, routes=signed, offload=offload)  # inside the body limit
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
     app.add_middleware(ErrorMiddleware)  # added last: the outermost, so it sees every error
-
-    @app.exception_handler(Refused)
-    async def _refused(_: Request, e: Refused) -> JSONResponse:
-        return _error(e.status, e.reason, e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> Response:
@@ -93,16 +92,15 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in e.errors()]
         return _error(422, "; ".join(parts[:5]) or "invalid request")
 
-    async def _storage(request: Request, e: Exception) -> JSONResponse:
-        failure = storage_failure(e)
-        if failure is None:
+    async def _refusal(request: Request, e: Exception) -> JSONResponse:
+        refusal = refusal_of(e, f"{request.method} {request.url.path}")
+        if refusal is None:
             log.error("%s %s failed", request.method, request.url.path, exc_info=e)
             return _error(500, f"internal error ({type(e).__name__})")
-        log.warning("%s %s: %s (%s)", request.method, request.url.path, failure[1], e)
-        return _error(*failure, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return _error(*refusal)
 
-    app.add_exception_handler(SQLAlchemyError, _storage)
-    app.add_exception_handler(OSError, _storage)
+    for exc in (Refused, SQLAlchemyError, OSError):
+        app.add_exception_handler(exc, _refusal)
 
     # -- public ---------------------------------------------------------------------------------------
 
@@ -160,7 +158,6 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     def register_challenge(req: m.ChallengeRequest) -> Response:
         return _json(svc.registry.challenge(req))
 
-    signed = SignedRoutes(app, svc, offload)
     signed.add("/v1/register", m.KIND_REGISTER, m.RegisterRequest, None, svc.register, answer=m.Registered)
     signed.add("/v1/lease", m.KIND_LEASE, m.LeaseRequest, "node", svc.leases.issue, answer=m.Lease,
                empty="No work now (no published version yet, or enough work in flight): ask again later.")

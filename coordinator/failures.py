@@ -8,10 +8,15 @@ only when whole.
 from __future__ import annotations
 
 import errno
+import logging
 import sqlite3
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from swarmrl.coordinator.auth import Refused
+
+log = logging.getLogger("swarmrl.coordinator")
 
 RETRY_AFTER_S = 5
 DISK_FULL = "the coordinator's disk is full: nothing was stored; its operator must free space, then retry"
@@ -49,6 +54,15 @@ def storage_failure(e: BaseException) -> tuple[int, str] | None:
     return None
 
 
-def is_storage_error(e: BaseException) -> bool:
-    """Worth asking `storage_failure` about (what the app's handlers catch)."""
-    return isinstance(e, OSError | SQLAlchemyError)
+def refusal_of(e: BaseException, what: str) -> tuple[int, str, dict[str, str]] | None:
+    """(status, reason, headers) of the answer to a request that raised `e` while serving `what` (e.g.
+    "POST /v1/submit"): a refusal, or a failure of the storage (logged); None for anything else (a bug)."""
+    if isinstance(e, Refused):
+        return e.status, e.reason, e.headers
+    if not isinstance(e, OSError | SQLAlchemyError):
+        return None
+    failure = storage_failure(e)
+    if failure is None:
+        return None
+    log.warning("%s: %s (%s)", what, failure[1], e)
+    return failure[0], failure[1], {"Retry-After": str(RETRY_AFTER_S)}

@@ -21,18 +21,20 @@ from sqlalchemy import delete
 
 from swarmrl.coordinator.auth import Refused, Replayed, Signed, check_signature, parse_envelope, typed_payload
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.schema import nonces
 from swarmrl.coordinator.db.store import Store, Tx, insert
 from swarmrl.coordinator.idempotency import Answered, check_key, previous_answer, request_digest
 
 T = TypeVar("T", bound=BaseModel)
 
-_RECORD = {d: insert(d, nonces).on_conflict_do_nothing().returning(nonces.c.signer) for d in ("sqlite", "postgresql")}
+_RECORD = {d: Prepared(insert(d, nonces).on_conflict_do_nothing().returning(nonces.c.signer),
+                       keys=["signer", "nonce", "ts"]) for d in ("sqlite", "postgresql")}
 
 
 def record_nonce(tx: Tx, signer: str, nonce: str, ts: float) -> bool:
     """Remember (signer, nonce); False if it was already recorded (a replay), in this process or another."""
-    return tx.execute(_RECORD[tx.dialect.name], {"signer": signer, "nonce": nonce, "ts": ts}).first() is not None
+    return _RECORD[tx.dialect.name].first(tx, signer=signer, nonce=nonce, ts=ts) is not None
 
 
 def prune_nonces(tx: Tx, older_than: float) -> int:

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from sqlalchemy import bindparam, delete, select, tuple_
 
 from swarmrl.coordinator.auth import Refused, Signed
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.schema import idempotency_keys
 from swarmrl.coordinator.db.store import Tx, insert
 
@@ -66,8 +67,11 @@ def request_digest(kind: str, payload_json: bytes) -> str:
 
 
 _k = idempotency_keys.c
-_LOOKUP = select(_k.digest, _k.status, _k.body).where(_k.signer == bindparam("b_signer"), _k.key == bindparam("b_key"))
-_STORE = {d: insert(d, idempotency_keys).on_conflict_do_nothing().returning(_k.key) for d in ("sqlite", "postgresql")}
+_LOOKUP = Prepared(select(_k.digest, _k.status, _k.body).where(_k.signer == bindparam("b_signer"),
+                                                                _k.key == bindparam("b_key")))
+_STORE = {d: Prepared(insert(d, idempotency_keys).on_conflict_do_nothing().returning(_k.key),
+                      keys=["signer", "key", "digest", "status", "body", "created_at"])
+          for d in ("sqlite", "postgresql")}
 
 
 def previous_answer(tx: Tx, req: Signed) -> Answer | None:
@@ -75,12 +79,13 @@ def previous_answer(tx: Tx, req: Signed) -> Answer | None:
     the key was used for a different request."""
     if req.idempotency_key is None:
         return None
-    row = tx.execute(_LOOKUP, {"b_signer": req.signer, "b_key": req.idempotency_key}).first()
+    row = _LOOKUP.first(tx, b_signer=req.signer, b_key=req.idempotency_key)
     if row is None:
         return None
-    if row.digest != req.digest:
+    digest, status, body = row
+    if digest != req.digest:
         raise Refused(422, "this Idempotency-Key was already used for a different request: use a new key per request")
-    return Answer(row.status, row.body.encode())
+    return Answer(status, body.encode())
 
 
 def remember(tx: Tx, req: Signed, result: BaseModel | None, now: float) -> None:
@@ -89,9 +94,8 @@ def remember(tx: Tx, req: Signed, result: BaseModel | None, now: float) -> None:
     if req.idempotency_key is None:
         return
     answer = Answer.of(result)
-    stored = tx.execute(_STORE[tx.dialect.name], {
-        "signer": req.signer, "key": req.idempotency_key, "digest": req.digest, "status": answer.status,
-        "body": answer.body.decode(), "created_at": now}).first()
+    stored = _STORE[tx.dialect.name].first(tx, signer=req.signer, key=req.idempotency_key, digest=req.digest,
+                                           status=answer.status, body=answer.body.decode(), created_at=now)
     if stored is None:
         earlier = previous_answer(tx, req)
         if earlier is None:  # pragma: no cover - the conflicting row is visible once its transaction committed

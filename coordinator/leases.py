@@ -19,9 +19,10 @@ from swarmrl.coordinator import feed
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow
 from swarmrl.coordinator.db.schema import LEASE_COUNTER, lease_prompts, leases, rollout_groups
-from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, load
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.registry import require_node, touch
@@ -32,21 +33,24 @@ from swarmrl.protocol.validation import group_problem, staleness_problem
 # -- queries ----------------------------------------------------------------------------------------------
 
 _l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
-_OPEN_LEASES = select(func.count()).select_from(leases).where(
-    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double))
+_OPEN_LEASES = Prepared(select(func.count()).select_from(leases).where(
+    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double)))
 _GET_LEASE = select(leases).where(_l.id == bindparam("b_lease"))
-_GET_LEASE_LOCKED = _GET_LEASE.with_for_update()
-_PROMPTS = select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position)
-_MARK = update(lease_prompts).where(_p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"),
-                                    _p.submitted.is_(False)).values(submitted=True)
+_GET_LEASE_LOCKED = Prepared(_GET_LEASE.with_for_update())
+_GET_LEASE = Prepared(_GET_LEASE)
+_PROMPTS = Prepared(select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position))
+_MARK = Prepared(update(lease_prompts).where(
+    _p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"), _p.submitted.is_(False)
+).values(submitted=True))
 _CLOSE = update(leases).where(_l.id == bindparam("b_lease")).values(state="done")
-_CLOSE_IF_COMPLETE = _CLOSE.where(_l.state == "open", ~exists().where(_p.lease_id == bindparam("b_lease"),
-                                                                      _p.submitted.is_(False)))
-_INSERT_GROUP = rollout_groups.insert().returning(_g.id)
+_CLOSE_IF_COMPLETE = Prepared(_CLOSE.where(_l.state == "open", ~exists().where(_p.lease_id == bindparam("b_lease"),
+                                                                               _p.submitted.is_(False))))
+_INSERT_GROUP = Prepared(rollout_groups.insert().returning(_g.id),
+                         keys=["node_id", "lease_id", "prompt_id", "policy_version", "payload", "submitted_at"])
 
 
 def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
-    return tx.execute(_OPEN_LEASES, {"b_node": node_id, "b_now": now}).scalar_one()
+    return int(_OPEN_LEASES.scalar(tx, b_node=node_id, b_now=now))
 
 
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
@@ -61,18 +65,17 @@ def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issue
 
 def get_lease(tx: Tx, lease_id: str, *, lock: bool = False) -> LeaseRow | None:
     """The lease; with `lock`, locked until the transaction ends (submissions of one lease take turns)."""
-    row = tx.execute(_GET_LEASE_LOCKED if lock else _GET_LEASE, {"b_lease": lease_id}).first()
-    return load(LeaseRow, row) if row is not None else None
+    return (_GET_LEASE_LOCKED if lock else _GET_LEASE).first_as(LeaseRow, tx, b_lease=lease_id)
 
 
 def get_prompts(tx: Tx, lease_id: str) -> dict[str, LeasePromptRow]:
     """The lease's prompts by prompt id, in leased order, answers included (server side only)."""
-    return {r.prompt_id: load(LeasePromptRow, r) for r in tx.execute(_PROMPTS, {"b_lease": lease_id})}
+    return {r.prompt_id: r for r in _PROMPTS.all_as(LeasePromptRow, tx, b_lease=lease_id)}
 
 
 def mark_submitted(tx: Tx, lease_id: str, prompt_id: str) -> bool:
     """Flag a prompt submitted; False if it already was (so a racing duplicate cannot slip through)."""
-    return tx.execute(_MARK, {"b_lease": lease_id, "b_prompt": prompt_id}).rowcount == 1
+    return _MARK.rowcount(tx, b_lease=lease_id, b_prompt=prompt_id) == 1
 
 
 def close_lease(tx: Tx, lease_id: str) -> None:
@@ -80,15 +83,14 @@ def close_lease(tx: Tx, lease_id: str) -> None:
 
 
 def close_lease_if_complete(tx: Tx, lease_id: str) -> bool:
-    return tx.execute(_CLOSE_IF_COMPLETE, {"b_lease": lease_id}).rowcount == 1
+    return _CLOSE_IF_COMPLETE.rowcount(tx, b_lease=lease_id) == 1
 
 
 def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int, payload: dict[str, Any],
                  now: float) -> int:
     """A new pending group; its id."""
-    return tx.execute(_INSERT_GROUP, {"node_id": node_id, "lease_id": lease_id, "prompt_id": prompt_id,
-                                      "policy_version": policy_version, "payload": payload, "submitted_at": now}
-                      ).scalar_one()
+    return int(_INSERT_GROUP.scalar(tx, node_id=node_id, lease_id=lease_id, prompt_id=prompt_id,
+                                    policy_version=policy_version, payload=payload, submitted_at=now))
 
 
 def buffered_work(tx: Tx, min_version: int, now: float) -> int:

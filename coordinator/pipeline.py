@@ -3,33 +3,41 @@
     body (read on the event loop) -> one hop to a worker thread -> Gate.open (no database) -> the endpoint's action
     (its transaction begins with `gate.admit`) -> the answer (or the stored answer of an earlier try)
 
-One hop, not one per dependency: a coordinator under load spends its CPU per request, and a thread hop costs about
-what verifying a signature does. The worker threads are the coordinator's own (`store_pool_size` of them, each
-may hold a database connection); the envelope is parsed once and its signature verified once.
+Signed POST endpoints are served by `SignedDispatch`, an ASGI layer in front of the FastAPI router: nodes send
+most of the coordinator's requests, and for each the router, its request objects and exception layers cost about
+what the endpoint's own work does (measured in bench/RESULTS.md). One hop to a worker thread, not one per
+dependency; the worker threads are the coordinator's own (`store_pool_size`, each may hold a database
+connection); the envelope is parsed once and its signature verified once. Refusals are answered here in the API's
+shape, `{"detail": reason}` (`coordinator.failures`); anything unexpected goes on to `ErrorMiddleware`.
 
-A signed endpoint's request body is documented as what it really is: an envelope (`Signed<Payload>`) whose
-`payload` is the endpoint's message, with the optional Idempotency-Key header; answers as their models, refusals
-as `{"detail": reason}`.
+The schema describes these endpoints as they really are: an envelope (`Signed<Payload>`) whose `payload` is the
+endpoint's message, the optional Idempotency-Key header, answers as their models, refusals as `Refusal`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from swarmrl.coordinator.auth import Refused, Replayed, Signed
+from swarmrl.coordinator.auth import Refused, Replayed
+from swarmrl.coordinator.failures import refusal_of
 from swarmrl.coordinator.idempotency import KEY_PATTERN, Answer, Answered
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.runtime.client import IDEMPOTENCY_HEADER
 
 T = TypeVar("T")
+_KEY_HEADER = IDEMPOTENCY_HEADER.lower().encode()
+_JSON = [(b"content-type", b"application/json")]
 
 
 class Refusal(BaseModel):
@@ -43,12 +51,6 @@ REFUSALS: dict[int | str, dict[str, Any]] = {
     503: {"model": Refusal, "description": "The coordinator or its database is overloaded or unavailable."},
     507: {"model": Refusal, "description": "The coordinator's disk is full: nothing was stored."},
 }
-
-
-def respond(answer: Answer) -> Response:
-    if answer.status == 204:
-        return Response(status_code=204)
-    return Response(answer.body, status_code=answer.status, media_type="application/json")
 
 
 class Offload:
@@ -79,65 +81,127 @@ def envelope_model(kind: str, payload: type[BaseModel]) -> type[BaseModel]:
     )
 
 
-class SignedRoutes:
-    """Adds signed endpoints to `app`, each with its envelope in the OpenAPI schema."""
+@dataclass(frozen=True)
+class _Route:
+    handle: Callable[[bytes, str | None], Answer]
+    idempotent: bool
+    envelope: type[BaseModel]
+    answer: type[BaseModel] | None
+    empty: str
+    summary: str
 
-    def __init__(self, app: FastAPI, svc: Coordinator, offload: Offload):
-        self.app, self.svc, self.offload = app, svc, offload
-        self.envelopes: list[type[BaseModel]] = []
-        app.openapi = self._openapi  # type: ignore[method-assign]
+
+class SignedRoutes:
+    """The signed endpoints: what serves them (`handle`, run by `SignedDispatch`) and their OpenAPI entries."""
+
+    def __init__(self, svc: Coordinator):
+        self.svc = svc
+        self.routes: dict[str, _Route] = {}
 
     def add(self, path: str, kind: str, payload: type[BaseModel], role: str | None,
-            action: Callable[[Signed], BaseModel | None], *, answer: type[BaseModel] | None = None,
+            action: Callable[[Any], BaseModel | None], *, answer: type[BaseModel] | None = None,
             empty: str = "", idempotent: bool = True, summary: str = "") -> None:
         """POST `path`: `action(request)` for a `kind` request signed by `role` ("node", "operator" or None);
         its result is the answer, an `answer` (None: 204, which `empty` describes when both can happen).
         `idempotent`: the answer is stored under the request's Idempotency-Key and a retry gets it again (the
         action calls `idempotency.remember`)."""
-        envelope = envelope_model(kind, payload)
-        self.envelopes.append(envelope)
         svc = self.svc
 
-        def handle(raw: bytes, key: str | None) -> Response:
+        def handle(raw: bytes, key: str | None) -> Answer:
             req = svc.gate.open(raw, kind, payload, role, key)
             try:
                 result = action(req)
             except Answered as e:
-                return respond(e.answer)
+                return e.answer
             except Replayed:
                 raise
             except Refused:
                 svc.gate.keep_nonce(req)
                 raise
-            return respond(Answer.of(result))
+            return Answer.of(result)
 
-        async def endpoint(request: Request) -> Response:
-            raw = await request.body()
-            return await self.offload(handle, raw, request.headers.get(IDEMPOTENCY_HEADER) if idempotent else None)
+        self.routes[path] = _Route(handle, idempotent, envelope_model(kind, payload), answer, empty, summary)
 
+    def install_openapi(self, app: FastAPI) -> None:
+        """Make `app.openapi()` describe these endpoints beside the router's own."""
+
+        def openapi() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                     routes=app.routes)
+                models: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+                    (Refusal, "serialization")]
+                for route in self.routes.values():
+                    models.append((route.envelope, "validation"))
+                    if route.answer is not None:
+                        models.append((route.answer, "serialization"))
+                _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+                known = schema.setdefault("components", {}).setdefault("schemas", {})
+                for name, definition in defs.get("$defs", {}).items():
+                    known.setdefault(name, definition)
+                for path, route in self.routes.items():
+                    schema.setdefault("paths", {})[path] = {"post": self._operation(path, route)}
+                app.openapi_schema = schema
+            return app.openapi_schema
+
+        app.openapi = openapi  # type: ignore[method-assign]
+
+    @staticmethod
+    def _operation(path: str, route: _Route) -> dict[str, Any]:
+        def ref(model: type[BaseModel]) -> dict[str, Any]:
+            return {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+
+        responses: dict[str, Any] = {str(status): {"description": info["description"], "content": ref(Refusal)}
+                                     for status, info in REFUSALS.items()}
+        if route.answer is not None:
+            responses["200"] = {"description": "Done.", "content": ref(route.answer)}
+        if route.empty or route.answer is None:
+            responses["204"] = {"description": route.empty or "Done."}
         parameters = [{"name": IDEMPOTENCY_HEADER, "in": "header", "required": False,
                        "description": "One random key per logical request, the same on each of its retries: a retry "
                                       "gets the first answer instead of being applied again.",
-                       "schema": {"type": "string", "pattern": KEY_PATTERN.pattern}}] if idempotent else []
-        responses: dict[int | str, dict[str, Any]] = {**REFUSALS}
-        if answer is not None:
-            responses[200] = {"model": answer, "description": "Done."}
-        if empty:
-            responses[204] = {"description": empty}
-        self.app.add_api_route(
-            path, endpoint, methods=["POST"], summary=summary or None, responses=responses,
-            status_code=200 if answer is not None else 204, response_class=Response,
-            openapi_extra={"parameters": parameters, "requestBody": {"required": True, "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{envelope.__name__}"}}}}})
+                       "schema": {"type": "string", "pattern": KEY_PATTERN.pattern}}] if route.idempotent else []
+        return {"operationId": "post" + path.replace("/", "_"), "summary": route.summary or path,
+                "parameters": parameters, "requestBody": {"required": True, "content": ref(route.envelope)},
+                "responses": responses}
 
-    def _openapi(self) -> dict[str, Any]:
-        app = self.app
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            _, defs = models_json_schema([(e, "validation") for e in self.envelopes],
-                                         ref_template="#/components/schemas/{model}")
-            known = schema.setdefault("components", {}).setdefault("schemas", {})
-            for name, definition in defs.get("$defs", {}).items():
-                known.setdefault(name, definition)
-            app.openapi_schema = schema
-        return app.openapi_schema
+
+class SignedDispatch:
+    """ASGI: a POST to a signed endpoint is served here (see the module docstring); anything else goes on to
+    `app`. Placed inside the body limit, so a body it reads is already bounded."""
+
+    def __init__(self, app: ASGIApp, routes: SignedRoutes, offload: Offload):
+        self.app, self.routes, self.offload = app, routes.routes, offload
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        key = None
+        if route.idempotent:
+            key = next((v.decode("latin-1") for k, v in scope["headers"] if k == _KEY_HEADER), None)
+        try:
+            answer = await self.offload(route.handle, b"".join(chunks), key)
+        except Exception as e:
+            refusal = refusal_of(e, f"POST {scope['path']}")
+            if refusal is None:
+                raise
+            status, reason, headers = refusal
+            body = json.dumps({"detail": reason}).encode()
+            extra = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *extra]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        headers = [*_JSON, (b"content-length", str(len(answer.body)).encode())] if answer.status != 204 else []
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.body})

@@ -14,6 +14,7 @@ from sqlalchemy import BigInteger, Double, bindparam, delete, func, select, upda
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import challenges, nodes
 from swarmrl.coordinator.db.store import Store, Tx, insert, load
@@ -32,10 +33,12 @@ COUNTER_SLACK_S = 10.0
 
 _c = nodes.c
 _GET = select(nodes).where(_c.id == bindparam("b_id"))
-_GET_LOCKED = _GET.with_for_update()
+_GET_LOCKED = Prepared(_GET.with_for_update())
+_GET = Prepared(_GET)
 _TOUCH = update(nodes).where(_c.id == bindparam("b_id")).values(last_seen=bindparam("b_now", type_=Double),
                                                                gone_since=None)
-_TOUCH_HELD = _TOUCH.values(held_version=bindparam("b_held", type_=BigInteger))
+_TOUCH_HELD = Prepared(_TOUCH.values(held_version=bindparam("b_held", type_=BigInteger)))
+_TOUCH = Prepared(_TOUCH)
 _acc, _rej = bindparam("b_acc", type_=BigInteger), bindparam("b_rej", type_=BigInteger)
 _COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
     groups_accepted=_c.groups_accepted + _acc, groups_rejected=_c.groups_rejected + _rej,
@@ -43,17 +46,16 @@ _COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
     # Reputation: the Laplace-smoothed acceptance rate.
     reputation=(_c.groups_accepted + _acc + 1.0) / (_c.groups_accepted + _c.groups_rejected + _acc + _rej + 2.0))
 
-_SET_COUNTERS = update(nodes).where(_c.id == bindparam("b_id")).values(
+_SET_COUNTERS = Prepared(update(nodes).where(_c.id == bindparam("b_id")).values(
     idle_s=bindparam("b_idle", type_=Double), busy_s=bindparam("b_busy", type_=Double),
     idle_total=_c.idle_total + bindparam("b_add_idle", type_=Double),
-    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=bindparam("b_now", type_=Double))
+    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=bindparam("b_now", type_=Double)))
 
 
 def get_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow | None:
     """The node's row; with `lock`, locked until the transaction ends (PostgreSQL), which serializes the
     requests of one node that read and then write it."""
-    row = tx.execute(_GET_LOCKED if lock else _GET, {"b_id": node_id}).first()
-    return load(NodeRow, row) if row is not None else None
+    return (_GET_LOCKED if lock else _GET).first_as(NodeRow, tx, b_id=node_id)
 
 
 def active(node: NodeRow | None) -> NodeRow:
@@ -103,9 +105,9 @@ def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, n
 def touch(tx: Tx, node_id: str, now: float, held_version: int | None = None) -> None:
     """Note the node seen at `now` (holding `held_version`, if given): live again if it was gone."""
     if held_version is None:
-        tx.execute(_TOUCH, {"b_id": node_id, "b_now": now})
+        _TOUCH.rowcount(tx, b_id=node_id, b_now=now)
     else:
-        tx.execute(_TOUCH_HELD, {"b_id": node_id, "b_now": now, "b_held": held_version})
+        _TOUCH_HELD.rowcount(tx, b_id=node_id, b_now=now, b_held=held_version)
 
 
 def count_verdicts(tx: Tx, node_id: str, accepted: int = 0, rejected: int = 0, checks: int = 0) -> None:
@@ -122,8 +124,8 @@ def set_counters(tx: Tx, node_id: str, idle_s: float, busy_s: float, add_idle: f
                  now: float) -> None:
     """Store a node's latest self-reported counters (`idle_s`, `busy_s`, as reported) and add to its
     coordinator-side totals (`idle_total`, `busy_total`, which never decrease, whatever the node reports)."""
-    tx.execute(_SET_COUNTERS, {"b_id": node_id, "b_idle": idle_s, "b_busy": busy_s, "b_add_idle": add_idle,
-                               "b_add_busy": add_busy, "b_now": now})
+    _SET_COUNTERS.rowcount(tx, b_id=node_id, b_idle=idle_s, b_busy=busy_s, b_add_idle=add_idle,
+                           b_add_busy=add_busy, b_now=now)
 
 
 def time_totals(tx: Tx) -> tuple[float, float]:

@@ -31,8 +31,8 @@ def _queued(store: Store, n: int, timeout: float = 30.0) -> None:
     group = store._group
     assert group is not None
     deadline = time.monotonic() + timeout
-    while len(group._queue) < n:
-        assert time.monotonic() < deadline, f"only {len(group._queue)} writes queued"
+    while group.queued < n:
+        assert time.monotonic() < deadline, f"only {group.queued} writes queued"
         time.sleep(0.001)
 
 
@@ -43,7 +43,7 @@ def _behind_a_held_write(store: Store, writes: list) -> list:
     holder = threading.Thread(target=lambda: store.write(lambda tx: release.wait(30)))
     holder.start()
     deadline = time.monotonic() + 30
-    while store._group is not None and not store._group._leading:
+    while store._group is not None and not store._group.committing:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     outcomes: list = [None] * len(writes)

@@ -29,13 +29,15 @@ BEGIN_KEY = "swarmrl_begin"
 
 
 class _Write(Generic[T]):
-    __slots__ = ("fn", "durable", "done", "result", "error")
+    __slots__ = ("fn", "durable", "done", "result", "error", "wake", "lead")
 
     def __init__(self, fn: Callable[[Connection], T], durable: bool):
         self.fn, self.durable = fn, durable
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self.wake = threading.Event()  # set when the write is done, or when it is to lead the next commit
+        self.lead = False
 
     def outcome(self) -> T:
         if self.error is not None:
@@ -44,39 +46,58 @@ class _Write(Generic[T]):
 
 
 class GroupCommit:
-    """Serializes the writes of one SQLite engine and commits the ones that queue up together."""
+    """Serializes the writes of one SQLite engine and commits the ones that queue up together.
+
+    Each waiting writer is woken once, by the leader of the commit that holds its write (or to lead the next
+    commit), never by every commit: under load dozens of threads wait, and waking them all for each commit
+    costs more CPU than the commit."""
 
     def __init__(self, engine: Engine, max_batch: int):
         self.engine, self.max_batch = engine, max(1, max_batch)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: list[_Write[Any]] = []
         self._leading = False
         self.batches = 0
         self.writes = 0
 
+    @property
+    def queued(self) -> int:
+        """Writes waiting for a commit (not counting the ones being committed)."""
+        return len(self._queue)
+
+    @property
+    def committing(self) -> bool:
+        return self._leading
+
     def run(self, fn: Callable[[Connection], T], durable: bool = True) -> T:
         """`fn(tx)` in the next commit; returns (or raises) once that commit is done."""
         op: _Write[T] = _Write(fn, durable)
-        with self._cond:
+        with self._lock:
             self._queue.append(op)
-        while True:
-            with self._cond:
-                while not op.done and self._leading:
-                    self._cond.wait()
-                if op.done:
-                    return op.outcome()
-                self._leading = True
-                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
-            try:
-                self._commit(batch)
-            finally:
-                with self._cond:
-                    for w in batch:
-                        w.done = True
+            if not self._leading:  # no commit in progress: the queue holds only this write, which leads
+                self._leading = op.lead = True
+        while not op.lead:
+            op.wake.wait()
+            if op.done:
+                return op.outcome()
+        # Leading: the queue's oldest write is this one, so it is in this batch.
+        with self._lock:
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
+        try:
+            self._commit(batch)
+        finally:
+            with self._lock:
+                self.batches += 1
+                self.writes += len(batch)
+                for w in batch:
+                    w.done = True
+                    w.wake.set()
+                if self._queue:  # hand the lead to the oldest waiting write
+                    self._queue[0].lead = True
+                    self._queue[0].wake.set()
+                else:
                     self._leading = False
-                    self.batches += 1
-                    self.writes += len(batch)
-                    self._cond.notify_all()
+        return op.outcome()
 
     def _commit(self, batch: list[_Write[Any]]) -> None:
         durable = any(w.durable for w in batch)
@@ -111,11 +132,14 @@ class GroupCommit:
 
     @staticmethod
     def _run_in_savepoint(conn: Connection, w: _Write[Any]) -> None:
-        savepoint = conn.begin_nested()
+        # On the driver directly: SQLAlchemy's nested transaction objects cost more than SQLite's savepoints.
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        raw.execute("SAVEPOINT batched_write")
         try:
             w.result = w.fn(conn)
         except BaseException as e:
             w.error = e
-            savepoint.rollback()  # raises when SQLite ended the whole transaction (e.g. a full disk): all fail
-        else:
-            savepoint.commit()
+            # Raises when SQLite ended the whole transaction (e.g. a full disk): then the batch fails as a whole.
+            raw.execute("ROLLBACK TO batched_write")
+        raw.execute("RELEASE batched_write")

@@ -49,6 +49,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.groupcommit import BEGIN_KEY, GroupCommit
 from swarmrl.coordinator.db.schema import kv
 
@@ -84,26 +85,27 @@ def insert(tx: Tx | str, table: Table) -> Any:
 # Statements used on every request are built once (building one costs more than running it on SQLite), with
 # bind parameters for what varies.
 _COUNTER = select(kv.c.value).where(kv.c.key == bindparam("b_key"))
-_COUNTER_LOCKED = _COUNTER.with_for_update()
-_ADD = update(kv).where(kv.c.key == bindparam("b_key")).values(value=kv.c.value + bindparam("b_n", type_=BigInteger)
-                                                                ).returning(kv.c.value)
-_RAISE = update(kv).where(kv.c.key == bindparam("b_key"), kv.c.value < bindparam("b_value", type_=BigInteger)
-                          ).values(value=bindparam("b_value"))
+_COUNTER_LOCKED = Prepared(_COUNTER.with_for_update())
+_COUNTER = Prepared(_COUNTER)
+_ADD = Prepared(update(kv).where(kv.c.key == bindparam("b_key")).values(
+    value=kv.c.value + bindparam("b_n", type_=BigInteger)).returning(kv.c.value))
+_RAISE = Prepared(update(kv).where(kv.c.key == bindparam("b_key"), kv.c.value < bindparam("b_value", type_=BigInteger)
+                                   ).values(value=bindparam("b_value")))
 
 
 def counter(tx: Tx, key: str, *, lock: bool = False) -> int:
     """The value of counter `key`; with `lock`, its row stays locked until the transaction ends (PostgreSQL)."""
-    return int(tx.execute(_COUNTER_LOCKED if lock else _COUNTER, {"b_key": key}).scalar_one())
+    return int((_COUNTER_LOCKED if lock else _COUNTER).scalar(tx, b_key=key))
 
 
 def add_to_counter(tx: Tx, key: str, n: int = 1) -> int:
     """Add `n` to counter `key` and return its new value. The row stays locked until the transaction ends."""
-    return int(tx.execute(_ADD, {"b_key": key, "b_n": n}).scalar_one())
+    return int(_ADD.scalar(tx, b_key=key, b_n=n))
 
 
 def raise_counter(tx: Tx, key: str, value: int) -> bool:
     """Set counter `key` to `value` if that is larger than its value; whether it was."""
-    return tx.execute(_RAISE, {"b_key": key, "b_value": value}).rowcount == 1
+    return _RAISE.rowcount(tx, b_key=key, b_value=value) == 1
 
 
 def migrate(engine: Engine) -> None:
