@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from swarmrl.protocol.signing import SignatureError, SignedEnvelope, verify
+from swarmrl.protocol.signing import SignatureError, SignedEnvelope, open_signed
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -62,19 +62,13 @@ def describe_validation_error(e: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
-def parse_envelope(raw: bytes | str) -> SignedEnvelope:
-    """The envelope in `raw`, or Refused(422) saying why it is malformed."""
+def open_envelope(raw: bytes | str, kind: str, now: float, max_skew_s: float) -> tuple[SignedEnvelope, bytes]:
+    """The envelope in `raw` and the payload JSON it signs (`protocol.signing.open_signed`); Refused(422) saying why
+    it is malformed, Refused(401) unless it is a valid `kind` message signed within the clock window."""
     try:
-        return SignedEnvelope.model_validate_json(raw)
+        return open_signed(raw.encode() if isinstance(raw, str) else raw, kind=kind, now=now, max_skew_s=max_skew_s)
     except ValidationError as e:
         raise Refused(422, f"malformed envelope: {describe_validation_error(e)}") from None
-
-
-def check_signature(env: SignedEnvelope, kind: str, now: float, max_skew_s: float) -> bytes:
-    """Refused(401) unless `env` is a valid `kind` message signed within the clock window; the payload's canonical
-    JSON (what was signed)."""
-    try:
-        return verify(env, kind=kind, now=now, max_skew_s=max_skew_s)
     except SignatureError as e:
         raise Refused(401, e.reason) from None
 

@@ -19,7 +19,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 from sqlalchemy import delete
 
-from swarmrl.coordinator.auth import Refused, Replayed, Signed, check_signature, parse_envelope, typed_payload
+from swarmrl.coordinator.auth import Refused, Replayed, Signed, open_envelope, typed_payload
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.schema import nonces
@@ -67,8 +67,7 @@ class Gate:
         `role` "operator" requires a key in operator_keys; "node" and None are checked by the endpoint.
         `idempotency_key`: the request's Idempotency-Key header, for endpoints that store their answers.
         """
-        env = parse_envelope(raw)
-        payload_json = check_signature(env, kind, self.clock(), self.config.clock_skew_s)
+        env, payload_json = open_envelope(raw, kind, self.clock(), self.config.clock_skew_s)
         payload = typed_payload(env, model)
         if role == "operator" and env.public_key.lower() not in self._operators:
             raise Refused(403, "this key is not an operator key")

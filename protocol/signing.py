@@ -100,7 +100,58 @@ def signed_body_of_json(identity: Identity, kind: str, payload_json: bytes) -> b
     ts = round(time.time(), 3)
     sig = identity.sign(signed_message(kind, key, nonce, ts, payload_json))
     head = json.dumps({"kind": kind, "public_key": key, "nonce": nonce, "timestamp": ts}, ensure_ascii=True)
-    return head[:-1].encode() + b', "payload": ' + payload_json + b', "signature": "' + sig.encode() + b'"}'
+    return head[:-1].encode() + _PAYLOAD_MARK + payload_json + _SIGNATURE_MARK + sig.encode() + b'"}'
+
+
+_PAYLOAD_MARK = b', "payload": '
+_SIGNATURE_MARK = b', "signature": "'
+_TAIL = len(_SIGNATURE_MARK) + 128 + 2
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _as_sent(raw: bytes) -> tuple[SignedEnvelope, bytes] | None:
+    """The envelope in a body laid out as `signed_body` writes it, with the payload's bytes as sent; None for any
+    other layout (or anything malformed: the general path then says what)."""
+    if len(raw) < _TAIL or not raw.endswith(b'"}') or raw[-_TAIL:-_TAIL + len(_SIGNATURE_MARK)] != _SIGNATURE_MARK:
+        return None
+    at = raw.find(_PAYLOAD_MARK)
+    if at < 0:
+        return None
+    payload_json = raw[at + len(_PAYLOAD_MARK):-_TAIL]
+    try:
+        head = json.loads(raw[:at] + b"}")
+        payload = json.loads(payload_json, parse_constant=_refuse_constant)
+        if not isinstance(head, dict) or set(head) != {"kind", "public_key", "nonce", "timestamp"}:
+            return None
+        env = SignedEnvelope.model_validate({**head, "payload": payload,
+                                             "signature": raw[-_TAIL + len(_SIGNATURE_MARK):-2].decode()})
+    except ValueError:  # malformed JSON or fields (pydantic's ValidationError is a ValueError)
+        return None
+    return env, payload_json
+
+
+def open_signed(raw: bytes, *, kind: str, now: float | None = None, max_skew_s: float = DEFAULT_CLOCK_SKEW_S
+                ) -> tuple[SignedEnvelope, bytes]:
+    """Parse a request body holding an envelope and `verify` it; the envelope and the payload JSON that was signed.
+
+    Raises pydantic's ValidationError for a malformed envelope, SignatureError as `verify` does. A body as
+    `signed_body` writes it is checked against its payload bytes as sent, which were signed: the payload is
+    parsed from exactly those bytes, and no large payload is encoded again (the canonical encoding is the
+    receiver's largest cost per request). Any other body, or one whose bytes as sent do not carry the signature
+    (a sender that encoded its payload some other way), is checked the general way.
+    """
+    sent = _as_sent(raw)
+    if sent is not None:
+        env, payload_json = sent
+        message = signed_message(env.kind, env.public_key, env.nonce, env.timestamp, payload_json)
+        if env.kind == kind and verify_signature(env.public_key, message, env.signature):
+            _check_clock(env, now, max_skew_s)
+            return env, payload_json
+    env = SignedEnvelope.model_validate_json(raw)
+    return env, verify(env, kind=kind, now=now, max_skew_s=max_skew_s)
 
 
 def verify(
@@ -124,7 +175,11 @@ def verify(
     message = signed_message(env.kind, env.public_key, env.nonce, env.timestamp, payload_json)
     if not verify_signature(env.public_key, message, env.signature):
         raise SignatureError("bad signature")
+    _check_clock(env, now, max_skew_s)
+    return payload_json
+
+
+def _check_clock(env: SignedEnvelope, now: float | None, max_skew_s: float) -> None:
     now = time.time() if now is None else now
     if abs(now - env.timestamp) > max_skew_s:
         raise SignatureError(f"stale or future timestamp ({now - env.timestamp:+.0f} s from the receiver's clock)")
-    return payload_json
