@@ -1,9 +1,9 @@
 """The dashboard: one self-contained HTML page (no CDN) that polls /v1/status every 2 s.
 
-It shows the run, the current version, the nodes (with their self-reported idle and busy seconds), the
-group counters, and line charts (inline SVG) of the trainer's accuracy and reward metrics and of the nodes'
-idle share (`node_idle_frac`) over steps. Every value from the server is inserted as text,
-never as HTML: node names come from untrusted nodes.
+It shows the run, the current version, the first page of nodes (banned or gone ones marked; with their
+self-reported idle and busy seconds), the group counters, and line charts (inline SVG) of the trainer's accuracy
+and reward metrics and of the nodes' idle share (`node_idle_frac`) over steps. Every value from the server is
+inserted as text, never as HTML: node names come from untrusted nodes.
 """
 
 PAGE = """<!doctype html>
@@ -38,7 +38,7 @@ PAGE = """<!doctype html>
 <svg id="idle" width="460" height="220"></svg></div></div>
 <h2>Nodes</h2>
 <table><thead><tr><th>node</th><th>name</th><th>engine</th><th>version</th><th>accepted</th><th>rejected</th>
-<th>banned</th><th>idle s</th><th>busy s</th><th>idle %</th><th>last seen</th></tr></thead>
+<th>state</th><th>idle s</th><th>busy s</th><th>idle %</th><th>last seen</th></tr></thead>
 <tbody id="nodes"></tbody></table>
 <script>
 "use strict";
@@ -108,12 +108,13 @@ async function poll() {
     $("pending").textContent = s.groups_pending;
     $("accepted").textContent = s.groups_accepted;
     $("rejected").textContent = s.groups_rejected;
-    $("nnodes").textContent = s.nodes.length;
+    $("nnodes").textContent = s.nodes_total + (s.nodes_gone ? " (" + s.nodes_gone + " gone)" : "");
     const body = $("nodes"); body.textContent = "";
     for (const n of s.nodes) {
       const tr = document.createElement("tr"); if (n.banned) tr.className = "banned";
       cell(tr, n.node_id.slice(0, 12)); cell(tr, n.name); cell(tr, n.engine); cell(tr, n.held_version, "num");
-      cell(tr, n.groups_accepted, "num"); cell(tr, n.groups_rejected, "num"); cell(tr, n.banned ? "yes" : "");
+      cell(tr, n.groups_accepted, "num"); cell(tr, n.groups_rejected, "num");
+      cell(tr, n.banned ? "banned" : (n.gone_since ? "gone" : ""));
       const spent = n.idle_s + n.busy_s;
       cell(tr, n.idle_s.toFixed(0), "num"); cell(tr, n.busy_s.toFixed(0), "num");
       cell(tr, spent > 0 ? (100 * n.idle_s / spent).toFixed(0) : "", "num");

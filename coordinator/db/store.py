@@ -5,23 +5,31 @@ migrations run to head on open, and change notifications for long polls (across 
     gid = store.write(lambda tx: ...)          # one transaction, committed before write() returns
     rows = store.read(lambda tx: ...)
 
-What is fsynced, and why. A `write` is durable when it returns (but for the two kinds below), and the request it
+What is fsynced, and why. A `write` is durable when it returns (but for the kinds below), and the request it
 serves is answered only after that. On SQLite the database runs in WAL mode with `synchronous=FULL`, so each
 commit fsyncs the write-ahead log; PostgreSQL does the same with its defaults (`fsync=on`,
 `synchronous_commit=on`). NORMAL (fsync only at WAL checkpoints) would survive a crash of the process but not a
 power cut, which could take back commits already answered: an accepted submission the node was told was taken
 (its compute lost), or a trainer-feed position the trainer has already consumed and saved, which would then be
 handed out again for another group that the trainer skips. Accepted work must be neither lost nor counted twice,
-so such commits pay one fsync each.
+so such commits are fsynced; on SQLite the writes that queue up during one fsync share the next one (group
+commit, below), which is what lets one disk serve a thousand submissions a second. A request's nonce and, with an
+Idempotency-Key, its stored answer are written in the transaction of its effect: the three are durable together
+or not at all, so a retry after a crash finds the answer exactly when the effect survived.
 
-Three kinds of writes do not wait for their fsync (`write(..., durable=False)`: SQLite synchronous=NORMAL for
-that commit, PostgreSQL synchronous_commit=off): a request's nonce, a verifier's claim, and a heartbeat. The log
-is written in order and the next durable commit flushes everything before it, so a power cut can take such a
-write back only together with every commit after it. A lost nonce then lets its request be replayed only when
-that request's own effects (none, for a refused one) were lost too; a lost claim makes its groups claimable
-again, and a second verdict on a decided group is ignored; a lost heartbeat loses a liveness time and a share of
-the node's self-reported idle time, which only metrics use. Nodes send heartbeats more than anything else, and a
-request whose work is durable pays one fsync, not two (its nonce rides along).
+Four kinds of writes do not wait for their fsync (`write(..., durable=False)`: SQLite synchronous=NORMAL for
+that commit, PostgreSQL synchronous_commit=off): the nonce of a refused request, a verifier's claim (with its
+stored answer), a heartbeat, and a housekeeping sweep. The log is written in order and the next durable commit
+flushes everything before it, so a power cut can take such a write back only together with every commit after
+it. A lost nonce then lets its request be replayed only when that request's own effects (none, for a refused
+one) were lost too; a lost claim makes its groups claimable again, and a second verdict on a decided group is
+ignored; a lost heartbeat loses a liveness time and a share of the node's self-reported idle time, which only
+metrics use; a lost sweep is done again by the next one. Nodes send heartbeats more than anything else.
+
+Outside the database: shard files are fsynced (file, then directory) before a publish can commit a manifest that
+refers to them (`transfer.store.ShardStore(durable=True)`), and the trainer fsyncs each saved state before renaming
+it into place and its step log after each line (`trainer.state`). A full disk fails a write whole (its
+transaction rolls back, a shard's temporary file is removed) and is answered 507 (`coordinator.failures`).
 
 Transactions. `write` runs its function in one transaction: on SQLite one writer at a time (BEGIN IMMEDIATE), and
 the writes that queue up while a commit is being fsynced are committed together (`coordinator.db.groupcommit`: each
