@@ -137,7 +137,8 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
         config.write_text(
             f'host = "127.0.0.1"\nport = 0\ndata_dir = "{work / "data"}"\nstore_url = "{store_url}"\n'
             f'operator_keys = ["{operator.public_key_hex}"]\nlease_ttl_s = 3600.0\nclock_skew_s = 600.0\n'
-            f"store_group_commit = {64 if group_commit else 1}\nnode_timeout_s = {max(120.0, 4 * args.heartbeat_s)}\n"
+            f"store_group_commit = {64 if group_commit else 1}\n"
+            f"node_gone_after_s = {max(120.0, 4 * args.heartbeat_s)}\n"
             f'\n[run]\nrun_id = "{run_id}"\nmax_staleness = 2\n\n[run.sampling]\ngroup_size = 8\n'
             f"max_tokens = {args.tokens}\n")
         coord = RoleProcess("coordinator", config, work / "coordinator.log").start()

@@ -1,4 +1,5 @@
-"""The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, plus a dashboard.
+"""The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, the dashboard (`/`) and
+Prometheus metrics (`/metrics`).
 
 HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed endpoints
 go through `coordinator.pipeline` (one hop to a worker thread, the gate, the action, a stored answer for a retry).
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from swarmrl.coordinator import dashboard, metrics
-from swarmrl.coordinator.auth import Refused
+from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import is_sha256
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.failures import refusal_of
@@ -34,7 +35,10 @@ from swarmrl.coordinator.pipeline import REFUSALS, Offload, SignedDispatch, Sign
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, LedgerPage
 from swarmrl.protocol.manifest import SignedManifest
+from swarmrl.protocol.overview import Overview
+from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.runtime.client import ENVELOPE_HEADER
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
@@ -79,7 +83,9 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     signed.install_openapi(app)
     app.add_middleware(SignedDispatch, routes=signed, offload=offload)  # inside the body limit
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
-    app.add_middleware(ErrorMiddleware)  # added last: the outermost, so it sees every error
+    app.add_middleware(ErrorMiddleware)
+    prometheus_registry = metrics.coordinator_registry(svc)
+    app.add_middleware(metrics.HttpMetrics, registry=prometheus_registry)  # added last: the outermost, counts all
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> Response:
@@ -101,6 +107,18 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     for exc in (Refused, SQLAlchemyError, OSError):
         app.add_exception_handler(exc, _refusal)
+
+    Envelope = Annotated[str | None, Header(alias=ENVELOPE_HEADER, max_length=8192,
+                                            description="The signed envelope of a request whose body is data.")]
+
+    def header_signed(header: str | None, kind: str, model: type[BaseModel], role: str | None) -> Signed:
+        """A request whose signed envelope travels in the ENVELOPE_HEADER header (its body, if any, is data),
+        authenticated and its nonce recorded (`Gate.admit_alone`: such requests store no answer)."""
+        if header is None:
+            raise Refused(401, f"missing {ENVELOPE_HEADER} header")
+        opened = svc.gate.open(header, kind, model, role)
+        svc.gate.admit_alone(opened)
+        return opened
 
     # -- public ---------------------------------------------------------------------------------------
 
@@ -149,8 +167,22 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:
-        return Response(metrics.render(svc.status.snapshot(nodes_limit=0, metrics_limit=1), svc.status.all_nodes()),
-                        media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(prometheus_registry), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/overview", response_model=Overview, responses=REFUSALS)
+    def overview() -> Response:
+        return _json(svc.overviews.overview())
+
+    @app.get("/v1/ledger", response_model=LedgerPage, responses=REFUSALS)
+    def ledger(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,
+               limit: Annotated[int, Query(ge=1, le=MAX_LEDGER_PAGE)] = 100,
+               node_id: Annotated[str | None, Query(pattern="^[0-9a-f]{40}$")] = None) -> Response:
+        return _json(svc.ledger.page(after, limit, node_id))
+
+    @app.get("/v1/receipts", response_model=ReceiptPage, responses=REFUSALS)
+    def receipts(envelope: Envelope = None) -> Response:
+        # A GET: the node's signed request travels in the envelope header. Any key may ask; it gets its own.
+        return _json(svc.ledger.receipts_page(header_signed(envelope, KIND_RECEIPTS, ReceiptsRequest, None)))
 
     # -- nodes ----------------------------------------------------------------------------------------
 
@@ -180,17 +212,13 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     signed.add("/v1/trainer/metrics", m.KIND_TRAINER_METRICS, m.TrainerMetrics, "operator", svc.status.record_metrics)
 
     @app.put(SHARD_PUT_PREFIX + "{sha256}", status_code=204, responses=REFUSALS)
-    async def put_shard(sha256: Annotated[str, Path(max_length=64)], request: Request,
-                        envelope: Annotated[str | None, Header(alias=ENVELOPE_HEADER, max_length=8192)] = None
+    async def put_shard(sha256: Annotated[str, Path(max_length=64)], request: Request, envelope: Envelope = None
                         ) -> Response:
         """Upload one content-addressed shard (the body); the signed `trainer.shard` envelope is in the header."""
         # Authenticate from the header first, so that nobody but an operator makes us buffer a shard.
         if not is_sha256(sha256):
             raise Refused(400, "not a sha256")
-        if envelope is None:
-            raise Refused(401, f"missing {ENVELOPE_HEADER} header")
-        opened = await offload(svc.gate.open, envelope, m.KIND_TRAINER_SHARD, m.ShardUpload, "operator")
-        await offload(svc.gate.admit_alone, opened)  # the nonce first: a refused upload cannot be replayed either
+        opened = await offload(header_signed, envelope, m.KIND_TRAINER_SHARD, m.ShardUpload, "operator")
         upload = svc.checkpoints.check_shard_upload(sha256, opened.payload)
         data = await request.body()
         await offload(svc.checkpoints.put_shard, upload, data)

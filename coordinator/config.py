@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swarmrl.pools.config import PoolConfig
+from swarmrl.protocol import quarantine
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import task_options
@@ -85,15 +86,20 @@ class CoordinatorConfig(BaseModel):
     claim_ttl_s: float = Field(
         120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
     )
-    node_timeout_s: float = Field(
-        60.0, gt=0, description="A node not heard from (heartbeat, lease or submission) for this long is marked gone "
-        "and its open leases are freed; its next request brings it back. Nodes heartbeat every few seconds.")
     housekeeping_interval_s: float = Field(
         5.0, gt=0, description="Seconds between sweeps that mark silent nodes gone and forget expired nonces, "
         "stored answers and challenges.")
     idempotency_ttl_s: float = Field(
         3600.0, gt=0, description="Seconds the answer to a request with an Idempotency-Key is kept, so that a "
         "retry gets it again instead of applying the request twice; longer than any client retries one request.")
+    release_passes: int = Field(
+        quarantine.RELEASE_PASSES, ge=1, description="m: a held (unchecked) group reaches the trainer once this "
+        "many vouching full checks of later groups of its node have passed (protocol.quarantine; docs/quarantine.md)."
+    )
+    node_gone_after_s: float = Field(
+        60.0, gt=0, description="A node not heard from (no signed request) for this long is gone: shown so on the "
+        "dashboard and in /metrics, no longer counted in checkpoint spread, and its open leases are freed (its "
+        "slots and the backpressure buffer); its next request brings it back. Nodes heartbeat every few seconds.")
     max_challenges: int = Field(
         10000, ge=1, description="Outstanding registration challenges at most (429 above), against flooding."
     )

@@ -2,7 +2,7 @@
 answers past their time are forgotten.
 
 A node is live while the coordinator hears from it (any heartbeat, lease or submission moves `last_seen`). One
-that has been silent for `node_timeout_s` is marked gone (`gone_since`), and its open leases are closed: they
+that has been silent for `node_gone_after_s` is marked gone (`gone_since`), and its open leases are closed: they
 stop holding its `max_outstanding_leases` slots and the backpressure buffer's room (`leases.buffered_work`).
 Their prompts are not handed to anyone else (prompts are drawn from the seeded stream, not from a queue), so a
 gone node that comes back with groups of a freed, unexpired lease still has them taken: nothing is counted twice.
@@ -81,7 +81,7 @@ class Housekeeping:
         cfg, now = self.config, self.clock()
 
         def run(tx: Tx) -> Sweep:
-            gone, freed = mark_gone(tx, now - cfg.node_timeout_s, now)
+            gone, freed = mark_gone(tx, now - cfg.node_gone_after_s, now)
             # A nonce only needs remembering while its timestamp is inside the window; 2x for margin.
             pruned = prune_nonces(tx, now - 2 * cfg.clock_skew_s)
             answers = idempotency.prune(tx, now - cfg.idempotency_ttl_s)
@@ -92,7 +92,7 @@ class Housekeeping:
         done = self.store.write(run, durable=False)
         if done.gone:
             log.warning("%d node(s) silent for %.0f s marked gone (%s%s); %d open lease(s) freed", len(done.gone),
-                        cfg.node_timeout_s, ", ".join(n[:12] for n in done.gone[:5]),
+                        cfg.node_gone_after_s, ", ".join(n[:12] for n in done.gone[:5]),
                         ", ..." if len(done.gone) > 5 else "", done.leases_freed)
         return done
 

@@ -83,6 +83,7 @@ def envelope_model(kind: str, payload: type[BaseModel]) -> type[BaseModel]:
 
 @dataclass(frozen=True)
 class _Route:
+    path: str  # what request metrics label it with (`scope["route"].path`, as for the router's routes)
     handle: Callable[[bytes, str | None], Answer]
     idempotent: bool
     envelope: type[BaseModel]
@@ -120,7 +121,7 @@ class SignedRoutes:
                 raise
             return Answer.of(result)
 
-        self.routes[path] = _Route(handle, idempotent, envelope_model(kind, payload), answer, empty, summary)
+        self.routes[path] = _Route(path, handle, idempotent, envelope_model(kind, payload), answer, empty, summary)
 
     def install_openapi(self, app: FastAPI) -> None:
         """Make `app.openapi()` describe these endpoints beside the router's own."""
@@ -178,6 +179,7 @@ class SignedDispatch:
         if route is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        scope["route"] = route
         chunks = []
         while True:
             message = await receive()

@@ -78,18 +78,13 @@ def list_nodes(tx: Tx, after: str = "", limit: int | None = None) -> list[NodeRo
     return [load(NodeRow, r) for r in tx.execute(stmt if limit is None else stmt.limit(limit))]
 
 
-def node_counts(tx: Tx, seen_after: float | None = None) -> dict[str, int]:
-    """Registered nodes: `total`, `banned`, `gone` (silent, not banned), `live` (neither), and with `seen_after`
-    `recent`: live nodes heard from after that time."""
-    live = _c.banned.is_(False) & _c.gone_since.is_(None)
-    cols = [func.count(), func.count().filter(_c.banned.is_(True)), func.count().filter(live)]
-    if seen_after is not None:
-        cols.append(func.count().filter(live & (_c.last_seen >= seen_after)))
-    row = tx.execute(select(*cols).select_from(nodes)).one()
+def node_counts(tx: Tx, gone_before: float) -> dict[str, int]:
+    """Registered nodes: `total`, `banned`, `gone` (not banned, not heard from since `gone_before`), `live`."""
+    live = _c.banned.is_(False) & (_c.last_seen >= gone_before)
+    row = tx.execute(select(func.count(), func.count().filter(_c.banned.is_(True)), func.count().filter(live))
+                     .select_from(nodes)).one()
     counts = {"total": int(row[0]), "banned": int(row[1]), "live": int(row[2])}
     counts["gone"] = counts["total"] - counts["banned"] - counts["live"]
-    if seen_after is not None:
-        counts["recent"] = int(row[3])
     return counts
 
 

@@ -8,6 +8,8 @@
     feed          the trainer feed and its acknowledgements                                (coordinator.feed)
     checkpoints   shards, manifests, publishing                                            (coordinator.checkpoints)
     status        RunInfo, the status snapshot, pages of nodes and metrics                 (coordinator.status)
+    ledger        receipts signed as groups are accepted, the contribution ledger          (coordinator.ledger)
+    overviews     outcomes, reasons, node states, checkpoint spread (dashboard, metrics)   (coordinator.overview)
     housekeeping  silent nodes marked gone (leases freed), old nonces and answers pruned  (coordinator.liveness)
 
 Every part either completes a request's whole effect, its nonce and (with an Idempotency-Key) its answer in one
@@ -27,8 +29,10 @@ from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.feed import Feed
 from swarmrl.coordinator.gate import Gate
 from swarmrl.coordinator.leases import Leases
+from swarmrl.coordinator.ledger import Ledger
 from swarmrl.coordinator.liveness import Housekeeping
 from swarmrl.coordinator.longpoll import LongPolls
+from swarmrl.coordinator.overview import Overviews
 from swarmrl.coordinator.registry import Registry
 from swarmrl.coordinator.status import Status
 from swarmrl.coordinator.verification import Verification
@@ -55,6 +59,10 @@ class Coordinator:
         self.feed = Feed(self.store, long_polls, clock)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)
         self.status = Status(self.store, config, identity, clock)
+        self.ledger = Ledger(self.store, config, identity, clock)
+        self.verification.accept_hooks.append(self.ledger.issue)
+        self.ledger.backfill()  # groups accepted before the ledger existed get their receipts now
+        self.overviews = Overviews(self.store, config, clock)
         self.housekeeping = Housekeeping(self.store, config, clock).start()
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ while rows are added)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from sqlalchemy import select
 
@@ -98,7 +98,8 @@ class Status:
     def snapshot(self, nodes_limit: int = 100, metrics_limit: int = 100) -> m.RunStatus:
         """Counters, the first `nodes_limit` nodes and the newest `metrics_limit` trainer reports."""
         def read(tx: Tx) -> m.RunStatus:
-            counts, nodes = group_counts(tx), registry.node_counts(tx)
+            counts = group_counts(tx)
+            nodes = registry.node_counts(tx, gone_before=self.clock() - self.config.node_gone_after_s)
             page = registry.list_nodes(tx, limit=nodes_limit)
             reports = [m.TrainerMetrics(step=r.step, version=r.version, metrics=r.data)
                        for r in recent_metrics(tx, metrics_limit)]
@@ -117,14 +118,6 @@ class Status:
         more = len(rows) > limit
         rows = rows[:limit]
         return m.NodePage(nodes=[node_status(n) for n in rows], next_after=rows[-1].id if more else None)
-
-    def all_nodes(self, page: int = m.MAX_PAGE) -> Iterator[m.NodeStatus]:
-        """Every node, read a page at a time (each page its own short read)."""
-        after: str | None = ""
-        while after is not None:
-            got = self.nodes_page(after, page)
-            yield from got.nodes
-            after = got.next_after
 
     def metrics_page(self, after: int, limit: int) -> m.MetricsPage:
         """Up to `limit` trainer reports recorded after report `after`, oldest first."""

@@ -55,7 +55,7 @@ class FaultRun:
         coordinator = CoordinatorConfig.model_validate({
             "host": "127.0.0.1", "port": self.port, "data_dir": str(root / "coordinator"), "store_url": store_url,
             "operator_keys": [self.trainer_key.public_key_hex, self.verifier_key.public_key_hex],
-            "lease_ttl_s": 60.0, "claim_ttl_s": 10.0, "node_timeout_s": 20.0, "housekeeping_interval_s": 1.0,
+            "lease_ttl_s": 60.0, "claim_ttl_s": 10.0, "node_gone_after_s": 20.0, "housekeeping_interval_s": 1.0,
             "max_buffered_groups": batch_groups * 3,
             # Every version's shards stay: a verifier restarted late still finds the weights of old groups.
             "keep_versions": max_steps + 2,

@@ -6,7 +6,6 @@ none of it is stored. Batches are made deterministic by holding the first write 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from swarmrl.coordinator.auth import Refused
 from swarmrl.coordinator.db.schema import kv, leases
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
+from swarmrl.testing.waiting import wait_for
 
 
 @pytest.fixture
@@ -26,14 +26,11 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s.close()
 
 
-def _queued(store: Store, n: int, timeout: float = 30.0) -> None:
+def _queued(store: Store, n: int) -> None:
     """Wait until `n` writes wait in the queue behind the running commit."""
     group = store._group
     assert group is not None
-    deadline = time.monotonic() + timeout
-    while group.queued < n:
-        assert time.monotonic() < deadline, f"only {group.queued} writes queued"
-        time.sleep(0.001)
+    wait_for(lambda: group.queued >= n, f"{n} queued writes")
 
 
 def _behind_a_held_write(store: Store, writes: list) -> list:
@@ -42,10 +39,7 @@ def _behind_a_held_write(store: Store, writes: list) -> list:
     release = threading.Event()
     holder = threading.Thread(target=lambda: store.write(lambda tx: release.wait(30)))
     holder.start()
-    deadline = time.monotonic() + 30
-    while store._group is not None and not store._group.committing:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_for(lambda: store._group is not None and store._group.committing, "the held write to lead")
     outcomes: list = [None] * len(writes)
 
     def run(i: int) -> None:

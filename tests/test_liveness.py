@@ -6,28 +6,20 @@ every 50 ms, and the tests wait for what it changes."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarmrl.protocol import messages as m
 from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.testing.waiting import wait_for
 from tests import test_coordinator_api as api
 from tests.test_coordinator_api import Run, refused, submission
 
 run_factory, run = api.run_factory, api.run
 
 
-def wait_for(what: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "the sweep did not happen"
-        time.sleep(0.02)
-
-
 def test_silent_nodes_are_marked_gone_their_leases_freed_and_they_come_back(run_factory, caplog) -> None:
-    run: Run = run_factory(node_timeout_s=30.0, housekeeping_interval_s=0.05, max_outstanding_leases=1,
+    run: Run = run_factory(node_gone_after_s=30.0, housekeeping_interval_s=0.05, max_outstanding_leases=1,
                            max_buffered_groups=4)
     run.publish(0)
     quiet, busy = run.node("quiet"), run.node("busy")
@@ -39,15 +31,16 @@ def test_silent_nodes_are_marked_gone_their_leases_freed_and_they_come_back(run_
     run.clock.advance(20)
     busy.heartbeat(0)
     run.clock.advance(15)  # quiet: 35 s silent; busy: 15 s
-    wait_for(lambda: run.op.status().nodes_gone == 1)
+    wait_for(lambda: any(n.gone_since is not None for n in run.op.nodes()), "the sweep to free the leases")
     st = run.op.status()
     assert (st.nodes_total, st.nodes_live, st.nodes_gone, st.nodes_banned) == (2, 1, 1, 0)
     gone = {n.node_id: n.gone_since for n in run.op.nodes()}
     assert gone[quiet.identity.node_id] is not None and gone[busy.identity.node_id] is None
     assert any("marked gone" in r.getMessage() for r in caplog.records)
-    prom = httpx.get(run.url + "/metrics").text
-    assert 'swarmrl_nodes{run="test-run",state="gone"} 1' in prom
-    assert 'swarmrl_nodes{run="test-run",state="live"} 1' in prom
+    prom = {(s.name, tuple(s.labels.items())): s.value
+            for f in text_string_to_metric_families(httpx.get(run.url + "/metrics").text) for s in f.samples}
+    assert prom[("swarmrl_coordinator_nodes", (("state", "gone"),))] == 1
+    assert prom[("swarmrl_coordinator_nodes", (("state", "live"),))] == 1
 
     second = busy.lease(2, 0)  # the freed lease no longer holds the buffer
     assert second is not None and len(second.prompts) == 2

@@ -86,6 +86,8 @@ class GroupRow:
     submitted_at: float
     decided_at: float | None
     held: bool
+    vouches: int
+    """Vouching full checks it has had while held (`protocol.quarantine`)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ class ClaimedGroup:
     lease_version: int
     sampling: dict[str, Any]
     node_checks_passed: int
+    node_held: int
+    """Groups of the node held when this one was claimed."""
 
 
 @dataclass(frozen=True)
