@@ -12,17 +12,21 @@ What is checked (each failure is one line of `Audit.problems`):
   stale or zero-advantage, which the log says), and every later one is still in the feed after the cursor;
 - the acknowledged cursor never passed the trainer's, and the trainer's newest state agrees with its log;
 - published versions went up in publishing order, the current version is the newest, and each one after the
-  first is a version the trainer's log reached.
+  first is a version the trainer's log reached;
+- the ledger agrees: one receipt per accepted group, and per node the ledger's groups are its accepted groups;
+- the nodes' own receipt files (when given) hold only valid receipts, for accepted groups of that node, each once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, text
 
+from swarmrl.protocol.receipts import Receipt, verify_receipt
 from swarmrl.trainer.state import latest, read_state, read_step_log
 
 
@@ -45,10 +49,16 @@ def _rows(store_url: str, sql: str) -> list[tuple]:
         engine.dispose()
 
 
-def audit(store_url: str, state_dir: Path) -> Audit:
+def audit(store_url: str, state_dir: Path, receipt_files: Sequence[Path] = (), coordinator_key: str = "") -> Audit:
     """Audit the run whose coordinator database is `store_url` and whose trainer state is in `state_dir` (every
-    process of it stopped)."""
+    process of it stopped); `receipt_files`: nodes' receipts.jsonl, checked against `coordinator_key`."""
     a = Audit()
+    _audit_feed_and_log(a, store_url, state_dir)
+    _audit_ledger(a, store_url, receipt_files, coordinator_key)
+    return a
+
+
+def _audit_feed_and_log(a: Audit, store_url: str, state_dir: Path) -> None:
     kv = dict(_rows(store_url, "SELECT key, value FROM kv"))
     positions = sorted(p for (p,) in _rows(store_url, "SELECT accepted_seq FROM rollout_groups "
                                                       "WHERE accepted_seq IS NOT NULL"))
@@ -96,7 +106,32 @@ def audit(store_url: str, state_dir: Path) -> Audit:
                "pending": by_status.get("pending", 0), "steps": len(lines), "trained": len(trained),
                "skipped": len(consumed) - len(set(trained)), "in_feed_after_cursor": sum(p > cursor for p in positions),
                "published": published, "cursor": cursor, "acked": acked}
-    return a
+
+
+def _audit_ledger(a: Audit, store_url: str, receipt_files: Sequence[Path], coordinator_key: str) -> None:
+    accepted = {(lease, prompt): node for lease, prompt, node in _rows(
+        store_url, "SELECT lease_id, prompt_id, node_id FROM rollout_groups WHERE status = 'accepted'")}
+    (receipts,), = _rows(store_url, "SELECT COUNT(*) FROM receipts")
+    a.check(receipts == len(accepted), f"{receipts} receipts for {len(accepted)} accepted groups")
+    per_node = dict(_rows(store_url, "SELECT node_id, SUM(groups) FROM ledger GROUP BY node_id"))
+    counted: dict[str, int] = {}
+    for node in accepted.values():
+        counted[node] = counted.get(node, 0) + 1
+    a.check({k: int(v) for k, v in per_node.items()} == counted, f"ledger {per_node} vs accepted {counted}")
+    held = 0
+    for path in receipt_files:
+        seen: set[tuple[str, str]] = set()
+        for line in path.read_text().splitlines() if path.exists() else []:
+            receipt = Receipt.model_validate_json(line)
+            key = (receipt.lease_id, receipt.prompt_id)
+            a.check(verify_receipt(receipt, coordinator_key) is None, f"{path}: a receipt that does not verify")
+            a.check(key not in seen, f"{path}: receipt for {key} held twice")
+            a.check(accepted.get(key) == receipt.node_id, f"{path}: receipt for {key}, not an accepted group of "
+                                                          f"{receipt.node_id[:12]}")
+            seen.add(key)
+        held += len(seen)
+    a.facts["receipts"] = receipts
+    a.facts["receipts_held_by_nodes"] = held
 
 
 def describe(a: Audit) -> str:

@@ -52,6 +52,7 @@ class FaultRun:
         self.trainer_key = Identity.load_or_create(keys / "trainer.key")
         self.verifier_key = Identity.load_or_create(keys / "verifier.key")
         self.state_dir = root / "trainer"
+        self.coordinator_key = Identity.load_or_create(root / "coordinator" / "coordinator.key").public_key_hex
         coordinator = CoordinatorConfig.model_validate({
             "host": "127.0.0.1", "port": self.port, "data_dir": str(root / "coordinator"), "store_url": store_url,
             "operator_keys": [self.trainer_key.public_key_hex, self.verifier_key.public_key_hex],
@@ -74,7 +75,8 @@ class FaultRun:
             configs[f"node{i}"] = NodeConfig.model_validate({
                 "coordinator_url": self.url, "key_path": str(keys / f"node{i}.key"), "name": f"node{i}",
                 "work_dir": str(root / f"node{i}"), "max_prompts": 2, "poll_interval_s": 0.1,
-                "heartbeat_interval_s": 2.0, "progress": False, "engine": {"kind": "torch"}, "p2p": {"enabled": False}})
+                "heartbeat_interval_s": 2.0, "receipts_interval_s": 2.0, "progress": False,
+                "engine": {"kind": "torch"}, "p2p": {"enabled": False}})
         self.procs: dict[str, RoleProcess] = {}
         for name, cfg in configs.items():
             path = root / "config" / f"{name}.toml"
@@ -85,6 +87,15 @@ class FaultRun:
         self.kills: list[tuple[str, str]] = []  # (role, the progress at which it was killed)
         self.client = CoordinatorClient(self.url, retry=RetryPolicy(attempts=None, base_s=0.1, cap_s=1.0,
                                                                     give_up_after_s=300))
+
+    @property
+    def receipt_files(self) -> list[Path]:
+        """Every node's receipts.jsonl (those that exist)."""
+        return sorted(self.root.glob("node*/receipts.jsonl"))
+
+    def audit(self) -> Audit:
+        """The audit of this run (every process stopped): database, step log, ledger, nodes' receipts."""
+        return audit(self.store_url, self.state_dir, self.receipt_files, self.coordinator_key)
 
     def start(self) -> FaultRun:
         self.procs["coordinator"].start().url()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmrl.testing.audit import assert_clean, audit, describe
+from swarmrl.testing.audit import assert_clean, describe
 from swarmrl.testing.faults import FaultRun
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
 from tests.postgres import fresh_database, needs_pg
@@ -53,13 +53,14 @@ def run_with_kills(root: Path, checkpoint: Path, seed: int, rounds: int, max_ste
 
 
 def _check(run: FaultRun, rounds: int) -> None:
-    result = audit(run.store_url, run.state_dir)
+    result = run.audit()
     print(f"kills: {run.kills}\n{describe(result)}")
     assert_clean(result)
     assert result.facts["steps"] == run.max_steps, describe(result)
     assert {name for name, _ in run.kills} >= {"coordinator", "verifier", "trainer"}, run.kills
     assert len(run.kills) >= 3 * rounds + 1, run.kills  # the run went on through every kill
     assert result.facts["published"][-1] >= run.max_steps, describe(result)  # the last step's weights reached nodes
+    assert result.facts["receipts_held_by_nodes"] > 0, describe(result)  # nodes collected receipts through it all
 
 
 @pytest.mark.timeout(1200)
