@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stores", default="sqlite,postgresql", help="comma-separated: sqlite, postgresql")
     p.add_argument("--nodes", default="100,1000,10000", help="comma-separated simulated node counts")
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per run")
-    p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring (default: 5 + "
+                   "nodes / 400, so that every node has had its first lease and the mix of requests is steady)")
     p.add_argument("--workers", type=int, default=2, help="load generator processes")
     p.add_argument("--concurrency", type=int, default=16, help="connections (requests in flight) per process")
     p.add_argument("--prompts", type=int, default=8, help="prompts per lease")
@@ -159,8 +160,9 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
             procs.append(proc)
             stack.callback(proc.kill)
         registration_s = max(p.recv()[1] for p in pipes)
+        warmup = args.warmup if args.warmup is not None else 5.0 + nodes / 400
         start = time.time() + 0.5
-        measure_from, until = start + args.warmup, start + args.warmup + args.duration
+        measure_from, until = start + warmup, start + warmup + args.duration
         for p in pipes:
             p.send((measure_from, until))
         time.sleep(max(0.0, measure_from - time.time()))  # the schedule is wall-clock: sample the CPU at its edges
@@ -200,6 +202,7 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
         "per_kind": {k: {"ok_per_s": round(t["ok"] / seconds, 1),
                          "p99_ms": round(percentile(t["latencies_ms"], 0.99), 2)} for k, t in tallies.items()},
         "registration_s": round(registration_s, 1),
+        "warmup_s": round(warmup, 1),
         "machine_busy": round((busy1 - busy0) / max(total1 - total0, 1), 3),
         "load_avg_1m": round(load0, 2),
         "coordinator_cpu_s_per_s": round((cpu1[0] - cpu0[0]) / seconds, 3),
