@@ -196,7 +196,10 @@ class Leases:
                 insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
                              group.model_dump(mode="json"), now)
                 accepted.append(group.prompt_id)
-            close_lease_if_complete(tx, sub.lease_id)
+            if accepted and all(p.submitted or p.prompt_id in accepted for p in prompts.values()):
+                # Only a submission that took the lease's last prompts can complete it (the row lock on the lease
+                # keeps another one from taking some meanwhile); the statement checks again anyway.
+                close_lease_if_complete(tx, sub.lease_id)
             touch(tx, req.signer, now)
             answer = m.SubmitResult(accepted=accepted, rejected=rejected)
             remember(tx, req, answer, now)
