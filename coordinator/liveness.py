@@ -1,13 +1,14 @@
 """Liveness and housekeeping: nodes that stopped talking are marked gone and their leases freed; nonces and stored
 answers past their time are forgotten.
 
-A node is live while the coordinator hears from it (any heartbeat, lease or submission moves `last_seen`). One
-that has been silent for `node_gone_after_s` is marked gone (`gone_since`), and its open leases are closed: they
-stop holding its `max_outstanding_leases` slots and the backpressure buffer's room (`leases.buffered_work`).
-Their prompts are not handed to anyone else (prompts are drawn from the seeded stream, not from a queue), so a
-gone node that comes back with groups of a freed, unexpired lease still has them taken: nothing is counted twice.
-Its next request marks it live again (`registry.touch`). Operators see gone nodes in /v1/status, /v1/nodes and
-/metrics, and one log line per sweep that found any.
+A node is live while the coordinator hears from it (any heartbeat, lease or submission moves `last_seen`), and
+gone once it has been silent for `node_gone_after_s`: that is what /v1/status, /v1/overview, the dashboard and
+/metrics count, at the moment they are read. The sweep acts on the same rule: it marks such a node (`gone_since`,
+when its leases were freed) and closes its open leases, which then stop holding its `max_outstanding_leases`
+slots and the backpressure buffer's room (`leases.buffered_work`). Their prompts are not handed to anyone else
+(prompts are drawn from the seeded stream, not from a queue), so a gone node that comes back with groups of a
+freed, unexpired lease still has them taken: nothing is counted twice. Its next request makes it live again
+(`registry.touch` clears `gone_since`). Each sweep that freed anything logs one line.
 
 `Housekeeping` runs `sweep` every `housekeeping_interval_s` in a thread of the coordinator. With several
 coordinator processes on one PostgreSQL store each sweeps: every statement is a conditional update or a delete,
