@@ -45,6 +45,9 @@ _MARK = Prepared(update(lease_prompts).where(
 _CLOSE = update(leases).where(_l.id == bindparam("b_lease")).values(state="done")
 _CLOSE_IF_COMPLETE = Prepared(_CLOSE.where(_l.state == "open", ~exists().where(_p.lease_id == bindparam("b_lease"),
                                                                                _p.submitted.is_(False))))
+_INSERT_LEASE = Prepared(leases.insert(), keys=["id", "node_id", "policy_version", "issued_at", "expires_at",
+                                                "sampling"])
+_INSERT_PROMPT = Prepared(lease_prompts.insert(), keys=["lease_id", "prompt_id", "position", "text", "answer", "seeds"])
 _INSERT_GROUP = Prepared(rollout_groups.insert().returning(_g.id),
                          keys=["node_id", "lease_id", "prompt_id", "policy_version", "payload", "submitted_at"])
 
@@ -56,11 +59,11 @@ def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
                  sampling: dict[str, Any], prompts: list[tuple[str, str, str, list[int]]]) -> None:
     """Store a lease and its prompts, each (prompt_id, text, answer, seeds)."""
-    tx.execute(leases.insert(), {"id": lease_id, "node_id": node_id, "policy_version": policy_version,
-                                 "issued_at": issued_at, "expires_at": expires_at, "sampling": sampling})
+    _INSERT_LEASE.rowcount(tx, id=lease_id, node_id=node_id, policy_version=policy_version, issued_at=issued_at,
+                           expires_at=expires_at, sampling=sampling)
     if prompts:
-        tx.execute(lease_prompts.insert(), [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a,
-                                                 seeds=s) for i, (p, t, a, s) in enumerate(prompts)])
+        _INSERT_PROMPT.many(tx, [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a, seeds=s)
+                                 for i, (p, t, a, s) in enumerate(prompts)])
 
 
 def get_lease(tx: Tx, lease_id: str, *, lock: bool = False) -> LeaseRow | None:

@@ -84,6 +84,17 @@ class Prepared:
         row = self.first(tx, **params)
         return None if row is None else row[0]
 
+    def many(self, tx: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Run the statement once per parameter set in `rows` (the driver's executemany)."""
+        plan = self._plan(tx.dialect)
+        batch = []
+        for params in rows:
+            values = {**plan.defaults, **params}
+            for name, process in plan.binds.items():
+                values[name] = process(values[name])
+            batch.append([values[n] for n in plan.order] if plan.order is not None else values)
+        tx.connection.dbapi_connection.cursor().executemany(plan.sql, batch)  # type: ignore[union-attr]
+
     def rowcount(self, tx: Connection, **params: Any) -> int:
         cursor, _ = self._run(tx, params)
         return cursor.rowcount
