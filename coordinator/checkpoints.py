@@ -19,6 +19,8 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.schema import CURRENT_VERSION, manifests
 from swarmrl.coordinator.db.store import Store, Tx, counter, insert, raise_counter
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import Answered, previous_answer, remember
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
@@ -95,6 +97,9 @@ class Checkpoints:
     def publish(self, req: Signed) -> SignedManifest:
         """Sign and publish a manifest whose shards are all here; it becomes the current version."""
         manifest: CheckpointManifest = req.payload.manifest
+        earlier = self.store.read(lambda tx: previous_answer(tx, req))
+        if earlier is not None:  # a retry of a publish that was applied: before the checks, which it now fails
+            raise Answered(earlier)
         if manifest.run_id != self.config.run.run_id:
             raise Refused(409, f"manifest is for run {manifest.run_id!r}, this run is {self.config.run.run_id!r}")
         with self._publish_lock:  # one publish (and its shard collection) at a time in this process
@@ -112,11 +117,13 @@ class Checkpoints:
             signed = SignedManifest.sign(manifest.model_copy(update={"created_at": now}), self.identity)
 
             def commit(tx: Tx) -> list[SignedManifest]:
+                admit(tx, req)
                 # Locked: publishes through other coordinator processes wait, so versions only ever increase.
                 self._refuse_old(manifest.version, counter(tx, CURRENT_VERSION, lock=True))
                 tx.execute(insert(tx, manifests).values(version=manifest.version, signed=signed.model_dump(mode="json"),
                                                         published_at=now))
                 raise_counter(tx, CURRENT_VERSION, manifest.version)
+                remember(tx, req, signed, now)
                 return latest_manifests(tx, self.config.keep_versions)
 
             keep = self.store.write(commit)

@@ -273,7 +273,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             while True:
                 time.sleep(1.0)
                 try:
-                    status = client.status()
+                    status = client.status(metrics=1000)
                 except (CoordinatorError, httpx.TransportError):
                     status = None
                 phase = "learning" if status and status.metrics else "starting"
@@ -300,7 +300,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             if swarm.procs[name].returncode not in (0, None):
                 console.print(f"[red]{name} exited with {swarm.procs[name].returncode}[/]; last log lines:\n"
                               f"{swarm.log_tail(name)}")
-        status = client.status()
+        status = client.status(metrics=1000)  # the whole run's reports, for the plot
         version, final = evaluate_published(client, keys["coordinator"].public_key_hex, run_dir / "eval")
     finally:
         swarm.stop()

@@ -725,7 +725,8 @@ def test_shard_upload_checks(run_factory) -> None:
 
 def test_metrics_status_and_dashboard(run: Run) -> None:
     run.op.metrics(step=1, version=0, metrics={"reward_mean": 0.25, "eval/accuracy": 0.1})
-    run.op.metrics(step=2, version=1, metrics={"reward_mean": 0.5, "eval/accuracy": 0.2})
+    run.op.metrics(step=2, version=1, metrics={"reward_mean": 0.5, "eval/accuracy": 0.2, "eval_accuracy": 0.3,
+                                               "step": 7.0})
     st = run.op.status()
     assert [(x.step, x.metrics["reward_mean"]) for x in st.metrics] == [(1, 0.25), (2, 0.5)]
     page = httpx.get(run.url + "/")
@@ -739,6 +740,10 @@ def test_metrics_status_and_dashboard(run: Run) -> None:
     assert prom[("swarmrl_coordinator_info", (("key", run.key.public_key_hex), ("run", "test-run")))] == 1
     assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "reward_mean"),))] == 0.5
     assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "eval/accuracy"),))] == 0.2
+    # Keys are label values: keys that would sanitize alike, or match another family's name, stay apart.
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "eval_accuracy"),))] == 0.3
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "step"),))] == 7
+    assert prom[("swarmrl_coordinator_trainer_step", ())] == 2
 
 
 def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:
