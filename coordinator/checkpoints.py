@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.db.schema import CURRENT_VERSION, manifests
+from swarmrl.coordinator.db.schema import CURRENT_VERSION, manifests, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, counter, insert, raise_counter
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import Answered, previous_answer, remember
@@ -43,6 +43,19 @@ def latest_manifests(tx: Tx, n: int) -> list[SignedManifest]:
     """The `n` newest manifests, newest first."""
     rows = tx.execute(select(manifests.c.signed).order_by(manifests.c.version.desc()).limit(n))
     return [SignedManifest.model_validate(r.signed) for r in rows]
+
+
+def manifests_to_keep(tx: Tx, newest: int) -> list[SignedManifest]:
+    """The manifests whose shards must stay: the `newest` ones, and those of every version a pending group was
+    generated with, which its verifier must still load however far the trainer has moved on meanwhile (a group
+    submitted within the staleness bound is checked, whatever the verifiers' lag)."""
+    pending = select(rollout_groups.c.policy_version).where(rollout_groups.c.status == "pending").distinct()
+    rows = tx.execute(select(manifests.c.signed).where(manifests.c.version.in_(pending)))
+    keep = {s.manifest.version: s for s in latest_manifests(tx, newest)}
+    for r in rows:
+        signed = SignedManifest.model_validate(r.signed)
+        keep.setdefault(signed.manifest.version, signed)
+    return list(keep.values())
 
 
 def is_sha256(s: str) -> bool:
@@ -124,7 +137,7 @@ class Checkpoints:
                                                         published_at=now))
                 raise_counter(tx, CURRENT_VERSION, manifest.version)
                 remember(tx, req, signed, now)
-                return latest_manifests(tx, self.config.keep_versions)
+                return manifests_to_keep(tx, self.config.keep_versions)
 
             keep = self.store.write(commit)
             # Shards are collected only here, right after a publish: a single trainer uploads the shards of

@@ -697,6 +697,23 @@ def test_publish_rules_and_shard_serving(run_factory) -> None:
             assert anon.shard(ref.sha256)
 
 
+def test_a_pending_groups_weights_are_kept_however_far_the_trainer_moves_on(run_factory) -> None:
+    """A group submitted within the staleness bound is verified with its own version's weights, even when the
+    trainer publishes faster than the verifiers check: that version's shards are kept while it has pending groups."""
+    run = run_factory(keep_versions=3)
+    v0 = run.publish(0, tag="0").verify(run.op.info().coordinator_key)
+    node = run.node()
+    node.submit(submission(node.lease(1, 0)))
+    for v in (1, 2, 3, 4):
+        run.publish(v, tag=str(v))
+    for ref in v0.shards():  # still pending: still served
+        assert httpx.get(f"{run.url}/v1/shards/{ref.sha256}").status_code == 200
+    (pending,) = run.op.pending(limit=8)
+    run.op.verdicts([m.Verdict(group_id=pending.group_id, accepted=True, rewards=[1.0] * GROUP)])
+    run.publish(5, tag="5")  # the next collection drops them
+    assert all(httpx.get(f"{run.url}/v1/shards/{ref.sha256}").status_code == 404 for ref in v0.shards())
+
+
 def test_shard_upload_checks(run_factory) -> None:
     run = run_factory()
     data = secrets.token_bytes(2048)
