@@ -5,6 +5,7 @@
     swarmrl node --pool NAME          (or: swarmrl node doctor --pool NAME)
     swarmrl pool list --json
     swarmrl demo --report report.json
+    swarmrl demo --config examples/math-qwen2/swarm.toml
 
 Every role takes `--config FILE.toml` and any number of `--set dotted.key=value` overrides, and
 `--print-config` shows the resolved config without running.
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         ("trainer", cmd_trainer, "run the GRPO trainer that publishes checkpoints"),
         ("verifier", cmd_verifier, "run the verifier that checks every submitted group"),
         ("node", cmd_node, "join a pool as a worker node"),
-        ("demo", cmd_demo, "a local swarm learning 3-digit addition, end to end"),
+        ("demo", cmd_demo, "a whole swarm on this machine, end to end: 3-digit addition by default, or the run, "
+                           "model and task of a run config (--config)"),
     ]:
         p = sub.add_parser(name, help=help_)
         _role_args(p)
