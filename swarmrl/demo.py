@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rich.console import Console
 from rich.live import Live
 from rich.panel import Panel
@@ -31,7 +31,7 @@ from swarmrl.modelcmd import ModelRecipe
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import RunStatus
 from swarmrl.protocol.run import RunSpec, SamplingSpec
-from swarmrl.protocol.tasks import Task, TaskSpec
+from swarmrl.protocol.tasks import Task, TaskSpec, task_options
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.trainer.warmup import WarmupConfig
 
@@ -95,6 +95,13 @@ class DemoConfig(BaseModel):
     roles: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Extra settings per role (coordinator, node, verifier, trainer), merged "
         "over the ones the demo writes, e.g. --set roles.trainer.threads=4.")
+
+
+    @field_validator("run")
+    @classmethod
+    def _known_task(cls, run: RunSpec) -> RunSpec:
+        task_options(run.task)  # the task is registered and takes these options (its data is read at the start)
+        return run
 
 
 def _load_task(spec: TaskSpec, data_dir: Path) -> Task:

@@ -34,7 +34,12 @@ class MathOptions(FileTaskOptions):
     @field_validator("template")
     @classmethod
     def _has_question(cls, template: str) -> str:
-        if template.format(question="Q") == template:
+        try:
+            filled = template.format(question="Q")
+        except (IndexError, KeyError, ValueError) as e:
+            raise ValueError(f"template must have {{question}} as its only field (write a literal brace twice, "
+                             f"e.g. \\boxed{{{{}}}}): {e!r}") from None
+        if filled == template:
             raise ValueError("template must contain {question}")
         return template
 
