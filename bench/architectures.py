@@ -47,7 +47,8 @@ torch.set_num_threads(1)
 
 from swarmrl.models.build import ModelConfig, build_model, save_checkpoint  # noqa: E402
 from swarmrl.models.tokenizers import build_bpe_tokenizer  # noqa: E402
-from swarmrl.node.engine import EngineConfig, build_engine  # noqa: E402
+from swarmrl.node.engine import EngineConfig  # noqa: E402
+from swarmrl.node.engines import build_engine  # noqa: E402
 from swarmrl.testing.local import group_requests, pending_groups, verify_groups  # noqa: E402
 from swarmrl.verifier.models import load_policy  # noqa: E402
 

@@ -46,7 +46,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from swarmrl.node.engine import EngineConfig, GenerationRequest, build_engine  # noqa: E402
+from swarmrl.node.engine import EngineConfig, GenerationRequest  # noqa: E402
+from swarmrl.node.engines import build_engine  # noqa: E402
 from swarmrl.protocol import messages as m  # noqa: E402
 from swarmrl.testing.byzantine.harness import make_checkpoint, perturb_checkpoint  # noqa: E402
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint  # noqa: E402

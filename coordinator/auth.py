@@ -1,4 +1,5 @@
-"""Opening signed requests: envelope parsing, signature and clock checks, replay refusal, payload typing.
+"""Opening signed requests: envelope parsing, signature and clock checks, payload typing (no state: the replay
+check and the roles are `coordinator.gate`'s).
 
 Checks run in a fixed order, each with its own status, so that a node operator can tell what went wrong:
 malformed envelope (422), bad signature or stale timestamp (401), replayed nonce (409), payload that
@@ -7,10 +8,12 @@ does not fit its schema (422). Nothing here looks at the payload before the sign
 
 from __future__ import annotations
 
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.protocol.signing import SignatureError, SignedEnvelope, verify
 
 T = TypeVar("T", bound=BaseModel)
@@ -23,6 +26,19 @@ class Refused(Exception):
         super().__init__(f"{status}: {reason}")
         self.status = status
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class Signed:
+    """An authenticated request: its envelope, typed payload and (for node endpoints) the node's row."""
+
+    env: SignedEnvelope
+    payload: Any
+    node: NodeRow | None = None
+
+    @property
+    def signer(self) -> str:
+        return self.env.signer_id
 
 
 def describe_validation_error(e: ValidationError, limit: int = 5) -> str:

@@ -29,8 +29,15 @@ class CoordinatorConfig(BaseModel):
     port: int = Field(8470, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
     data_dir: Path = Field(
         Path("runs/coordinator"),
-        description="Where the SQLite database, shards and (by default) the coordinator key live.",
+        description="Where the shards, the coordinator key and (by default) the SQLite database live.",
     )
+    store_url: str | None = Field(
+        None, description="The database (SQLAlchemy URL): sqlite:///path/file.sqlite, or "
+        "postgresql+psycopg://user:password@host:5432/db where several coordinator processes serve one pool (they "
+        "then share data_dir: key and shards). None: sqlite:///<data_dir>/coordinator.sqlite.")
+    store_pool_size: int = Field(
+        40, ge=1, le=1000, description="Database connections this process opens at most: the server's worker "
+        "threads (40) each need one. On PostgreSQL, max_connections must cover every coordinator process's pool.")
     run: RunSpec = Field(default_factory=RunSpec, description="The run description (task, sampling, staleness "
                          "bound, proofs): the one source of these facts; every role reads it from /v1/info.")
     lease_ttl_s: float = Field(60.0, gt=0, description="Seconds a node has to submit a lease's groups.")
@@ -104,6 +111,18 @@ class CoordinatorConfig(BaseModel):
                 "submitted with"
             )
         return self
+
+    @field_validator("store_url")
+    @classmethod
+    def _known_store(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("sqlite:///", "postgresql+psycopg://")):
+            raise ValueError(f"store_url {url.split('@')[-1]!r}: use sqlite:///path or postgresql+psycopg://...")
+        return url
+
+    @property
+    def resolved_store_url(self) -> str:
+        """The database actually used: `store_url`, or SQLite in `data_dir`."""
+        return self.store_url or f"sqlite:///{self.data_dir / 'coordinator.sqlite'}"
 
     @property
     def resolved_key_path(self) -> Path:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from swarmrl.coordinator import feed, registry
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol.identity import Identity
@@ -44,10 +45,10 @@ class AcceptedTokens:
 
     def __call__(self) -> int:
         while True:
-            rows = self.svc.store.accepted_after(self.cursor, ACCEPTED_PAGE)
+            rows = self.svc.store.read(lambda tx: feed.entries_after(tx, self.cursor, ACCEPTED_PAGE))
             for r in rows:
-                self.total += sum(len(x["completion_ids"]) for x in r["payload"]["rollouts"])
-                self.cursor = max(self.cursor, int(r["accepted_seq"]))
+                self.total += sum(len(x["completion_ids"]) for x in r.payload["rollouts"])
+                self.cursor = max(self.cursor, r.accepted_seq)
             if len(rows) < ACCEPTED_PAGE:
                 return self.total
 
@@ -60,9 +61,9 @@ def record_fields(config: CoordinatorConfig, svc: Coordinator, listen_url: str,
     name, tokens = pool_name(config), AcceptedTokens(svc)
 
     def fields() -> dict[str, Any]:
-        info = svc.run_info()
+        info = svc.status.run_info()
         seen_after = clock() - pool.active_window_s
-        nodes = sum(1 for n in svc.store.list_nodes() if not n["banned"] and n["last_seen"] >= seen_after)
+        nodes = sum(1 for n in svc.store.read(registry.list_nodes) if not n.banned and n.last_seen >= seen_after)
         return dict(name=name, description=pool.description, model=info.spec.model, task=info.spec.task.name,
                     coordinator_urls=pool.public_urls or [listen_url], current_version=info.current_version,
                     nodes=nodes, accepted_tokens=tokens(), status=pool.status)

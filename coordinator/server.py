@@ -23,42 +23,67 @@ if TYPE_CHECKING:
 
 def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
     """Start the checkpoint swarm's DHT seed if `config.p2p` asks for one, serving what is already published
-    and each new version; nodes learn its addresses from RunInfo.dht_peers. The caller closes it."""
+    and each new version; nodes learn its addresses from RunInfo.dht_peers. The caller closes it.
+
+    With several coordinator processes on one PostgreSQL store, give `[p2p]` to one of them and point the
+    trainer (shard uploads and publishes) at that one: the seed learns of a new version from the publish hook,
+    which runs in the process that handled the publish. The other processes serve the same versions over HTTP
+    from the shared data_dir, and list the seed's peers when `dht_peers` names them."""
     if config.p2p is None or not config.p2p.enabled:
         return None
     from swarmrl.transfer.seed import DhtSeed  # hivemind is heavy: import it only when the swarm is on
 
     svc = app.state.coordinator
     seed = DhtSeed(config.p2p, run_id=config.run.run_id, store=svc.shards, keep_versions=config.keep_versions).start()
-    for version in sorted(v for v in (svc.current_version() - i for i in range(config.keep_versions)) if v >= 0):
-        signed = svc.manifest(version)
+    current = svc.checkpoints.current_version()
+    for version in sorted(v for v in (current - i for i in range(config.keep_versions)) if v >= 0):
+        signed = svc.checkpoints.manifest(version)
         if signed is not None:
             seed.publish(signed.manifest)
-    svc.dht_peers = [*seed.bootstrap_peers, *config.dht_peers]
-    svc.publish_hooks.append(seed.publish)
+    svc.status.dht_peers = [*seed.bootstrap_peers, *config.dht_peers]
+    svc.checkpoints.publish_hooks.append(seed.publish)
     return seed
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one. Bound here so the real port is known (and
+    printed) before the server starts, with no race for it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
-    """Run the coordinator until interrupted (Ctrl-C / SIGTERM), printing its public key and URL first."""
+    """Run the coordinator until interrupted (Ctrl-C / SIGTERM), printing its public key and URL first.
+
+    The URL line is printed once the socket listens (with the real port when `port` is 0): a client may connect
+    as soon as it reads it."""
     identity = identity or config.load_identity()
     app = build_app(config, identity)
     seed = attach_seed(app, config)
-    if seed is not None:
-        print(f"  DHT seed:       {', '.join(app.state.coordinator.dht_peers)}", flush=True)
-    host = config.host if ":" not in config.host else f"[{config.host}]"
-    pool = attach_pool(app.state.coordinator, config, identity, f"http://{host}:{config.port}")
-    if pool is not None:
-        print(f"  pool DHT:       {', '.join(pool.bootstrap_addresses)}", flush=True)
-    print(f"swarmrl coordinator for run {config.run.run_id!r}", flush=True)
-    print(f"  url:            http://{host}:{config.port}", flush=True)
-    print(f"  coordinator key {identity.public_key_hex}", flush=True)
-    print(f"  data dir:       {config.data_dir.resolve()}", flush=True)
+    sock = _listen(config.host, config.port)
+    pool = None
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+        if seed is not None:
+            print(f"  DHT seed:       {', '.join(app.state.coordinator.status.dht_peers)}", flush=True)
+        host = config.host if ":" not in config.host else f"[{config.host}]"
+        url = f"http://{host}:{sock.getsockname()[1]}"
+        pool = attach_pool(app.state.coordinator, config, identity, url)
+        if pool is not None:
+            print(f"  pool DHT:       {', '.join(pool.bootstrap_addresses)}", flush=True)
+        print(f"swarmrl coordinator for run {config.run.run_id!r}", flush=True)
+        print(f"  coordinator key {identity.public_key_hex}", flush=True)
+        print(f"  data dir:       {config.data_dir.resolve()}", flush=True)
+        print(f"  url:            {url}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        server.run(sockets=[sock])
     finally:
         if pool is not None:
             pool.close()
+        sock.close()
         if seed is not None:
             seed.close()
 
@@ -74,10 +99,7 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
     identity = identity or config.load_identity()
     app = build_app(config, identity, clock=clock)
     seed = attach_seed(app, config)
-    # Bind the socket ourselves: the port is known before the server starts, with no race for it.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = _listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="coordinator", daemon=True)

@@ -25,7 +25,8 @@ from transformers import PreTrainedTokenizerBase
 
 from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.node.config import NodeConfig
-from swarmrl.node.engine import GenerationRequest, InferenceEngine, build_engine, resolve_engine_kind
+from swarmrl.node.engine import GenerationRequest, InferenceEngine
+from swarmrl.node.engines import build_engine, resolve_engine_kind
 from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook
 from swarmrl.node.refusal import PermanentRefusal, is_unknown_node, permanent, pinned_coordinator_key
 from swarmrl.node.stats import Download, NodeStats

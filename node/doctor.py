@@ -23,7 +23,8 @@ from typing import Literal
 import httpx
 
 from swarmrl.node.config import NodeConfig
-from swarmrl.node.engine import EngineConfig, resolve_engine_kind, vllm_available
+from swarmrl.node.engine import EngineConfig
+from swarmrl.node.engines import resolve_engine_kind, vllm_available
 from swarmrl.protocol.identity import Identity, IdentityError
 from swarmrl.protocol.run import RunInfo
 

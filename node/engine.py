@@ -11,7 +11,6 @@ Heavy imports (torch models, vLLM) stay inside the concrete engines so that impo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -199,34 +198,3 @@ def resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def vllm_available() -> bool:
-    """Whether vllm is installed (cheap: does not import it, which takes 12-23 s)."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def resolve_engine_kind(cfg: EngineConfig) -> str:
-    """The engine `build_engine` will make: 'vllm' or 'torch'."""
-    if cfg.kind == "auto":
-        return "vllm" if vllm_available() else "torch"
-    return cfg.kind
-
-
-def build_engine(cfg: EngineConfig, ckpt_dir: Path, temperature: float) -> InferenceEngine:
-    """An engine of `cfg.kind` with `ckpt_dir` loaded, sampling at `temperature`."""
-    kind = resolve_engine_kind(cfg)
-    engine: InferenceEngine
-    if kind == "vllm":
-        from swarmrl.node.vllm_engine import VLLMEngine
-
-        engine = VLLMEngine(cfg, temperature)
-    elif kind == "torch":
-        from swarmrl.node.torch_engine import TorchEngine
-
-        engine = TorchEngine(cfg, temperature)
-    else:  # pragma: no cover - pydantic already restricts kind
-        raise ValueError(f"unknown engine kind {kind!r}")
-    engine.load(Path(ckpt_dir))
-    engine.warmup()
-    return engine

@@ -1,15 +1,17 @@
 """Pydantic v2 schemas for every exchange between roles.
 
-Bounds on every list and string are part of the protocol: a message outside them is malformed and is
-refused whole with a 422 before any of it is used. Signed requests carry these models as the payload
+Bounds on every list, string and integer are part of the protocol: a message outside them is malformed and is
+refused whole with a 422 before any of it is used. Every integer a receiver may store fits a signed 64-bit
+database column (`Int64`, `Index64`, `VersionOrNone`), so an oversized number is a 422 with a reason, never a
+database error. Signed requests carry these models as the payload
 of a `protocol.signing.SignedEnvelope`; the `KIND_*` constants name them.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swarmrl.protocol.identity import Identity, verify_signature
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
@@ -27,9 +29,19 @@ KIND_TRAINER_BATCH = "trainer.batch"
 KIND_TRAINER_SHARD = "trainer.shard"
 KIND_TRAINER_PUBLISH = "trainer.publish"
 KIND_TRAINER_METRICS = "trainer.metrics"
+KIND_TRAINER_ACK = "trainer.ack"
 
 MAX_PROMPTS_PER_LEASE = 256
 MAX_PROMPT_TOKENS = 8192
+
+INT64_END = 2**63
+"""One past the largest integer a signed 64-bit database column holds."""
+Int64 = Annotated[int, Field(ge=-INT64_END, lt=INT64_END)]
+"""Any integer a signed 64-bit column holds (what it means, sign included, is checked elsewhere)."""
+Index64 = Annotated[int, Field(ge=0, lt=INT64_END)]
+"""A version, cursor, id, step or count: 0 <= x < 2**63."""
+VersionOrNone = Annotated[int, Field(ge=-1, lt=INT64_END)]
+"""A policy version, or -1 for none: -1 <= x < 2**63."""
 
 
 class Strict(BaseModel):
@@ -62,7 +74,7 @@ class Registered(Strict):
 
 class LeaseRequest(Strict):
     max_prompts: int = Field(8, ge=1, le=MAX_PROMPTS_PER_LEASE)
-    held_version: int = Field(-1, description="Newest policy version the node holds.")
+    held_version: VersionOrNone = Field(-1, description="Newest policy version the node holds (-1: none).")
 
 
 class LeasedPrompt(Strict):
@@ -80,8 +92,8 @@ class Lease(Strict):
 
 
 class Rollout(Strict):
-    seed: int = Field(description="The leased seed this rollout was sampled with.")
-    completion_ids: list[int] = Field(max_length=MAX_COMPLETION_TOKENS)
+    seed: Int64 = Field(description="The leased seed this rollout was sampled with.")
+    completion_ids: list[Int64] = Field(max_length=MAX_COMPLETION_TOKENS)
     logprobs: list[float] = Field(max_length=MAX_COMPLETION_TOKENS, description="Per completion token.")
     finish_reason: Literal["stop", "length"]
     claimed_reward: float | None = Field(None, description="Informational only: never used for training.")
@@ -90,13 +102,13 @@ class Rollout(Strict):
 
 class RolloutGroup(Strict):
     prompt_id: str = Field(max_length=64)
-    prompt_ids: list[int] = Field(max_length=MAX_PROMPT_TOKENS, description="Prompt as tokenized by the node.")
+    prompt_ids: list[Int64] = Field(max_length=MAX_PROMPT_TOKENS, description="Prompt as tokenized by the node.")
     rollouts: list[Rollout] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
 
 
 class RolloutSubmission(Strict):
     lease_id: str = Field(max_length=64)
-    policy_version: int = Field(description="Version of the weights that generated every group here.")
+    policy_version: Index64 = Field(description="Version of the weights that generated every group here.")
     groups: list[RolloutGroup] = Field(min_length=1, max_length=MAX_PROMPTS_PER_LEASE)
     gen_seconds: float = Field(0.0, ge=0, description="Wall time the node spent generating (for metrics).")
 
@@ -162,7 +174,7 @@ class Heartbeat(Strict):
     for any decision about the node or its groups.
     """
 
-    held_version: int = -1
+    held_version: VersionOrNone = Field(-1, description="Newest policy version the node holds (-1: none).")
     status: str = Field("", max_length=64)
     idle_s: float = Field(0.0, ge=0, le=MAX_NODE_SECONDS,
                           description="Untrusted self-report: seconds the node has waited for work or for recent "
@@ -199,7 +211,7 @@ class PendingGroup(Strict):
 
 
 class Verdict(Strict):
-    group_id: int
+    group_id: Index64
     accepted: bool
     reason: str = ""
     rewards: list[float] = Field(default_factory=list, description="Trusted rewards, one per rollout.")
@@ -215,10 +227,21 @@ class VerdictBatch(Strict):
 
 
 class BatchRequest(Strict):
-    after_id: int = Field(0, description="Return accepted groups with a larger id (the trainer's cursor).")
+    after_id: Index64 = Field(0, description="Return accepted groups with a larger id (the trainer's cursor).")
     limit: int = Field(64, ge=1, le=4096)
     wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="Long poll: when no accepted group is after "
                           "after_id, wait up to this long for one before answering (empty).")
+
+
+class FeedAck(Strict):
+    """The trainer has durably saved the state that consumed every feed position up to `cursor`."""
+
+    cursor: Index64 = Field(description="The largest TrainingGroup.group_id the saved trainer state has consumed.")
+
+
+class FeedAcked(Strict):
+    acked: int = Field(description="The acknowledged cursor now (never lower than before).")
+    head: int = Field(description="The last feed position handed out so far.")
 
 
 class TrainingGroup(Strict):
@@ -244,11 +267,22 @@ class TrainingBatch(Strict):
 
 class ShardUpload(Strict):
     sha256: str = Field(min_length=64, max_length=64)
-    size: int = Field(ge=0)
+    size: Index64
 
 
 class PublishRequest(Strict):
     manifest: CheckpointManifest
+
+    @field_validator("manifest")
+    @classmethod
+    def _storable(cls, manifest: CheckpointManifest) -> CheckpointManifest:
+        # The coordinator stores the version in a 64-bit column and the sizes in the manifest it signs.
+        if manifest.version >= INT64_END:
+            raise ValueError(f"version must be less than 2**63, got {manifest.version}")
+        sizes = [manifest.shard_size] + [n for f in manifest.files for n in (f.size, *(s.size for s in f.shards))]
+        if max(sizes) >= INT64_END:
+            raise ValueError("file, shard and shard_size values must be less than 2**63")
+        return manifest
 
 
 class TrainerMetrics(Strict):
@@ -256,8 +290,8 @@ class TrainerMetrics(Strict):
     the previous report: `node_idle_s` (summed over nodes) and `node_idle_frac` (idle / (idle + busy), left out
     when the nodes reported no time at all); both come from the nodes' untrusted heartbeat counters."""
 
-    step: int
-    version: int
+    step: Index64
+    version: Index64
     metrics: dict[str, float]
 
 

@@ -216,9 +216,17 @@ class CoordinatorClient:
     # -- trainer --------------------------------------------------------------------------------------
 
     def training_batch(self, after_id: int, limit: int, wait_s: float = 0.0) -> m.TrainingBatch:
-        """Accepted groups after `after_id`; with `wait_s`, the coordinator waits that long for one to arrive."""
+        """Accepted groups after `after_id`; with `wait_s`, the coordinator waits that long for one to arrive.
+        Reading moves nothing on the coordinator: see `ack`."""
         req = m.BatchRequest(after_id=after_id, limit=limit, wait_s=wait_s)
         return self._signed("/v1/trainer/batch", m.KIND_TRAINER_BATCH, req, m.TrainingBatch)  # type: ignore[return-value]
+
+    def ack(self, cursor: int) -> m.FeedAcked:
+        """Acknowledge that the trainer's saved state has consumed every feed position up to `cursor` (the
+        coordinator counts later accepted groups as still in flight). Acknowledgements are cumulative: a lower
+        cursor than one already acknowledged changes nothing."""
+        return self._signed("/v1/trainer/ack", m.KIND_TRAINER_ACK, m.FeedAck(cursor=cursor),
+                            m.FeedAcked)  # type: ignore[return-value]
 
     def upload_shard(self, sha256: str, data: bytes) -> None:
         identity = self.identity

@@ -23,4 +23,8 @@ if ! command -v bwrap >/dev/null; then
         echo "note: bubblewrap (bwrap) is missing; install it to use the code task (apt-get install bubblewrap)" >&2
     fi
 fi
-.venv/bin/python -c "import torch, transformers, hivemind, fastapi; print('swarmrl installed: torch', torch.__version__)"
+# The coordinator's PostgreSQL tests skip without a server; scripts/test-postgres.sh installs and starts one.
+if ! command -v pg_lsclusters >/dev/null; then
+    echo "note: for the PostgreSQL tests run: export SWARMRL_TEST_PG_URL=\"\$(scripts/test-postgres.sh)\"" >&2
+fi
+.venv/bin/python -c "import torch, transformers, hivemind, fastapi, sqlalchemy, alembic, psycopg; print('swarmrl installed: torch', torch.__version__)"

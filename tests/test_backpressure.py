@@ -1,4 +1,4 @@
-"""Leasing stops while enough usable work is in flight, and resumes as the trainer takes groups."""
+"""Leasing stops while enough usable work is in flight, and resumes as the trainer acknowledges groups."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ def test_leasing_pauses_at_the_buffer_limit_and_resumes(run_factory):
     assert node.lease(max_prompts=1, held_version=0) is None
     batch = run.op.training_batch(after_id=0, limit=100)
     assert len(batch.groups) == 6
-    run.op.training_batch(after_id=batch.groups[-1].group_id, limit=100)  # the trainer's cursor moves on
+    # Reading the feed moves nothing: the groups are in flight until the trainer acknowledges them (after saving).
+    assert run.op.training_batch(after_id=batch.groups[-1].group_id, limit=100).groups == []
+    assert node.lease(max_prompts=1, held_version=0) is None
+    assert run.op.ack(batch.groups[2].group_id).acked == 3  # half of them: 3 still in flight, under the limit
     assert node.lease(max_prompts=1, held_version=0) is not None
 
 

@@ -1,4 +1,5 @@
-"""The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite.
+"""The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite (and the same tests
+on PostgreSQL in test_coordinator_api_postgres.py).
 
 Requests go through `runtime.client.CoordinatorClient` (the client the other roles use) or, for
 requests the client would never make (forged, tampered, replayed, malformed), raw httpx. Time-dependent
@@ -81,8 +82,15 @@ class Run:
 
 
 @pytest.fixture
-def run_factory(tmp_path: Path) -> Iterator:
-    """Start a coordinator with config overrides; servers are stopped at the end of the test."""
+def run_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
+    """Start a coordinator with config overrides; servers are stopped at the end of the test.
+
+    Its store is the default SQLite file in its data_dir, unless the test's module has a `store_url_for` fixture
+    (data_dir -> store_url): test_coordinator_api_postgres.py runs these tests on PostgreSQL that way."""
+    try:
+        store_url_for = request.getfixturevalue("store_url_for")
+    except pytest.FixtureLookupError:
+        store_url_for = lambda data_dir: None  # noqa: E731
     stack = []
 
     def start(data_dir: Path | None = None, clock: Clock | None = None, **overrides) -> Run:
@@ -93,6 +101,7 @@ def run_factory(tmp_path: Path) -> Iterator:
                         operator_keys=[op_key.public_key_hex],
                         max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024, claim_ttl_s=30.0)
         settings.update(overrides)
+        settings.setdefault("store_url", store_url_for(settings["data_dir"]))
         cfg = CoordinatorConfig(**settings)
         clock = clock or Clock()
         key = cfg.load_identity()

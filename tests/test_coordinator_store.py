@@ -1,103 +1,131 @@
-"""The coordinator's SQLite store and config, without HTTP."""
+"""The coordinator's storage without HTTP, on SQLite and on a real PostgreSQL server (skipped, saying why, when
+SWARMRL_TEST_PG_URL is unset): transactions, nonces, challenges, nodes, leases, the group lifecycle, the trainer
+feed's positions under concurrent accepting transactions, migrations on reopen; and the coordinator's config."""
 
 from __future__ import annotations
 
+import sqlite3
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import text
 
+from swarmrl.coordinator import feed, gate, leases, registry, status, verification
+from swarmrl.coordinator.checkpoints import current_version, get_manifest, latest_manifests
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.store import Store
+from swarmrl.coordinator.db.rows import NodeRow
+from swarmrl.coordinator.db.schema import CURRENT_VERSION, LEASE_COUNTER, manifests, metadata
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, raise_counter
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
+from tests.postgres import fresh_database, needs_pg, store_url  # noqa: F401 (store_url is a fixture)
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    s = Store(tmp_path / "db.sqlite")
+def store(store_url: str):  # noqa: F811
+    s = Store(store_url)
     yield s
     s.close()
 
 
 def _node(store: Store, node_id: str = "n1") -> None:
-    store.upsert_node(node_id, node_id.ljust(64, "0"), "name", "torch", now=100.0)
+    store.write(lambda tx: registry.upsert_node(tx, node_id, node_id.ljust(64, "0"), "name", "torch", now=100.0))
 
 
 def _lease(store: Store, lease_id: str = "L1", node_id: str = "n1", prompts: int = 2, expires_at: float = 200.0):
-    store.insert_lease(lease_id, node_id, 0, 100.0, expires_at, {"group_size": 2},
-                       [(f"{lease_id}.{i}", f"{i}+{i}=", str(2 * i), [10 + i, 20 + i]) for i in range(prompts)])
+    store.write(lambda tx: leases.insert_lease(
+        tx, lease_id, node_id, 0, 100.0, expires_at, {"group_size": 2},
+        [(f"{lease_id}.{i}", f"{i}+{i}=", str(2 * i), [10 + i, 20 + i]) for i in range(prompts)]))
 
 
 def _group(store: Store, lease_id: str = "L1", prompt: str = "L1.0", node_id: str = "n1") -> int:
-    return store.insert_group(node_id, lease_id, prompt, 0, {"prompt_id": prompt, "rollouts": [{}, {}]}, now=101.0)
+    return store.write(lambda tx: leases.insert_group(tx, node_id, lease_id, prompt, 0,
+                                                      {"prompt_id": prompt, "rollouts": [{}, {}]}, now=101.0))
 
 
-def test_transaction_rolls_back_on_error(store: Store) -> None:
-    with pytest.raises(RuntimeError), store.transaction():
-        _node(store)
-        with store.transaction():  # nested: joins the outer transaction
-            store.set_int("current_version", 5)
+def _get_node(store: Store, node_id: str = "n1") -> NodeRow | None:
+    return store.read(lambda tx: registry.get_node(tx, node_id))
+
+
+def test_a_failed_transaction_changes_nothing(store: Store) -> None:
+    def half_done(tx: Tx) -> None:
+        registry.upsert_node(tx, "n1", "k1", "name", "torch", now=1.0)
+        raise_counter(tx, CURRENT_VERSION, 5)
         raise RuntimeError("refused")
-    assert store.get_node("n1") is None
-    assert store.get_int("current_version", -1) == -1
-    with store.transaction():
-        _node(store)
-    assert store.get_node("n1")["name"] == "name"
+
+    with pytest.raises(RuntimeError):
+        store.write(half_done)
+    assert _get_node(store) is None
+    assert store.read(current_version) == -1
+    _node(store)
+    assert _get_node(store).name == "name"
 
 
 def test_nonces_refuse_replays_and_are_pruned(store: Store) -> None:
-    assert store.record_nonce("a", "n1", 10.0)
-    assert not store.record_nonce("a", "n1", 10.0)
-    assert store.record_nonce("b", "n1", 10.0)  # per signer
-    assert store.record_nonce("a", "n2", 500.0)
-    assert store.prune_nonces(older_than=100.0) == 2
-    assert not store.record_nonce("a", "n2", 500.0)
+    record = lambda signer, nonce, ts: store.write(lambda tx: gate.record_nonce(tx, signer, nonce, ts))  # noqa: E731
+    assert record("a", "n1", 10.0)
+    assert not record("a", "n1", 10.0)
+    assert record("b", "n1", 10.0)  # per signer
+    assert record("a", "n2", 500.0)
+    assert store.write(lambda tx: gate.prune_nonces(tx, older_than=100.0)) == 2
+    assert not record("a", "n2", 500.0)
 
 
 def test_challenges_are_bound_single_use_and_expire(store: Store) -> None:
-    assert store.add_challenge("c1", "keyA", expires_at=160.0, now=100.0, limit=10)
-    assert not store.take_challenge("c1", "keyB", now=110.0)  # someone else's: not consumed
-    assert store.take_challenge("c1", "keyA", now=110.0)
-    assert not store.take_challenge("c1", "keyA", now=111.0)  # single use
-    assert store.add_challenge("c2", "keyA", expires_at=160.0, now=100.0, limit=10)
-    assert not store.take_challenge("c2", "keyA", now=161.0)  # expired
-    assert store.add_challenge("c3", "keyA", expires_at=300.0, now=200.0, limit=1)  # c2 pruned as expired
-    assert not store.add_challenge("c4", "keyA", expires_at=300.0, now=200.0, limit=1)
+    add = lambda c, exp, now, limit: store.write(  # noqa: E731
+        lambda tx: registry.add_challenge(tx, c, "keyA", expires_at=exp, now=now, limit=limit))
+    take = lambda c, key, now: store.write(lambda tx: registry.take_challenge(tx, c, key, now))  # noqa: E731
+    assert add("c1", 160.0, 100.0, 10)
+    assert not take("c1", "keyB", 110.0)  # someone else's: not consumed
+    assert take("c1", "keyA", 110.0)
+    assert not take("c1", "keyA", 111.0)  # single use
+    assert add("c2", 160.0, 100.0, 10)
+    assert not take("c2", "keyA", 161.0)  # expired
+    assert add("c3", 300.0, 200.0, 1)  # c2 pruned as expired
+    assert not add("c4", 300.0, 200.0, 1)
 
 
 def test_node_upsert_keeps_counters_and_ban(store: Store) -> None:
     _node(store)
-    store.count_node_verdict("n1", accepted=3, rejected=1)
-    store.ban_node("n1", "forged logprobs")
-    store.upsert_node("n1", "n1".ljust(64, "0"), "renamed", "vllm", now=150.0)
-    node = store.get_node("n1")
-    assert (node["name"], node["engine"], node["last_seen"], node["registered_at"]) == ("renamed", "vllm", 150.0, 100.0)
-    assert (node["groups_accepted"], node["groups_rejected"], node["banned"]) == (3, 1, 1)
-    assert node["ban_reason"] == "forged logprobs"
-    assert node["reputation"] == pytest.approx((3 + 1) / (4 + 2))
-    assert store.node_counts() == {"total": 1, "banned": 1}
+    store.write(lambda tx: registry.count_verdicts(tx, "n1", accepted=3, rejected=1))
+    store.write(lambda tx: registry.ban(tx, "n1", "forged logprobs"))
+    store.write(lambda tx: registry.upsert_node(tx, "n1", "n1".ljust(64, "0"), "renamed", "vllm", now=150.0))
+    node = _get_node(store)
+    assert (node.name, node.engine, node.last_seen, node.registered_at) == ("renamed", "vllm", 150.0, 100.0)
+    assert (node.groups_accepted, node.groups_rejected, node.banned) == (3, 1, True)
+    assert node.ban_reason == "forged logprobs"
+    assert node.reputation == pytest.approx((3 + 1) / (4 + 2))
+    assert [n.id for n in store.read(registry.list_nodes)] == ["n1"]
 
 
 def test_leases_prompts_and_submission_flags(store: Store) -> None:
     _node(store)
     _lease(store, "L1", expires_at=200.0)
     _lease(store, "L2", expires_at=120.0)
-    assert store.count_open_leases("n1", now=110.0) == 2
-    assert store.count_open_leases("n1", now=150.0) == 1  # L2 expired
-    prompts = store.lease_prompts("L1")
-    assert list(prompts) == ["L1.0", "L1.1"] and prompts["L1.1"]["seeds"] == [11, 21]
-    assert prompts["L1.1"]["answer"] == "2" and store.get_lease("L1")["sampling"] == {"group_size": 2}
-    assert store.mark_prompt_submitted("L1", "L1.0")
-    assert not store.mark_prompt_submitted("L1", "L1.0")
-    assert not store.close_lease_if_complete("L1")
-    assert store.mark_prompt_submitted("L1", "L1.1")
-    assert store.close_lease_if_complete("L1")
-    assert store.count_open_leases("n1", now=110.0) == 1
+    open_at = lambda now: store.read(lambda tx: leases.count_open_leases(tx, "n1", now))  # noqa: E731
+    assert open_at(110.0) == 2
+    assert open_at(150.0) == 1  # L2 expired
+    prompts = store.read(lambda tx: leases.get_prompts(tx, "L1"))
+    assert list(prompts) == ["L1.0", "L1.1"] and prompts["L1.1"].seeds == [11, 21]
+    assert prompts["L1.1"].answer == "2" and store.read(lambda tx: leases.get_lease(tx, "L1")).sampling == {
+        "group_size": 2}
+    mark = lambda p: store.write(lambda tx: leases.mark_submitted(tx, "L1", p))  # noqa: E731
+    close = lambda: store.write(lambda tx: leases.close_lease_if_complete(tx, "L1"))  # noqa: E731
+    assert mark("L1.0")
+    assert not mark("L1.0")
+    assert not close()
+    assert mark("L1.1")
+    assert close()
+    assert open_at(110.0) == 1
 
 
-def test_group_lifecycle_claims_and_cursor(store: Store) -> None:
+def test_group_lifecycle_claims_and_feed(store: Store) -> None:
     _node(store)
     _node(store, "n2")
     _lease(store, "L1")
@@ -106,61 +134,216 @@ def test_group_lifecycle_claims_and_cursor(store: Store) -> None:
     with pytest.raises(Exception):  # noqa: B017 - the unique (lease, prompt) constraint, whatever the driver calls it
         _group(store, "L1", "L1.0")
 
-    claimed = store.claim_pending("v1", limit=2, now=100.0, until=220.0)
-    assert [r["id"] for r in claimed] == [g1, g2]
-    assert claimed[0]["answer"] == "0" and claimed[0]["seeds"] == [10, 20] and claimed[0]["lease_version"] == 0
-    assert [r["id"] for r in store.claim_pending("v2", limit=5, now=110.0, until=230.0)] == [g3]
-    assert store.claim_pending("v2", limit=5, now=120.0, until=240.0) == []
-    assert [r["id"] for r in store.claim_pending("v2", limit=5, now=225.0, until=345.0)] == [g1, g2]
+    claim = lambda who, limit, now, until: store.write(  # noqa: E731
+        lambda tx: verification.claim_pending(tx, who, limit, now, until))
+    claimed = claim("v1", 2, 100.0, 220.0)
+    assert [r.id for r in claimed] == [g1, g2]
+    assert (claimed[0].answer, claimed[0].seeds, claimed[0].lease_version) == ("0", [10, 20], 0)
+    assert [r.id for r in claim("v2", 5, 110.0, 230.0)] == [g3]
+    assert claim("v2", 5, 120.0, 240.0) == []
+    assert [r.id for r in claim("v2", 5, 225.0, 345.0)] == [g1, g2]  # claims expire
 
-    assert store.accept_group(g2, [1.0, 0.0], now=130.0) == 1
-    assert store.accept_group(g1, [0.5, 0.5], now=131.0) == 2
-    assert [(r["accepted_seq"], r["id"]) for r in store.accepted_after(0, 10)] == [(1, g2), (2, g1)]
-    assert [r["id"] for r in store.accepted_after(1, 10)] == [g1]
-    assert store.accepted_after(0, 10)[0]["rewards"] == [1.0, 0.0]
-    assert store.accept_group(g1, [0.0, 0.0], now=131.5) is None  # decided already: no cursor value used
+    accept = lambda gid, rewards: store.write(lambda tx: verification.accept(tx, gid, rewards, now=130.0))  # noqa: E731
+    assert accept(g2, [1.0, 0.0]) == 1
+    assert accept(g1, [0.5, 0.5]) == 2
+    entries = lambda after: store.read(lambda tx: feed.entries_after(tx, after, 10))  # noqa: E731
+    assert [r.accepted_seq for r in entries(0)] == [1, 2] and entries(0)[0].rewards == [1.0, 0.0]
+    assert [r.accepted_seq for r in entries(1)] == [2]
+    assert accept(g1, [0.0, 0.0]) is None  # decided already: no feed position used
+    assert store.read(feed.head) == 2
 
-    store.reject_group(g1, "late", now=132.0)  # not pending any more: no effect
-    assert store.get_group(g1)["status"] == "accepted"
-    assert store.reject_pending_of_node("n2", "node banned", now=133.0) == 1
-    assert store.get_group(g3)["reason"] == "node banned"
-    assert store.group_counts() == {"pending": 0, "accepted": 2, "rejected": 1}
+    assert not store.write(lambda tx: verification.reject(tx, g1, "late", now=132.0))  # not pending: no effect
+    assert store.read(lambda tx: verification.get_group(tx, g1)).status == "accepted"
+    assert store.write(lambda tx: verification.reject_pending_of_node(tx, "n2", "node banned", now=133.0)) == 1
+    assert store.read(lambda tx: verification.get_group(tx, g3)).reason == "node banned"
+    assert store.read(verification.group_counts) == {"pending": 0, "accepted": 2, "rejected": 1, "held": 0}
 
 
-def test_counter_is_unique_across_threads(store: Store) -> None:
-    seen: list[int] = []
+def test_hold_and_release_follow_submission_order(store: Store) -> None:
+    _node(store)
+    _lease(store, "L1", prompts=4)
+    ids = [_group(store, "L1", f"L1.{i}") for i in range(4)]
+    for gid in ids[:3]:
+        assert store.write(lambda tx, gid=gid: verification.hold(tx, gid, [float(gid), 0.0], now=110.0))
+    assert not store.write(lambda tx: verification.hold(tx, ids[0], [0.0, 0.0], now=111.0))  # held already
+    assert store.read(verification.group_counts)["held"] == 3
+    # A check passing on the third group releases only the two held before it.
+    assert store.write(lambda tx: verification.release(tx, "n1", ids[2], now=120.0)) == ids[:2]
+    assert [(r.accepted_seq, r.rewards[0]) for r in store.read(lambda tx: feed.entries_after(tx, 0, 10))] == [
+        (1, float(ids[0])), (2, float(ids[1]))]
 
-    def work() -> None:
-        for _ in range(50):
-            seen.append(store.next_int("c"))
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def test_counters_are_unique_across_threads(store: Store) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        seen = list(pool.map(lambda _: store.write(lambda tx: add_to_counter(tx, LEASE_COUNTER)), range(200)))
     assert sorted(seen) == list(range(1, 201))
 
 
-def test_state_survives_reopen(tmp_path: Path) -> None:
-    s = Store(tmp_path / "db.sqlite")
+def test_feed_positions_are_gap_free_and_visible_in_order(store: Store) -> None:
+    """A transaction that took a feed position and has not committed yet holds back the next one: a reader never
+    sees position p + 1 without p (a sequence would let the later transaction commit first)."""
+    _node(store)
+    _lease(store, "L1", prompts=2)
+    first, second = _group(store, "L1", "L1.0"), _group(store, "L1", "L1.1")
+    holding, go, second_done = threading.Event(), threading.Event(), threading.Event()
+    got: dict[str, int | None] = {}
+
+    def slow(tx: Tx) -> int | None:
+        seq = verification.accept(tx, first, [1.0, 0.0], now=130.0)
+        holding.set()
+        assert go.wait(timeout=60)  # commit only when the test says so
+        return seq
+
+    def fast() -> None:
+        got["second"] = store.write(lambda tx: verification.accept(tx, second, [0.0, 1.0], now=131.0))
+        second_done.set()
+
+    with ThreadPoolExecutor(2) as pool:
+        slow_result = pool.submit(lambda: store.write(slow))
+        assert holding.wait(timeout=60)
+        fast_result = pool.submit(fast)
+        # The second accept cannot commit while the first holds its position (so this wait runs out)...
+        assert not second_done.wait(timeout=1.0)
+        assert store.read(lambda tx: feed.entries_after(tx, 0, 10)) == []  # ... and nothing is visible yet.
+        go.set()
+        slow_result.result(timeout=60)
+        fast_result.result(timeout=60)
+    assert got["second"] == 2
+    assert [(r.accepted_seq, r.rewards) for r in store.read(lambda tx: feed.entries_after(tx, 0, 10))] == [
+        (1, [1.0, 0.0]), (2, [0.0, 1.0])]
+
+
+def test_concurrent_accepts_give_every_group_one_position(store: Store) -> None:
+    """Four threads accept 60 groups (each one twice, racing) while a reader follows the feed: every group gets
+    exactly one position, positions are 1..60, and every read the reader made was gap-free."""
+    _node(store)
+    _lease(store, "L1", prompts=60)
+    ids = [_group(store, "L1", f"L1.{i}") for i in range(60)]
+    done = threading.Event()
+    gaps: list[list[int]] = []
+
+    def follow() -> int:
+        cursor = 0
+        while True:
+            finished = done.is_set()
+            seqs = [r.accepted_seq for r in store.read(lambda tx, c=cursor: feed.entries_after(tx, c, 1000))]
+            if seqs != list(range(cursor + 1, cursor + 1 + len(seqs))):
+                gaps.append(seqs)
+            cursor = seqs[-1] if seqs else cursor
+            if finished and not seqs:
+                return cursor
+
+    with ThreadPoolExecutor(5) as pool:
+        reader = pool.submit(follow)
+        results = list(pool.map(lambda gid: store.write(lambda tx: verification.accept(tx, gid, [1.0, 0.0], 1.0)),
+                                ids + ids[::-1]))
+        done.set()
+        assert reader.result(timeout=120) == 60
+    assert gaps == []
+    assert sorted(r for r in results if r is not None) == list(range(1, 61))
+    assert sorted(r.accepted_seq for r in store.read(lambda tx: feed.entries_after(tx, 0, 1000))) == list(range(1, 61))
+
+
+@needs_pg
+def test_a_notifying_write_wakes_long_polls_of_another_process() -> None:
+    """Two stores on one PostgreSQL database, as two coordinator processes have: a notifying write through one
+    moves the other's change generation (LISTEN/NOTIFY), which its long polls wait on. (SQLite: one process.)"""
+    with fresh_database() as url:
+        writer, waiter = Store(url), Store(url)
+        try:
+            waiter.wait_for_change(0, timeout=60)  # its listener is connected (it counts a change when it connects)
+            seen = waiter.generation
+            writer.write(lambda tx: add_to_counter(tx, LEASE_COUNTER), notify=True)
+            waiter.wait_for_change(seen, timeout=60)
+            assert waiter.generation != seen
+        finally:
+            writer.close()
+            waiter.close()
+
+
+def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
+    s = Store(store_url)
     _node(s)
     _lease(s)
     gid = _group(s)
-    s.accept_group(gid, [1.0, 1.0], now=120.0)
-    s.insert_manifest(3, {"manifest": {"version": 3}}, now=121.0)
-    s.set_int("current_version", 3)
-    s.insert_metrics(7, 3, {"reward": 0.5}, now=122.0)
+    s.write(lambda tx: verification.accept(tx, gid, [1.0, 1.0], now=120.0))
+    signed = SignedManifest.sign(CheckpointManifest(run_id="r", version=3, files=[]), Identity.generate())
+    s.write(lambda tx: tx.execute(manifests.insert().values(version=3, signed=signed.model_dump(mode="json"),
+                                                            published_at=121.0)))
+    s.write(lambda tx: raise_counter(tx, CURRENT_VERSION, 3))
+    s.write(lambda tx: status.insert_metrics(tx, 7, 3, {"reward": 0.5}, now=122.0))
     s.close()
 
-    s = Store(tmp_path / "db.sqlite")
-    assert s.get_node("n1") is not None
-    assert [r["id"] for r in s.accepted_after(0, 10)] == [gid]
-    assert s.get_manifest(3) == {"manifest": {"version": 3}} and s.latest_manifests(5) == [{"manifest": {"version": 3}}]
-    assert s.get_int("current_version", -1) == 3
-    assert s.recent_metrics(10)[0]["data"] == {"reward": 0.5}
-    assert s.next_int("accepted_seq") == 2  # the cursor continues, never reuses a value
-    s.close()
+    s = Store(store_url)  # the migrations find the database at head: nothing is redone
+    try:
+        assert _get_node(s) is not None
+        assert [r.accepted_seq for r in s.read(lambda tx: feed.entries_after(tx, 0, 10))] == [1]
+        assert s.read(lambda tx: get_manifest(tx, 3)) == signed and s.read(lambda tx: get_manifest(tx, 2)) is None
+        assert s.read(current_version) == 3 and s.read(lambda tx: latest_manifests(tx, 5)) == [signed]
+        assert s.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
+        assert s.write(feed.next_position) == 2  # the feed continues, never reuses a position
+        assert s.read(lambda tx: counter(tx, "feed_acked")) == 0
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0002"
+    finally:
+        s.close()
+
+
+def test_the_migrations_make_what_the_schema_says(store: Store) -> None:
+    """The tables the code queries (db/schema.py) are the ones the migrations build: no column, type, index,
+    constraint (or, on PostgreSQL, server default) differs. A change to one without the other fails here."""
+    postgres = store.dialect == "postgresql"  # Alembic misreads SQLite's '' defaults as changed
+    with store.engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": postgres})
+        assert compare_metadata(context, metadata) == []
+
+
+def test_a_database_of_the_hand_written_store_is_adopted(tmp_path: Path) -> None:
+    """Its rows stay; the counters continue where it left them; its read cursor becomes the acknowledged one."""
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE nodes (id TEXT PRIMARY KEY, public_key TEXT NOT NULL UNIQUE, name TEXT NOT NULL DEFAULT '',
+            engine TEXT NOT NULL DEFAULT '', registered_at DOUBLE PRECISION NOT NULL,
+            last_seen DOUBLE PRECISION NOT NULL, held_version BIGINT NOT NULL DEFAULT -1,
+            banned INTEGER NOT NULL DEFAULT 0, ban_reason TEXT NOT NULL DEFAULT '',
+            groups_accepted BIGINT NOT NULL DEFAULT 0, groups_rejected BIGINT NOT NULL DEFAULT 0,
+            reputation DOUBLE PRECISION NOT NULL DEFAULT 0.5);
+        CREATE TABLE leases (id TEXT PRIMARY KEY, node_id TEXT NOT NULL REFERENCES nodes (id),
+            policy_version BIGINT NOT NULL, issued_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL,
+            sampling TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'open' CHECK (state IN ('open', 'done')));
+        CREATE TABLE rollout_groups (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL REFERENCES nodes (id),
+            lease_id TEXT NOT NULL REFERENCES leases (id), prompt_id TEXT NOT NULL, policy_version BIGINT NOT NULL,
+            payload TEXT NOT NULL, status TEXT NOT NULL DEFAULT 'pending', reason TEXT NOT NULL DEFAULT '',
+            rewards TEXT, claimed_by TEXT, claimed_until DOUBLE PRECISION, accepted_seq BIGINT UNIQUE,
+            submitted_at DOUBLE PRECISION NOT NULL, decided_at DOUBLE PRECISION, UNIQUE (lease_id, prompt_id));
+        CREATE TABLE kv (key TEXT PRIMARY KEY, value BIGINT NOT NULL);
+        INSERT INTO nodes (id, public_key, registered_at, last_seen, banned) VALUES ('n1', 'k1', 1.0, 2.0, 1);
+        INSERT INTO leases (id, node_id, policy_version, issued_at, expires_at, sampling)
+            VALUES ('L1', 'n1', 4, 1.0, 99.0, '{"group_size": 2}');
+        INSERT INTO rollout_groups (node_id, lease_id, prompt_id, policy_version, payload, status, rewards,
+            accepted_seq, submitted_at) VALUES
+            ('n1', 'L1', 'L1.0', 4, '{"rollouts": [{}, {}]}', 'accepted', '[1.0, 0.0]', 7, 3.0),
+            ('n1', 'L1', 'L1.1', 4, '{"rollouts": [{}, {}]}', 'pending', NULL, NULL, 3.0);
+        INSERT INTO kv VALUES ('accepted_seq', 7), ('lease_counter', 12), ('current_version', 4),
+            ('trainer_cursor', 5);
+    """)
+    db.commit()
+    db.close()
+
+    store = Store(f"sqlite:///{path}")
+    try:
+        node = _get_node(store)
+        assert node is not None and node.banned is True and node.checks_passed == 0 and node.counters_at is None
+        assert [(r.accepted_seq, r.rewards) for r in store.read(lambda tx: feed.entries_after(tx, 0, 10))] == [
+            (7, [1.0, 0.0])]
+        assert store.read(lambda tx: verification.get_group(tx, 2)).held is False
+        assert store.read(lambda tx: (counter(tx, "accepted_seq"), counter(tx, LEASE_COUNTER), current_version(tx),
+                                      feed.acked(tx), counter(tx, "metrics_reports"))) == (7, 12, 4, 5, 0)
+        assert store.write(lambda tx: verification.accept(tx, 2, [0.0, 1.0], now=4.0)) == 8
+        assert store.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM kv WHERE key = 'trainer_cursor'"))
+                          .scalar_one()) == 0
+    finally:
+        store.close()
 
 
 def test_config_from_toml_with_overrides(tmp_path: Path) -> None:
@@ -173,6 +356,9 @@ def test_config_from_toml_with_overrides(tmp_path: Path) -> None:
     assert (run.run_id, cfg.port, run.sampling.group_size, run.sampling.temperature) == ("r1", 9000, 6, 0.7)
     assert cfg.operator_keys == [op] and cfg.data_dir == tmp_path / "d"
     assert cfg.resolved_key_path == tmp_path / "d" / "coordinator.key"
+    assert cfg.resolved_store_url == f"sqlite:///{tmp_path / 'd' / 'coordinator.sqlite'}"
+    pg = load_config(CoordinatorConfig, None, ["store_url=postgresql+psycopg://u:p@db:5432/pool"])
+    assert pg.resolved_store_url == "postgresql+psycopg://u:p@db:5432/pool"
     assert all(f.description for f in CoordinatorConfig.model_fields.values())
 
 
@@ -183,6 +369,8 @@ def test_config_from_toml_with_overrides(tmp_path: Path) -> None:
     ["nonsense=1"],
     ["run.sampling.group_size=1"],
     ["max_staleness=1"],  # a fact of the run belongs in [run]
+    ["store_url=mysql://u:p@db/pool"],
+    ["store_url=postgresql://u:p@db/pool"],  # psycopg 3 is the driver: postgresql+psycopg://
 ])
 def test_config_refuses_bad_values(overrides: list[str]) -> None:
     with pytest.raises(ValueError):

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from swarmrl.models.build import ModelConfig as MConfig
 from swarmrl.models.tokenizers import END_OF_TEXT, IM_END, build_bpe_tokenizer
-from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, build_engine
+from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine
+from swarmrl.node.engines import build_engine
 from swarmrl.protocol import sampling
 from swarmrl.testing.local import group_requests, pending_groups, verify_groups
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint

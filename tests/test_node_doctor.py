@@ -17,7 +17,8 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.server import running_server
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.doctor import check_disk, check_engine, check_key, check_ports, clock_check, report, run_checks
-from swarmrl.node.engine import EngineConfig, vllm_available
+from swarmrl.node.engine import EngineConfig
+from swarmrl.node.engines import vllm_available
 from swarmrl.protocol.identity import Identity
 
 REPO = Path(__file__).resolve().parents[1]

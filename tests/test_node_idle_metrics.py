@@ -13,8 +13,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from swarmrl.coordinator.service import COUNTER_SLACK_FRAC, COUNTER_SLACK_S
-from swarmrl.coordinator.store import Store
+from swarmrl.coordinator import registry, status
+from swarmrl.coordinator.db.store import Store
+from swarmrl.coordinator.registry import COUNTER_SLACK_FRAC, COUNTER_SLACK_S
 from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
 from swarmrl.protocol import messages as m
@@ -207,18 +208,18 @@ def test_counter_columns_added_to_an_existing_database(tmp_path: Path) -> None:
     db.commit()
     db.close()
 
-    store = Store(path)
+    store = Store(f"sqlite:///{path}")
     try:
-        node = store.get_node("n1")
-        assert node is not None and node["groups_accepted"] == 7 and node["name"] == "old"
-        assert (node["idle_s"], node["busy_s"], node["idle_total"], node["busy_total"]) == (0, 0, 0, 0)
-        assert node["counters_at"] is None
-        assert store.recent_metrics(10)[0]["data"] == {"reward": 0.5}
-        assert store.last_metrics_node_totals() == (0.0, 0.0)
-        store.set_node_counters("n1", 4.0, 6.0, 4.0, 6.0, now=10.0)
-        assert store.node_time_totals() == (4.0, 6.0)
-        store.insert_metrics(5, 2, {"reward": 0.6}, now=11.0, node_totals=(4.0, 6.0))
-        assert store.last_metrics_node_totals() == (4.0, 6.0)
+        node = store.read(lambda tx: registry.get_node(tx, "n1"))
+        assert node is not None and node.groups_accepted == 7 and node.name == "old"
+        assert (node.idle_s, node.busy_s, node.idle_total, node.busy_total) == (0, 0, 0, 0)
+        assert node.counters_at is None
+        assert store.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
+        assert store.read(status.last_node_totals) == (0.0, 0.0)
+        store.write(lambda tx: registry.set_counters(tx, "n1", 4.0, 6.0, 4.0, 6.0, now=10.0))
+        assert store.read(registry.time_totals) == (4.0, 6.0)
+        store.write(lambda tx: status.insert_metrics(tx, 5, 2, {"reward": 0.6}, now=11.0, node_totals=(4.0, 6.0)))
+        assert store.read(status.last_node_totals) == (4.0, 6.0)
     finally:
         store.close()
-    Store(path).close()  # opening a migrated database again is a no-op
+    Store(f"sqlite:///{path}").close()  # opening a migrated database again is a no-op

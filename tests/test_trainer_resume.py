@@ -53,6 +53,7 @@ class FakeCoordinator:
         self.store = ShardStore(tmp / "fake-shards")
         self.published: list[CheckpointManifest] = []
         self.metrics_posted: list[tuple[int, int, dict[str, float]]] = []
+        self.acked: list[int] = []
         self.next_id = 0
         self.fail_publish = 0
         self.flat_until = flat_until  # groups with ids up to this one all have one reward for every rollout
@@ -87,6 +88,11 @@ class FakeCoordinator:
             assert after_id <= self.next_id
             self.next_id = max(self.next_id, after_id)  # groups up to the cursor were consumed already
             return TrainingBatch(current_version=self.version, groups=[self._group() for _ in range(limit)])
+
+    def ack(self, cursor: int) -> None:
+        with self.lock:
+            assert cursor <= self.next_id, "acknowledged a group never handed out"
+            self.acked.append(cursor)
 
     def upload_shard(self, sha256: str, data: bytes) -> None:
         with self.lock:
@@ -183,6 +189,8 @@ def test_run_trainer_resumes_with_monotonic_versions(tmp_path, init_ckpt):
     assert [m.version for m in fake.published] == [0, 1, 2]
     assert (s1.step, s1.version) == (2, 2)
     assert s1.cursor == fake.next_id  # every group handed out was consumed (used, stale or filtered)
+    # Each saved state's cursor is acknowledged after the save: one per step, never going back.
+    assert len(fake.acked) == 2 and fake.acked == sorted(fake.acked) and fake.acked[-1] == s1.cursor
 
     by_step = {step: m for step, _, m in fake.metrics_posted}
     assert set(by_step) == {0, 1, 2} and "eval_accuracy" in by_step[0] and "eval_accuracy" in by_step[2]
@@ -206,6 +214,7 @@ def test_run_trainer_resumes_with_monotonic_versions(tmp_path, init_ckpt):
     s2 = run_trainer(cfg.model_copy(update={"max_steps": 4}), client=fake)
     assert [m.version for m in fake.published] == [0, 1, 2, 3, 4]
     assert (s2.step, s2.version) == (4, 4) and s2.cursor == fake.next_id
+    assert fake.acked[2] == s1.cursor and fake.acked[-1] == s2.cursor  # the resumed state first, then each step's
     assert 0 not in {step for step, _, _ in fake.metrics_posted[len(by_step):]}  # no second step-0 eval
     assert len(list_states(cfg.state_dir)) == cfg.keep_states
 

@@ -41,12 +41,30 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rarest_shards_first_from_peers_and_the_rest_from_the_seed(tmp_path, published, coordinator):
     signed, origin_store, weights = published
     shards = [s.sha256 for s in signed.manifest.shards()]
-    log: list[tuple[str, str]] = []
+    peers_done = threading.Event()
+
+    class Log(list):
+        def append(self, item: tuple[str, str]) -> None:
+            super().append(item)
+            if len(self) == 3:
+                peers_done.set()
+
+    class HeldBackOrigin(StoreSource):
+        """Serves only once the peers have served their three shards: otherwise, on a busy machine, the seed
+        slot may empty its own queue first and then take a shard peers hold (as it should), and the order of
+        the peers' shards would depend on timing."""
+
+        def get(self, manifest: CheckpointManifest, shard: ShardRef) -> bytes:
+            if not peers_done.wait(120):
+                raise TimeoutError("the peers never served their shards")
+            return super().get(manifest, shard)
+
+    log: list[tuple[str, str]] = Log()
     # shard 0: 3 holders, 1: 2 holders, 2: 1 holder, 3..: no peer holds them.
     p1 = FakePeer("p1", origin_store, {shards[0], shards[1], shards[2]}, log)
     p2 = FakePeer("p2", origin_store, {shards[0], shards[1]}, log)
     p3 = FakePeer("p3", origin_store, {shards[0]}, log)
-    origin = StoreSource(origin_store)
+    origin = HeldBackOrigin(origin_store)
     f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [p3, p2, p1, origin],
                           config=FetchConfig(max_parallel_peers=1, spread_holders=False))
     assert f.workers == 2  # one peer slot, one seed slot
@@ -181,12 +199,16 @@ def test_resume_after_a_killed_download(tmp_path, published, coordinator):
     proc = subprocess.Popen([sys.executable, "-c", child])
     try:
         store = ShardStore(root / "shards")
-        wait_for(lambda: len(list(store.root.glob("??/*"))) >= 4 or proc.poll() is not None, what="four shards")
+
+        def stored() -> set[str]:  # whole shards only: a write in progress is a ".part-" file
+            return {p.name for p in store.root.glob("??/*") if not p.name.startswith(".part-")}
+
+        wait_for(lambda: len(stored()) >= 4 or proc.poll() is not None, what="four shards")
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    held = {p.name for p in store.root.glob("??/*")}
+    held = stored()
     assert held == {s.sha256 for s in signed.manifest.shards()[:4]}
     assert not (root / "v00000001").exists()
     assert list(root.glob(".v00000001-*")), "the killed fetch had begun writing the checkpoint's files"
@@ -203,6 +225,7 @@ def test_resume_after_a_killed_download(tmp_path, published, coordinator):
     # only the missing ones, and the damaged one
     assert set(origin.calls) == {s.sha256 for s in signed.manifest.shards()} - held | {damaged}
     assert not list(root.glob(".v*")), "what the killed fetch left behind is gone"
+    assert not list(f.store.root.glob("??/.part-*")), "and so is any shard it was writing"
 
 
 def test_manifest_signature_failures_are_refused_before_anything_is_fetched(tmp_path, published, coordinator):

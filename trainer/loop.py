@@ -9,7 +9,9 @@ One step:
      `max_staleness` versions behind the trainer's is dropped (counted as stale); a zero-advantage group is
      skipped (counted as filtered); the cursor moves past both. The time spent here is `trainer_idle_s`.
   2. one optimizer step (FSDP: every rank its slice);
-  3. version += 1; save the state (weights in HF layout, optimizer, version, cursor) atomically;
+  3. version += 1; save the state (weights in HF layout, optimizer, version, cursor) atomically, then acknowledge
+     the cursor to the coordinator (reading the feed moves nothing there; the acknowledgement frees the
+     backpressure buffer);
   4. hand the new weights to the background publisher, which uploads and publishes them while training
      goes on: the trainer never waits for a broadcast;
   5. post metrics (and every `eval_every` steps the held-out greedy accuracy).
@@ -24,24 +26,20 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-import httpx
 import torch
 import torch.distributed as dist
 import transformers
 
 from swarmrl.models.prompts import pad_token_id
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
-from swarmrl.protocol.messages import RunInfo, TrainingBatch, TrainingGroup
+from swarmrl.protocol.messages import RunInfo
 from swarmrl.protocol.run import check_run
 from swarmrl.protocol.tasks import load_task
-from swarmrl.protocol.validation import is_fresh
-from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.trainer.collect import TrainerClient, collect_groups
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.trainer.distributed import (
     DistEnv,
@@ -57,110 +55,13 @@ from swarmrl.trainer.distributed import (
     unsharded_copy,
 )
 from swarmrl.trainer.evaluate import correct_count
-from swarmrl.trainer.grpo import build_batch, filter_groups, make_optimizer
+from swarmrl.trainer.grpo import build_batch, make_optimizer
 from swarmrl.trainer.metrics import StepDisplay, elapsed_s, rollout_metrics, staleness_histogram
 from swarmrl.trainer.model import load_checkpoint
 from swarmrl.trainer.publisher import Publisher
 from swarmrl.trainer.state import TrainerState, clean_temp, latest, load_state, prune_states, restore_rng, save_state
 
 log = logging.getLogger(__name__)
-
-
-class TrainerClient(Protocol):
-    """The coordinator calls the trainer makes (`runtime.client.CoordinatorClient` has them all)."""
-
-    def info(self) -> RunInfo: ...
-
-    def training_batch(self, after_id: int, limit: int, wait_s: float = 0.0) -> TrainingBatch: ...
-
-    def upload_shard(self, sha256: str, data: bytes) -> None: ...
-
-    def publish(self, manifest: CheckpointManifest) -> SignedManifest: ...
-
-    def metrics(self, step: int, version: int, metrics: dict[str, float]) -> None: ...
-
-
-# -- 1. collecting groups ---------------------------------------------------------------------------
-
-
-@dataclass
-class Collected:
-    """The groups for one step and what was passed over to get them."""
-
-    groups: list[TrainingGroup]
-    """Trainable: fresh enough, well formed, and (if filtering) with non-zero advantages."""
-    fresh: list[TrainingGroup]
-    """Every fresh group seen, trainable or not (for reward metrics)."""
-    cursor: int
-    """The largest group id seen; the next pull starts after it."""
-    stale: int = 0
-    filtered: int = 0
-    idle_s: float = 0.0
-
-
-def _transient(e: Exception) -> bool:
-    """Worth retrying: the coordinator is unreachable or restarting, not refusing us."""
-    return isinstance(e, httpx.TransportError) or (isinstance(e, CoordinatorError) and e.status >= 500)
-
-
-def collect_groups(
-    client: TrainerClient,
-    cursor: int,
-    version: int,
-    cfg: TrainerConfig,
-    max_staleness: int,
-    stop: threading.Event | None = None,
-    on_wait: Callable[[int], None] | None = None,
-) -> Collected | None:
-    """Pull groups after `cursor` until `cfg.batch_groups` fresh ones are in; None if `stop` was set.
-
-    A group is fresh when `protocol.validation.is_fresh` says so against `version` with the run's
-    `max_staleness` (0: only groups sampled by the current weights). Of the fresh groups, the zero-advantage ones
-    are filtered out of `groups`; with `fill_with_informative` they do not count towards the batch
-    either, so the step always gets `batch_groups` trainable groups. A poll that finds nothing new is held by
-    the coordinator for up to `long_poll_s`; rides out coordinator restarts.
-    """
-    t0 = time.monotonic()
-    out = Collected(groups=[], fresh=[], cursor=cursor)
-
-    def have() -> int:
-        return len(out.groups) if cfg.fill_with_informative else len(out.fresh)
-
-    while have() < cfg.batch_groups:
-        if stop is not None and stop.is_set():
-            return None
-        want = cfg.batch_groups - have()
-        t_poll = time.monotonic()
-        try:
-            batch = client.training_batch(after_id=out.cursor, limit=want, wait_s=cfg.long_poll_s)
-        except (httpx.TransportError, CoordinatorError) as e:
-            if not _transient(e):
-                raise
-            log.warning("coordinator unavailable (%s); retrying", e)
-            batch = TrainingBatch(current_version=-1, groups=[])
-        for g in sorted(batch.groups, key=lambda g: g.group_id):
-            if g.group_id <= out.cursor:  # a coordinator bug must not make us train twice on a group
-                continue
-            out.cursor = g.group_id
-            if not is_fresh(g.policy_version, version, max_staleness):
-                out.stale += 1
-                continue
-            out.fresh.append(g)
-            keep, drop = filter_groups([g], cfg.loss.filter_zero_advantage)
-            out.groups += keep
-            out.filtered += len(drop)
-        # We never ask for more than we still need, so every group returned was consumed above.
-        if len(batch.groups) < want and have() < cfg.batch_groups:
-            if on_wait is not None:
-                on_wait(have())
-            if not batch.groups and time.monotonic() - t_poll < cfg.poll_interval_s:
-                # The coordinator answered at once with nothing (no long poll, or an error): do not spin.
-                if stop is not None:
-                    stop.wait(cfg.poll_interval_s)
-                else:
-                    time.sleep(cfg.poll_interval_s)
-    out.idle_s = time.monotonic() - t0
-    return out
 
 
 # -- 2. the run -------------------------------------------------------------------------------------
@@ -269,6 +170,7 @@ class _Run:
             for g in self.optimizer.param_groups:  # the config, not the saved state, says how to go on
                 g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.state_path = path
+        self.resumed = loaded is not None
 
         # Versions never go backwards, even if our state is older than what the coordinator has.
         if info.current_version > self.ts.version:
@@ -319,6 +221,14 @@ class _Run:
         except Exception as e:  # metrics are not worth stopping training for
             log.warning("posting metrics failed: %s", e)
 
+    def acknowledge(self, cursor: int) -> None:
+        """Tell the coordinator that a saved state has consumed the feed up to `cursor`. Acknowledgements are
+        cumulative, so a failed one is made good by the next."""
+        try:
+            self.client.ack(cursor)  # type: ignore[union-attr]
+        except Exception as e:  # not worth stopping training for: only backpressure waits on it
+            log.warning("acknowledging feed cursor %d failed: %s", cursor, e)
+
     def ensure_published(self) -> None:
         """Publish our current weights now, synchronously: the coordinator lacks them (or has nothing yet)."""
         if self.state_path is None:  # fresh start: the initial weights get a state of their own
@@ -342,6 +252,8 @@ class _Run:
             needs_publish = self.info.current_version < self.ts.version or self.info.current_version < 0
             if needs_publish:
                 self.ensure_published()
+            if env.is_main and self.resumed and self.ts.cursor > 0:
+                self.acknowledge(self.ts.cursor)  # a state saved just before a crash may not have been acknowledged
             if self.ts.step == 0 and cfg.eval_every > 0:
                 acc = self.evaluate()
                 if env.is_main:
@@ -373,6 +285,9 @@ class _Run:
             ts.cursor = broadcast_object(collected.cursor if collected else None, env)
             if env.is_main:
                 assert collected is not None
+                # Nothing to save: the saved state (the same weights) would skip these groups again after a restart,
+                # so they are consumed. Acknowledging them now keeps a run of such groups from filling the buffer.
+                self.acknowledge(ts.cursor)
                 self.display.print(f"v{ts.version}: all {len(collected.fresh)} fresh groups had zero advantage")
             return True
         used_version = ts.version
@@ -393,6 +308,7 @@ class _Run:
         if env.is_main:
             assert path is not None and self.publisher is not None
             self.state_path = path
+            self.acknowledge(ts.cursor)  # the state that consumed the feed up to the cursor is on disk
             self.publisher.submit(path / "model", ts.version)  # returns at once: training goes on
 
         eval_acc = None

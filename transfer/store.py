@@ -44,11 +44,16 @@ def _iter_chunks(path: Path, size: int) -> Iterator[bytes]:
 
 
 class ShardStore:
-    """A directory of shards named by their sha256. `put` refuses bytes that do not match their name."""
+    """A directory of shards named by their sha256. `put` refuses bytes that do not match their name.
+
+    One process owns a store's directory. Opening it removes the partial files (`.part-*`) a killed process left
+    behind: `put` writes a shard under such a name and renames it into place, so they are never whole shards."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        for partial in self.root.glob("??/.part-*"):
+            partial.unlink(missing_ok=True)
 
     def path(self, sha256: str) -> Path:
         if not _HEX64.match(sha256):

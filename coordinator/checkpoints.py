@@ -1,0 +1,136 @@
+"""Checkpoints: shard uploads, publishing signed manifests (the current policy version), serving both.
+
+The trainer uploads a version's content-addressed shards, then publishes its manifest; the coordinator signs it
+and it becomes the current version, which every lease and staleness check is measured against. Shards live in
+`ShardStore` (files, written atomically), manifests and the current version in the database. Publish hooks
+(e.g. the DHT seed) run in the process that handled the publish.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy import select
+
+from swarmrl.coordinator.auth import Refused, Signed
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.schema import CURRENT_VERSION, manifests
+from swarmrl.coordinator.db.store import Store, Tx, counter, insert, raise_counter
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
+from swarmrl.transfer.store import ShardStore
+
+log = logging.getLogger("swarmrl.coordinator")
+
+
+def current_version(tx: Tx) -> int:
+    """The newest published policy version; -1 before the first."""
+    return counter(tx, CURRENT_VERSION)
+
+
+def get_manifest(tx: Tx, version: int) -> SignedManifest | None:
+    row = tx.execute(select(manifests.c.signed).where(manifests.c.version == version)).first()
+    return SignedManifest.model_validate(row.signed) if row is not None else None
+
+
+def latest_manifests(tx: Tx, n: int) -> list[SignedManifest]:
+    """The `n` newest manifests, newest first."""
+    rows = tx.execute(select(manifests.c.signed).order_by(manifests.c.version.desc()).limit(n))
+    return [SignedManifest.model_validate(r.signed) for r in rows]
+
+
+def is_sha256(s: str) -> bool:
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
+class Checkpoints:
+    """Shards and manifests of one run, signed with the coordinator's `identity`."""
+
+    def __init__(self, store: Store, shards: ShardStore, config: CoordinatorConfig, identity: Identity,
+                 clock: Callable[[], float]):
+        self.store, self.shards, self.config, self.identity, self.clock = store, shards, config, identity, clock
+        # Called with each newly published manifest (e.g. the DHT seed starts serving it).
+        self.publish_hooks: list[Callable[[CheckpointManifest], None]] = []
+        self._publish_lock = threading.Lock()
+
+    def current_version(self) -> int:
+        return self.store.read(current_version)
+
+    def manifest(self, version: int | None = None) -> SignedManifest | None:
+        """The manifest of `version` (default: the newest), or None."""
+        if version is None:
+            newest = self.store.read(lambda tx: latest_manifests(tx, 1))
+            return newest[0] if newest else None
+        return self.store.read(lambda tx: get_manifest(tx, version))
+
+    def check_shard_upload(self, sha256: str, upload: m.ShardUpload) -> m.ShardUpload:
+        """Refuse an authenticated shard upload whose envelope does not fit the URL or the size limit."""
+        if upload.sha256 != sha256:
+            raise Refused(422, "the envelope is for another shard")
+        if upload.size > self.config.max_shard_bytes:
+            raise Refused(413, f"shard of {upload.size} bytes exceeds max_shard_bytes {self.config.max_shard_bytes}")
+        return upload
+
+    def put_shard(self, upload: m.ShardUpload, data: bytes) -> None:
+        if len(data) != upload.size:
+            raise Refused(422, f"body has {len(data)} bytes, the envelope says {upload.size}")
+        try:
+            self.shards.put(upload.sha256, data)
+        except ManifestError as e:
+            raise Refused(422, str(e)) from None
+
+    def shard_path(self, sha256: str) -> Path:
+        """Where the shard `sha256` is stored; Refused(400) for a malformed hash, Refused(404) if absent."""
+        if not is_sha256(sha256):
+            raise Refused(400, "not a sha256")
+        path = self.shards.path(sha256)
+        if not path.is_file():
+            raise Refused(404, "no such shard")
+        return path
+
+    def publish(self, req: Signed) -> SignedManifest:
+        """Sign and publish a manifest whose shards are all here; it becomes the current version."""
+        manifest: CheckpointManifest = req.payload.manifest
+        if manifest.run_id != self.config.run.run_id:
+            raise Refused(409, f"manifest is for run {manifest.run_id!r}, this run is {self.config.run.run_id!r}")
+        with self._publish_lock:  # one publish (and its shard collection) at a time in this process
+            self._refuse_old(manifest.version, self.current_version())
+            for f in manifest.files:
+                if sum(s.size for s in f.shards) != f.size:
+                    raise Refused(422, f"file {f.path}: shard sizes do not add up to its size")
+            for ref in manifest.shards():
+                path = self.shards.path(ref.sha256)
+                if not path.is_file():
+                    raise Refused(409, f"shard {ref.sha256} is missing: upload it first")
+                if path.stat().st_size != ref.size:
+                    raise Refused(409, f"shard {ref.sha256} has {path.stat().st_size} bytes, manifest says {ref.size}")
+            now = self.clock()
+            signed = SignedManifest.sign(manifest.model_copy(update={"created_at": now}), self.identity)
+
+            def commit(tx: Tx) -> list[SignedManifest]:
+                # Locked: publishes through other coordinator processes wait, so versions only ever increase.
+                self._refuse_old(manifest.version, counter(tx, CURRENT_VERSION, lock=True))
+                tx.execute(insert(tx, manifests).values(version=manifest.version, signed=signed.model_dump(mode="json"),
+                                                        published_at=now))
+                raise_counter(tx, CURRENT_VERSION, manifest.version)
+                return latest_manifests(tx, self.config.keep_versions)
+
+            keep = self.store.write(commit)
+            # Shards are collected only here, right after a publish: a single trainer uploads the shards of
+            # version v+1 after publishing v, so nothing it still needs is removed.
+            self.shards.remove_unreferenced([s.manifest for s in keep])
+        for hook in self.publish_hooks:
+            try:
+                hook(signed.manifest)
+            except Exception:  # a failing side channel must not undo a publish: nodes still have the origin
+                log.exception("publish hook failed for version %d", manifest.version)
+        return signed
+
+    @staticmethod
+    def _refuse_old(version: int, current: int) -> None:
+        if version <= current:
+            raise Refused(409, f"version {version} is not newer than the current version {current}")

@@ -1,0 +1,123 @@
+"""Typed rows: what the coordinator's queries return, one frozen dataclass per table (or per joined view).
+
+Field names are column names (`coordinator.db.store.load` builds a row from a result row); JSON columns arrive
+decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """A registered node: identity, liveness, verdict counters, ban state and its self-reported time counters."""
+
+    id: str
+    public_key: str
+    name: str
+    engine: str
+    registered_at: float
+    last_seen: float
+    held_version: int
+    banned: bool
+    ban_reason: str
+    groups_accepted: int
+    groups_rejected: int
+    reputation: float
+    checks_passed: int
+    idle_s: float
+    """The node's last reported idle seconds since it started (untrusted, as reported)."""
+    busy_s: float
+    idle_total: float
+    """Coordinator-side idle seconds summed over the node's reports (never decreases)."""
+    busy_total: float
+    counters_at: float | None
+    """When the node last reported its counters; None before its first report."""
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    id: str
+    node_id: str
+    policy_version: int
+    issued_at: float
+    expires_at: float
+    sampling: dict[str, Any]
+    state: str
+    """'open' until every prompt is submitted or the lease turns stale; then 'done'."""
+
+
+@dataclass(frozen=True)
+class LeasePromptRow:
+    lease_id: str
+    prompt_id: str
+    position: int
+    text: str
+    answer: str
+    """The ground truth: never sent to a node."""
+    seeds: list[int]
+    submitted: bool
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """A submitted rollout group and where it is in its life (see `coordinator.verification`)."""
+
+    id: int
+    node_id: str
+    lease_id: str
+    prompt_id: str
+    policy_version: int
+    payload: dict[str, Any]
+    """The RolloutGroup as submitted (JSON)."""
+    status: str
+    """'pending', 'accepted' or 'rejected'."""
+    reason: str
+    rewards: list[float] | None
+    """The verifier's trusted rewards, once it accepted the group (held or not)."""
+    claimed_by: str | None
+    claimed_until: float | None
+    accepted_seq: int | None
+    """The group's trainer-feed position, once accepted."""
+    submitted_at: float
+    decided_at: float | None
+    held: bool
+
+
+@dataclass(frozen=True)
+class ClaimedGroup:
+    """A pending group a verifier claimed, with the lease facts it is checked against."""
+
+    id: int
+    node_id: str
+    policy_version: int
+    payload: dict[str, Any]
+    prompt_text: str
+    answer: str
+    seeds: list[int]
+    lease_version: int
+    sampling: dict[str, Any]
+    node_checks_passed: int
+
+
+@dataclass(frozen=True)
+class FeedRow:
+    """An accepted group at its trainer-feed position."""
+
+    accepted_seq: int
+    policy_version: int
+    payload: dict[str, Any]
+    rewards: list[float]
+
+
+@dataclass(frozen=True)
+class MetricsRow:
+    id: int
+    step: int
+    version: int
+    data: dict[str, float]
+    ts: float
+    node_idle_total: float
+    node_busy_total: float

@@ -1,0 +1,162 @@
+"""The coordinator's tables, as SQLAlchemy Core metadata: the same on SQLite and PostgreSQL.
+
+This is what the code queries. What a database actually looks like is made by the migrations
+(`coordinator/db/migrations/versions/`), which the store runs up to head when it opens; a change here goes with
+a new migration. The table and column names are those of the hand-written store this replaced, so that its
+databases are adopted in place (migration 0001).
+
+A submitted group's life is in `rollout_groups`: `status` pending -> accepted | rejected, with `held` set while a
+pending group waits for a later full check of its node (`coordinator.verification` holds the rules), and
+`accepted_seq` its position in the trainer feed once accepted (`coordinator.feed`).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    false,
+)
+
+# BIGINT on PostgreSQL (ids are never reused within a run); INTEGER on SQLite, where only an INTEGER PRIMARY KEY
+# is the rowid that autoincrements (it is 64 bits there anyway).
+AutoId = BigInteger().with_variant(Integer(), "sqlite")
+
+metadata = MetaData()
+
+nodes = Table(
+    "nodes", metadata,
+    Column("id", Text, primary_key=True),
+    Column("public_key", Text, nullable=False, unique=True),
+    Column("name", Text, nullable=False, server_default=""),
+    Column("engine", Text, nullable=False, server_default=""),
+    Column("registered_at", Double, nullable=False),
+    Column("last_seen", Double, nullable=False),
+    Column("held_version", BigInteger, nullable=False, server_default="-1"),
+    Column("banned", Boolean, nullable=False, server_default=false()),
+    Column("ban_reason", Text, nullable=False, server_default=""),
+    Column("groups_accepted", BigInteger, nullable=False, server_default="0"),
+    Column("groups_rejected", BigInteger, nullable=False, server_default="0"),
+    Column("reputation", Double, nullable=False, server_default="0.5"),
+    Column("checks_passed", BigInteger, nullable=False, server_default="0"),
+    Column("idle_s", Double, nullable=False, server_default="0"),
+    Column("busy_s", Double, nullable=False, server_default="0"),
+    Column("idle_total", Double, nullable=False, server_default="0"),
+    Column("busy_total", Double, nullable=False, server_default="0"),
+    Column("counters_at", Double),
+)
+
+challenges = Table(
+    "challenges", metadata,
+    Column("challenge", Text, primary_key=True),
+    Column("public_key", Text, nullable=False),
+    Column("expires_at", Double, nullable=False),
+    Index("challenges_expiry", "expires_at"),
+)
+
+nonces = Table(
+    "nonces", metadata,
+    Column("signer", Text, primary_key=True),
+    Column("nonce", Text, primary_key=True),
+    Column("ts", Double, nullable=False),
+    Index("nonces_ts", "ts"),
+)
+
+leases = Table(
+    "leases", metadata,
+    Column("id", Text, primary_key=True),
+    Column("node_id", Text, ForeignKey("nodes.id"), nullable=False),
+    Column("policy_version", BigInteger, nullable=False),
+    Column("issued_at", Double, nullable=False),
+    Column("expires_at", Double, nullable=False),
+    Column("sampling", JSON, nullable=False),
+    Column("state", Text, nullable=False, server_default="open"),
+    CheckConstraint("state IN ('open', 'done')", name="leases_state"),
+    Index("leases_node", "node_id", "state", "expires_at"),
+)
+
+lease_prompts = Table(
+    "lease_prompts", metadata,
+    Column("lease_id", Text, ForeignKey("leases.id"), primary_key=True),
+    Column("prompt_id", Text, primary_key=True),
+    Column("position", Integer, nullable=False),
+    Column("text", Text, nullable=False),
+    Column("answer", Text, nullable=False),
+    Column("seeds", JSON, nullable=False),
+    Column("submitted", Boolean, nullable=False, server_default=false()),
+)
+
+rollout_groups = Table(
+    "rollout_groups", metadata,
+    Column("id", AutoId, primary_key=True, autoincrement=True),
+    Column("node_id", Text, ForeignKey("nodes.id"), nullable=False),
+    Column("lease_id", Text, ForeignKey("leases.id"), nullable=False),
+    Column("prompt_id", Text, nullable=False),
+    Column("policy_version", BigInteger, nullable=False),
+    Column("payload", JSON, nullable=False),
+    Column("status", Text, nullable=False, server_default="pending"),
+    Column("reason", Text, nullable=False, server_default=""),
+    Column("rewards", JSON(none_as_null=True)),
+    Column("claimed_by", Text),
+    Column("claimed_until", Double),
+    Column("accepted_seq", BigInteger, unique=True),
+    Column("submitted_at", Double, nullable=False),
+    Column("decided_at", Double),
+    Column("held", Boolean, nullable=False, server_default=false()),
+    UniqueConstraint("lease_id", "prompt_id"),
+    CheckConstraint("status IN ('pending', 'accepted', 'rejected')", name="rollout_groups_status_values"),
+    Index("rollout_groups_status", "status", "id"),
+    Index("rollout_groups_node", "node_id", "status"),
+    Index("rollout_groups_held", "node_id", "held", "id"),
+    sqlite_autoincrement=True,
+)
+
+manifests = Table(
+    "manifests", metadata,
+    Column("version", BigInteger, primary_key=True, autoincrement=False),
+    Column("signed", JSON, nullable=False),
+    Column("published_at", Double, nullable=False),
+)
+
+metrics = Table(
+    "metrics", metadata,
+    Column("id", AutoId, primary_key=True, autoincrement=True),
+    Column("step", BigInteger, nullable=False),
+    Column("version", BigInteger, nullable=False),
+    Column("data", JSON, nullable=False),
+    Column("ts", Double, nullable=False),
+    Column("node_idle_total", Double, nullable=False, server_default="0"),
+    Column("node_busy_total", Double, nullable=False, server_default="0"),
+    sqlite_autoincrement=True,
+)
+
+# Named counters. Their rows exist from migration 0002 on, so a counter is moved by one UPDATE ... RETURNING,
+# which on PostgreSQL also locks the row until the transaction ends: that lock is what orders the transactions
+# that move it (see `coordinator.feed`).
+kv = Table(
+    "kv", metadata,
+    Column("key", Text, primary_key=True),
+    Column("value", BigInteger, nullable=False),
+)
+
+FEED_HEAD = "accepted_seq"
+"""The last trainer-feed position handed out (0: none yet)."""
+FEED_ACKED = "feed_acked"
+"""The feed position up to which the trainer has acknowledged durable consumption."""
+LEASE_COUNTER = "lease_counter"
+"""Leases issued so far: with the prompt seed, it fixes each lease's prompts."""
+CURRENT_VERSION = "current_version"
+"""The newest published policy version (-1 before the first)."""
+METRICS_REPORTS = "metrics_reports"
+"""Trainer metrics reports recorded so far (its row lock orders the reports' node-time deltas)."""

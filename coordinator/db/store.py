@@ -1,0 +1,272 @@
+"""The coordinator's database: one SQLAlchemy engine, transactions that are atomic on SQLite and PostgreSQL,
+migrations run to head on open, and change notifications for long polls (across processes on PostgreSQL).
+
+    store = Store("sqlite:///runs/coordinator/coordinator.sqlite")     # or postgresql+psycopg://user:pw@host/db
+    gid = store.write(lambda tx: ...)          # one transaction, committed before write() returns
+    rows = store.read(lambda tx: ...)
+
+What is fsynced, and why. A `write` is durable when it returns (but for the two kinds below), and the request it
+serves is answered only after that. On SQLite the database runs in WAL mode with `synchronous=FULL`, so each
+commit fsyncs the write-ahead log; PostgreSQL does the same with its defaults (`fsync=on`,
+`synchronous_commit=on`). NORMAL (fsync only at WAL checkpoints) would survive a crash of the process but not a
+power cut, which could take back commits already answered: an accepted submission the node was told was taken
+(its compute lost), or a trainer-feed position the trainer has already consumed and saved, which would then be
+handed out again for another group that the trainer skips. Accepted work must be neither lost nor counted twice,
+so such commits pay one fsync each.
+
+Three kinds of writes do not wait for their fsync (`write(..., durable=False)`: SQLite synchronous=NORMAL for
+that commit, PostgreSQL synchronous_commit=off): a request's nonce, a verifier's claim, and a heartbeat. The log
+is written in order and the next durable commit flushes everything before it, so a power cut can take such a
+write back only together with every commit after it. A lost nonce then lets its request be replayed only when
+that request's own effects (none, for a refused one) were lost too; a lost claim makes its groups claimable
+again, and a second verdict on a decided group is ignored; a lost heartbeat loses a liveness time and a share of
+the node's self-reported idle time, which only metrics use. Nodes send heartbeats more than anything else, and a
+request whose work is durable pays one fsync, not two (its nonce rides along).
+
+Transactions. `write` runs its function in one transaction: BEGIN IMMEDIATE on SQLite (one writer at a time; in
+this process writers queue on a lock rather than in SQLite's busy handler), READ COMMITTED on PostgreSQL, where the
+queries take the row locks they need (SELECT ... FOR UPDATE, conditional UPDATE ... RETURNING) and a deadlock or
+serialization failure re-runs the whole function (it must have no effects outside the transaction). Any exception
+rolls everything back, so a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import BigInteger, Connection, Engine, Row, Table, bindparam, create_engine, event, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from swarmrl.coordinator.db.schema import kv
+
+T = TypeVar("T")
+Tx = Connection
+"""A connection inside a transaction of `Store.write` or `Store.read`."""
+
+log = logging.getLogger("swarmrl.coordinator.db")
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+CHANNEL = "swarmrl_changed"
+"""PostgreSQL NOTIFY channel: a write that others may be waiting for (a submission, a verdict) was committed."""
+MIGRATION_LOCK = 0x5357524C  # "SWRL": the advisory lock that serializes migrations of one PostgreSQL database
+RETRIES = 5
+_BEGIN = "swarmrl_begin"
+_NOTIFY = select(func.pg_notify(CHANNEL, ""))
+_TRANSIENT_SQLSTATES = {"40001", "40P01"}  # serialization failure, deadlock detected
+
+
+def load(cls: type[T], row: Row[Any]) -> T:
+    """A typed row (a dataclass whose fields are columns of `row`) from a result row."""
+    mapping = row._mapping
+    return cls(**{f.name: mapping[f.name] for f in fields(cls)})  # type: ignore[arg-type]
+
+
+def insert(tx: Tx | str, table: Table) -> Any:
+    """An INSERT for `tx`'s dialect (or the dialect named), with its ON CONFLICT clauses (`on_conflict_do_nothing`,
+    `on_conflict_do_update`)."""
+    dialect = tx if isinstance(tx, str) else tx.dialect.name
+    return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+
+
+# Statements used on every request are built once (building one costs more than running it on SQLite), with
+# bind parameters for what varies.
+_COUNTER = select(kv.c.value).where(kv.c.key == bindparam("b_key"))
+_COUNTER_LOCKED = _COUNTER.with_for_update()
+_ADD = update(kv).where(kv.c.key == bindparam("b_key")).values(value=kv.c.value + bindparam("b_n", type_=BigInteger)
+                                                                ).returning(kv.c.value)
+_RAISE = update(kv).where(kv.c.key == bindparam("b_key"), kv.c.value < bindparam("b_value", type_=BigInteger)
+                          ).values(value=bindparam("b_value"))
+
+
+def counter(tx: Tx, key: str, *, lock: bool = False) -> int:
+    """The value of counter `key`; with `lock`, its row stays locked until the transaction ends (PostgreSQL)."""
+    return int(tx.execute(_COUNTER_LOCKED if lock else _COUNTER, {"b_key": key}).scalar_one())
+
+
+def add_to_counter(tx: Tx, key: str, n: int = 1) -> int:
+    """Add `n` to counter `key` and return its new value. The row stays locked until the transaction ends."""
+    return int(tx.execute(_ADD, {"b_key": key, "b_n": n}).scalar_one())
+
+
+def raise_counter(tx: Tx, key: str, value: int) -> bool:
+    """Set counter `key` to `value` if that is larger than its value; whether it was."""
+    return tx.execute(_RAISE, {"b_key": key, "b_value": value}).rowcount == 1
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the database up to the newest migration (a no-op when it is there already)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.connect() as conn:
+        conn.info[_BEGIN] = "BEGIN IMMEDIATE"
+        with conn.begin():
+            if conn.dialect.name == "postgresql":
+                # Two coordinators starting at once: the second waits here, then finds nothing left to do.
+                conn.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK)))
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+
+
+class Store:
+    """One engine over `url`; see the module docstring for what `write` and `read` promise."""
+
+    def __init__(self, url: str, pool_size: int = 40):
+        parsed = make_url(url)
+        self.dialect = parsed.get_backend_name()
+        self._write_lock: threading.Lock | None = None
+        if self.dialect == "sqlite":
+            if not parsed.database or parsed.database == ":memory:":
+                raise ValueError("an SQLite store needs a file: sqlite:///path/to/coordinator.sqlite")
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0,
+                                        connect_args={"timeout": 30.0, "check_same_thread": False})
+            event.listen(self.engine, "connect", _sqlite_connect)
+            event.listen(self.engine, "begin", _sqlite_begin)
+            self._write_lock = threading.Lock()
+        elif self.dialect == "postgresql":
+            self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, pool_pre_ping=True)
+        else:
+            raise ValueError(f"unsupported store_url {parsed.render_as_string()!r}: use sqlite:///... or "
+                             "postgresql+psycopg://...")
+        self._changed = threading.Condition()
+        self._generation = 0
+        migrate(self.engine)
+        self._listener = _Listener(self.engine, self._bump) if self.dialect == "postgresql" else None
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        self.engine.dispose()
+
+    # -- transactions ---------------------------------------------------------------------------------
+
+    def write(self, fn: Callable[[Tx], T], *, notify: bool = False, durable: bool = True) -> T:
+        """`fn(tx)` in one write transaction, committed before this returns; re-run on a deadlock or serialization
+        failure. With `notify`, long polls (here and in other processes) are woken after it.
+
+        `durable=False` (only for what may be lost with a power cut, see the module docstring): the commit does not
+        wait for its fsync; the next durable commit, which comes after it in the log, makes it durable too.
+        """
+        for attempt in range(RETRIES + 1):
+            try:
+                with self._writer(), self.engine.connect() as conn, self._sync(conn, durable):
+                    conn.info[_BEGIN] = "BEGIN IMMEDIATE"
+                    with conn.begin():
+                        if not durable and self.dialect == "postgresql":
+                            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+                        result = fn(conn)
+                        if notify and self.dialect == "postgresql":
+                            conn.execute(_NOTIFY)  # delivered at commit
+                break
+            except DBAPIError as e:
+                if attempt == RETRIES or getattr(e.orig, "sqlstate", None) not in _TRANSIENT_SQLSTATES:
+                    raise
+                log.info("transaction conflict (%s); running it again", getattr(e.orig, "sqlstate", "?"))
+        if notify:
+            self._bump()
+        return result
+
+    @contextmanager
+    def _sync(self, conn: Connection, durable: bool) -> Iterator[None]:
+        """On SQLite, a commit that does not wait for its fsync (synchronous=NORMAL) unless `durable`."""
+        if durable or self.dialect != "sqlite":
+            yield
+            return
+        raw = conn.connection.dbapi_connection  # outside SQLAlchemy: no transaction begins for a pragma
+        raw.execute("PRAGMA synchronous=NORMAL")
+        try:
+            yield
+        finally:
+            raw.execute("PRAGMA synchronous=FULL")
+
+    def read(self, fn: Callable[[Tx], T]) -> T:
+        """`fn(tx)` in a read transaction (on SQLite one snapshot; on PostgreSQL each statement sees what was
+        committed when it started). It must not write."""
+        with self.engine.connect() as conn:
+            conn.info[_BEGIN] = "BEGIN"
+            with conn.begin():
+                return fn(conn)
+
+    @contextmanager
+    def _writer(self) -> Iterator[None]:
+        if self._write_lock is None:
+            yield
+            return
+        with self._write_lock:
+            yield
+
+    # -- change notifications -------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """Moves on after every notifying write (in any process on the same PostgreSQL database)."""
+        with self._changed:
+            return self._generation
+
+    def wait_for_change(self, seen: int, timeout: float) -> None:
+        """Return once `generation` differs from `seen`, or after `timeout` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != seen, timeout=timeout)
+
+    def _bump(self) -> None:
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+
+def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+    # The driver must not begin transactions on its own: `_sqlite_begin` says how each one begins.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")  # see the module docstring
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    # IMMEDIATE takes the write lock at BEGIN: a deferred transaction that writes later could fail to upgrade
+    # its read lock (SQLITE_BUSY) instead of waiting for it.
+    conn.exec_driver_sql(conn.info.pop(_BEGIN, "BEGIN IMMEDIATE"))
+
+
+class _Listener:
+    """LISTENs on CHANNEL over a connection of its own and calls `on_change` for every notification, and once
+    after every (re)connection, since notifications sent while it was not listening are lost."""
+
+    def __init__(self, engine: Engine, on_change: Callable[[], None]):
+        self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._on_change = on_change
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="store-listener", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import psycopg
+
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self._conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self._on_change()
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=1.0):
+                            self._on_change()
+            except psycopg.Error as e:
+                log.warning("change listener lost its connection (%s); reconnecting", e)
+                self._stop.wait(1.0)

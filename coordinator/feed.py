@@ -1,0 +1,83 @@
+"""The trainer feed: accepted groups in the order they were accepted, read without side effects and
+acknowledged explicitly.
+
+Each accepted group gets a feed position (1, 2, 3, ...: `TrainingGroup.group_id`). Positions are gap-free and
+become visible in order (`next_position`), so a trainer that has consumed everything up to its cursor c and asks
+for positions after c never skips one. Reading the feed moves nothing. The trainer acknowledges a cursor once it
+has durably saved the state that consumed everything up to it (POST /v1/trainer/ack); the acknowledged cursor
+only moves forward, and backpressure counts accepted groups after it as still in flight.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from swarmrl.coordinator.auth import Refused, Signed
+from swarmrl.coordinator.checkpoints import current_version
+from swarmrl.coordinator.db.rows import FeedRow
+from swarmrl.coordinator.db.schema import FEED_ACKED, FEED_HEAD, rollout_groups
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, load, raise_counter
+from swarmrl.coordinator.longpoll import LongPolls
+from swarmrl.protocol import messages as m
+
+
+def next_position(tx: Tx) -> int:
+    """The feed position of a group being accepted in this transaction (which must store it with the group).
+
+    It comes from the FEED_HEAD counter row, incremented by an UPDATE that keeps the row locked until the
+    transaction ends. Another accepting transaction, in this process or another one on the same PostgreSQL, waits
+    for that lock and so takes the next position only after this transaction committed (or rolled back, handing
+    its positions back): positions commit in increasing order with no holes, and whoever sees position p sees
+    every position below it. A database sequence would not do: two transactions take 7 and 8, 8 commits first, a
+    trainer reads 8 and moves its cursor past 7 before 7 is visible, and never trains on it. On SQLite writers are
+    serialized anyway.
+    """
+    return add_to_counter(tx, FEED_HEAD, 1)
+
+
+def head(tx: Tx) -> int:
+    """The last position handed out (0 before the first)."""
+    return counter(tx, FEED_HEAD)
+
+
+def acked(tx: Tx) -> int:
+    """The cursor the trainer last acknowledged (0 before the first acknowledgement)."""
+    return counter(tx, FEED_ACKED)
+
+
+def entries_after(tx: Tx, after: int, limit: int) -> list[FeedRow]:
+    """Up to `limit` accepted groups at positions after `after`, in position order."""
+    g = rollout_groups.c
+    rows = tx.execute(select(g.accepted_seq, g.policy_version, g.payload, g.rewards)
+                      .where(g.accepted_seq > after).order_by(g.accepted_seq).limit(limit))
+    return [load(FeedRow, r) for r in rows]
+
+
+class Feed:
+    """The trainer's side: read batches (long-polling when there is nothing new) and acknowledge."""
+
+    def __init__(self, store: Store, long_polls: LongPolls):
+        self.store, self.long_polls = store, long_polls
+
+    def batch(self, req: Signed) -> m.TrainingBatch:
+        """Accepted groups after `after_id`, in feed order; group_id is the feed position. With `wait_s`, waits up
+        to that long for one when there is none yet. Changes nothing."""
+        body: m.BatchRequest = req.payload
+        rows = self.long_polls.wait(lambda: self.store.read(lambda tx: entries_after(tx, body.after_id, body.limit)),
+                                    body.wait_s)
+        groups = [m.TrainingGroup(group_id=r.accepted_seq, policy_version=r.policy_version,
+                                  group=m.RolloutGroup.model_validate(r.payload), rewards=r.rewards) for r in rows]
+        return m.TrainingBatch(current_version=self.store.read(current_version), groups=groups)
+
+    def ack(self, req: Signed) -> m.FeedAcked:
+        """Acknowledge every position up to `cursor`; an older acknowledgement than the last changes nothing."""
+        cursor = req.payload.cursor
+
+        def acknowledge(tx: Tx) -> m.FeedAcked:
+            top = head(tx)
+            if cursor > top:
+                raise Refused(409, f"cursor {cursor} is beyond the last feed position handed out ({top})")
+            raise_counter(tx, FEED_ACKED, cursor)
+            return m.FeedAcked(acked=acked(tx), head=top)
+
+        return self.store.write(acknowledge)

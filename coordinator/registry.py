@@ -1,0 +1,200 @@
+"""Nodes: registration by signed challenge, heartbeats and their time counters, verdict counters, bans.
+
+A node is registered by redeeming a single-use challenge issued to its public key; it is never deleted, and a
+ban is final. Other modules change a node only through the functions here (`touch`, `count_verdicts`,
+`count_check`, `ban`), inside their own transactions.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+from sqlalchemy import BigInteger, Double, bindparam, delete, func, select, update
+
+from swarmrl.coordinator.auth import Refused, Signed
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.rows import NodeRow
+from swarmrl.coordinator.db.schema import challenges, nodes
+from swarmrl.coordinator.db.store import Store, Tx, insert, load
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import node_id_from_public_key
+
+# A node's idle + busy seconds cannot grow faster than the wall time between its heartbeats; this much more is
+# allowed for network delay and clock rate differences before its counters are scaled down.
+COUNTER_SLACK_FRAC = 0.05
+COUNTER_SLACK_S = 10.0
+
+
+# -- queries ----------------------------------------------------------------------------------------------
+
+_c = nodes.c
+_GET = select(nodes).where(_c.id == bindparam("b_id"))
+_GET_LOCKED = _GET.with_for_update()
+_TOUCH = update(nodes).where(_c.id == bindparam("b_id")).values(last_seen=bindparam("b_now", type_=Double))
+_TOUCH_HELD = _TOUCH.values(held_version=bindparam("b_held", type_=BigInteger))
+_acc, _rej = bindparam("b_acc", type_=BigInteger), bindparam("b_rej", type_=BigInteger)
+_COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
+    groups_accepted=_c.groups_accepted + _acc, groups_rejected=_c.groups_rejected + _rej,
+    checks_passed=_c.checks_passed + bindparam("b_checks", type_=BigInteger),
+    # Reputation: the Laplace-smoothed acceptance rate.
+    reputation=(_c.groups_accepted + _acc + 1.0) / (_c.groups_accepted + _c.groups_rejected + _acc + _rej + 2.0))
+
+_SET_COUNTERS = update(nodes).where(_c.id == bindparam("b_id")).values(
+    idle_s=bindparam("b_idle", type_=Double), busy_s=bindparam("b_busy", type_=Double),
+    idle_total=_c.idle_total + bindparam("b_add_idle", type_=Double),
+    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=bindparam("b_now", type_=Double))
+
+
+def get_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow | None:
+    """The node's row; with `lock`, locked until the transaction ends (PostgreSQL), which serializes the
+    requests of one node that read and then write it."""
+    row = tx.execute(_GET_LOCKED if lock else _GET, {"b_id": node_id}).first()
+    return load(NodeRow, row) if row is not None else None
+
+
+def active(node: NodeRow | None) -> NodeRow:
+    """`node`, if it is a registered node that is not banned; else Refused(403) saying which it is not."""
+    if node is None:
+        raise Refused(403, "unknown node: register first")
+    if node.banned:
+        raise Refused(403, f"node is banned: {node.ban_reason}")
+    return node
+
+
+def require_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow:
+    """The node's row; Refused(403) if it is unknown or banned."""
+    return active(get_node(tx, node_id, lock=lock))
+
+
+def list_nodes(tx: Tx) -> list[NodeRow]:
+    return [load(NodeRow, r) for r in tx.execute(select(nodes).order_by(nodes.c.registered_at, nodes.c.id))]
+
+
+def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, now: float) -> None:
+    """Register a node, or refresh its name and engine; counters and ban state are kept."""
+    stmt = insert(tx, nodes).values(id=node_id, public_key=public_key, name=name, engine=engine, registered_at=now,
+                                    last_seen=now)
+    tx.execute(stmt.on_conflict_do_update(index_elements=[nodes.c.id], set_={
+        "name": stmt.excluded.name, "engine": stmt.excluded.engine, "last_seen": stmt.excluded.last_seen}))
+
+
+def touch(tx: Tx, node_id: str, now: float, held_version: int | None = None) -> None:
+    """Note the node seen at `now` (holding `held_version`, if given)."""
+    if held_version is None:
+        tx.execute(_TOUCH, {"b_id": node_id, "b_now": now})
+    else:
+        tx.execute(_TOUCH_HELD, {"b_id": node_id, "b_now": now, "b_held": held_version})
+
+
+def count_verdicts(tx: Tx, node_id: str, accepted: int = 0, rejected: int = 0, checks: int = 0) -> None:
+    """Add to a node's verdict counters (its groups accepted and rejected, its full checks passed); reputation is
+    its Laplace-smoothed acceptance rate."""
+    tx.execute(_COUNT, {"b_id": node_id, "b_acc": accepted, "b_rej": rejected, "b_checks": checks})
+
+
+def ban(tx: Tx, node_id: str, reason: str) -> None:
+    tx.execute(update(nodes).where(nodes.c.id == node_id).values(banned=True, ban_reason=reason))
+
+
+def set_counters(tx: Tx, node_id: str, idle_s: float, busy_s: float, add_idle: float, add_busy: float,
+                 now: float) -> None:
+    """Store a node's latest self-reported counters (`idle_s`, `busy_s`, as reported) and add to its
+    coordinator-side totals (`idle_total`, `busy_total`, which never decrease, whatever the node reports)."""
+    tx.execute(_SET_COUNTERS, {"b_id": node_id, "b_idle": idle_s, "b_busy": busy_s, "b_add_idle": add_idle,
+                               "b_add_busy": add_busy, "b_now": now})
+
+
+def time_totals(tx: Tx) -> tuple[float, float]:
+    """(idle, busy): the coordinator-side totals of every node, banned ones included, summed."""
+    idle, busy = tx.execute(select(func.coalesce(func.sum(nodes.c.idle_total), 0.0),
+                                   func.coalesce(func.sum(nodes.c.busy_total), 0.0))).one()
+    return float(idle), float(busy)
+
+
+def add_challenge(tx: Tx, challenge: str, public_key: str, expires_at: float, now: float, limit: int) -> bool:
+    """Store a challenge after dropping expired ones; False when `limit` are already outstanding."""
+    tx.execute(delete(challenges).where(challenges.c.expires_at < now))
+    if tx.execute(select(func.count()).select_from(challenges)).scalar_one() >= limit:
+        return False
+    tx.execute(challenges.insert().values(challenge=challenge, public_key=public_key, expires_at=expires_at))
+    return True
+
+
+def take_challenge(tx: Tx, challenge: str, public_key: str, now: float) -> bool:
+    """Consume a challenge issued to `public_key` and still valid; False (and nothing consumed) otherwise."""
+    c = challenges.c
+    stmt = delete(challenges).where(c.challenge == challenge, c.public_key == public_key, c.expires_at >= now)
+    return tx.execute(stmt.returning(c.challenge)).first() is not None
+
+
+# -- rules ------------------------------------------------------------------------------------------------
+
+
+class Registry:
+    """Registration and heartbeats."""
+
+    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float]):
+        self.store, self.config, self.clock = store, config, clock
+
+    def challenge(self, req: m.ChallengeRequest) -> m.Challenge:
+        """A fresh single-use challenge that only `req.public_key` can redeem, within challenge_ttl_s."""
+        key = req.public_key.lower()
+        try:
+            node_id = node_id_from_public_key(key)
+        except ValueError:
+            raise Refused(422, "public_key is not a hex Ed25519 public key") from None
+        now = self.clock()
+        ch = m.Challenge(challenge=secrets.token_hex(32), expires_at=now + self.config.challenge_ttl_s)
+
+        def issue(tx: Tx) -> bool:
+            node = get_node(tx, node_id)
+            if node is not None and node.banned:
+                raise Refused(403, f"node is banned: {node.ban_reason}")
+            return add_challenge(tx, ch.challenge, key, ch.expires_at, now, self.config.max_challenges)
+
+        if not self.store.write(issue):
+            raise Refused(429, "too many outstanding challenges; retry shortly")
+        return ch
+
+    def register(self, req: Signed) -> str:
+        """Upsert the signer as a node, redeeming a challenge issued to its key; its node id."""
+        env, body = req.env, req.payload
+        now = self.clock()
+
+        def redeem(tx: Tx) -> None:
+            node = get_node(tx, env.signer_id, lock=True)
+            if node is not None and node.banned:
+                raise Refused(403, f"node is banned: {node.ban_reason}")
+            if not take_challenge(tx, body.challenge, env.public_key.lower(), now):
+                raise Refused(401, "unknown, expired or already used challenge for this key")
+            upsert_node(tx, env.signer_id, env.public_key.lower(), body.name, body.engine, now)
+
+        self.store.write(redeem)
+        return env.signer_id
+
+    def heartbeat(self, req: Signed) -> None:
+        """Note the node alive, its held version, and its self-reported idle and busy counters.
+
+        The counters are stored as reported and, as deltas, added to the node's coordinator-side totals that
+        the per-step `node_idle_*` metrics are computed from: a counter below its previous value means the node
+        restarted (its new values are the deltas); deltas that add up to more than the wall time since the
+        node's previous heartbeat (plus slack) are scaled down to it, so a lying node skews only its own share.
+        """
+        hb: m.Heartbeat = req.payload
+        now = self.clock()
+
+        def beat(tx: Tx) -> None:
+            node = require_node(tx, req.signer, lock=True)  # locked: two heartbeats at once count once each
+            d_idle, d_busy = hb.idle_s - node.idle_s, hb.busy_s - node.busy_s
+            if d_idle < 0 or d_busy < 0:  # restarted: the counters began again from 0
+                d_idle, d_busy = hb.idle_s, hb.busy_s
+            since = node.counters_at if node.counters_at is not None else node.registered_at
+            allowed = max(now - since, 0.0) * (1 + COUNTER_SLACK_FRAC) + COUNTER_SLACK_S
+            if d_idle + d_busy > allowed:
+                scale = allowed / (d_idle + d_busy)
+                d_idle, d_busy = d_idle * scale, d_busy * scale
+            set_counters(tx, req.signer, hb.idle_s, hb.busy_s, d_idle, d_busy, now)
+            touch(tx, req.signer, now, hb.held_version)
+
+        self.store.write(beat, durable=False)  # see coordinator.db.store: only metrics and liveness would be lost

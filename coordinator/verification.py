@@ -1,0 +1,206 @@
+"""Verification: the pending queue, verifiers' claims, verdicts, and the whole quarantine state machine.
+
+A submitted group's life from here on (`rollout_groups.status`, `held`):
+
+    pending --claim---------------------------> pending, claimed (until claimed_until; then claimable again)
+    pending --verdict: accepted, checked------> accepted (a feed position), after RELEASE of its node
+    pending --verdict: accepted, not checked--> HELD (pending, held; trusted rewards kept; not claimable)
+    pending --verdict: rejected---------------> rejected; with `ban`: BAN of its node
+    HELD    --RELEASE-------------------------> accepted (a feed position)
+    HELD    --BAN-----------------------------> rejected ("node banned")
+
+    RELEASE of node n at group g: n's held groups submitted before g are accepted, oldest first, before g itself
+            (a full check that passes on a later group vouches for the node's earlier ones).
+    BAN of node n: n is banned (for good); every pending group of n, held or not, is rejected.
+
+The verifier's policy only says whether it ran the full check (`Verdict.checked`); when a held group is released
+or dropped is decided here and nowhere else. Verdicts on groups already decided, held, or unknown are ignored, so
+a retried or duplicated batch changes nothing. A batch is validated whole before any of it is applied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from sqlalchemy import BigInteger, Double, bindparam, func, select, update
+
+from swarmrl.coordinator import feed, registry
+from swarmrl.coordinator.auth import Refused, Signed
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.rows import ClaimedGroup, GroupRow
+from swarmrl.coordinator.db.schema import FEED_HEAD, lease_prompts, leases, nodes, rollout_groups
+from swarmrl.coordinator.db.store import Store, Tx, counter, load
+from swarmrl.coordinator.longpoll import LongPolls
+from swarmrl.protocol import messages as m
+
+MAX_REASON_CHARS = 1000
+
+# -- queries ----------------------------------------------------------------------------------------------
+
+g = rollout_groups.c
+_ids = bindparam("b_ids", expanding=True)
+_GET = select(rollout_groups).where(g.id == bindparam("b_id"))
+_LOCK = select(rollout_groups).where(g.id.in_(_ids)).order_by(g.id).with_for_update()
+_CLAIMABLE = select(g.id).where(g.status == "pending", g.held.is_(False),
+                                g.claimed_until.is_(None) | (g.claimed_until < bindparam("b_now", type_=Double))
+                                ).order_by(g.id).limit(bindparam("b_limit")).with_for_update(skip_locked=True)
+_CLAIM = update(rollout_groups).where(g.id.in_(_ids)).values(claimed_by=bindparam("b_by"),
+                                                             claimed_until=bindparam("b_until", type_=Double))
+_p, _l, _n = lease_prompts.c, leases.c, nodes.c
+_CLAIMED = (select(g.id, g.node_id, g.policy_version, g.payload, _p.text.label("prompt_text"), _p.answer, _p.seeds,
+                   _l.policy_version.label("lease_version"), _l.sampling, _n.checks_passed.label("node_checks_passed"))
+            .select_from(rollout_groups.join(lease_prompts, (_p.lease_id == g.lease_id) & (_p.prompt_id == g.prompt_id))
+                         .join(leases, _l.id == g.lease_id).join(nodes, _n.id == g.node_id))
+            .where(g.id.in_(_ids)).order_by(g.id))
+_PENDING_LOCKED = select(g.id).where(g.id == bindparam("b_id"), g.status == "pending").with_for_update()
+_decided = {"decided_at": bindparam("b_now", type_=Double), "claimed_until": None}
+_ACCEPT = update(rollout_groups).where(g.id == bindparam("b_id")).values(
+    status="accepted", rewards=bindparam("b_rewards", type_=g.rewards.type),
+    accepted_seq=bindparam("b_seq", type_=BigInteger), held=False, **_decided)
+_HOLD = update(rollout_groups).where(g.id == bindparam("b_id"), g.status == "pending", g.held.is_(False)).values(
+    held=True, rewards=bindparam("b_rewards", type_=g.rewards.type), **_decided)
+_HELD_BEFORE = (select(g.id, g.rewards).where(g.node_id == bindparam("b_node"), g.status == "pending",
+                                              g.held.is_(True), g.id < bindparam("b_id"))
+                .order_by(g.id).with_for_update())
+_STATE = select(g.status, g.held).where(g.id == bindparam("b_id"))
+_REJECT = update(rollout_groups).where(g.id == bindparam("b_id"), g.status == "pending").values(
+    status="rejected", reason=bindparam("b_reason"), **_decided)
+_REJECT_NODE = update(rollout_groups).where(g.node_id == bindparam("b_node"), g.status == "pending").values(
+    status="rejected", reason=bindparam("b_reason"), **_decided)
+
+
+def get_group(tx: Tx, group_id: int) -> GroupRow | None:
+    row = tx.execute(_GET, {"b_id": group_id}).first()
+    return load(GroupRow, row) if row is not None else None
+
+
+def lock_groups(tx: Tx, group_ids: list[int]) -> dict[int, GroupRow]:
+    """The groups with these ids, locked until the transaction ends (in id order, so no two lockers deadlock)."""
+    return {r.id: load(GroupRow, r) for r in tx.execute(_LOCK, {"b_ids": sorted(set(group_ids))})}
+
+
+def claim_pending(tx: Tx, claimer: str, limit: int, now: float, until: float) -> list[ClaimedGroup]:
+    """Claim up to `limit` pending, unheld groups nobody holds a live claim on, oldest first, with their lease
+    facts. Rows another transaction has locked (being claimed or decided) are skipped, not waited for."""
+    ids = list(tx.execute(_CLAIMABLE, {"b_now": now, "b_limit": limit}).scalars())
+    if not ids:
+        return []
+    tx.execute(_CLAIM, {"b_ids": ids, "b_by": claimer, "b_until": until})
+    return [load(ClaimedGroup, r) for r in tx.execute(_CLAIMED, {"b_ids": ids})]
+
+
+def accept(tx: Tx, group_id: int, rewards: list[float], now: float) -> int | None:
+    """Accept a pending group at the next feed position, which is returned; None (and no position used) if the
+    group is not pending."""
+    if tx.execute(_PENDING_LOCKED, {"b_id": group_id}).first() is None:
+        return None
+    seq = feed.next_position(tx)
+    tx.execute(_ACCEPT, {"b_id": group_id, "b_rewards": rewards, "b_seq": seq, "b_now": now})
+    return seq
+
+
+def hold(tx: Tx, group_id: int, rewards: list[float], now: float) -> bool:
+    """Hold a pending, unheld group with its trusted rewards; False if it is not such a group."""
+    return tx.execute(_HOLD, {"b_id": group_id, "b_rewards": rewards, "b_now": now}).rowcount == 1
+
+
+def release(tx: Tx, node_id: str, before_id: int, now: float) -> list[int]:
+    """Accept, in submission order, the node's held groups submitted before group `before_id`; their ids."""
+    held = tx.execute(_HELD_BEFORE, {"b_node": node_id, "b_id": before_id}).all()
+    return [r.id for r in held if accept(tx, r.id, r.rewards, now) is not None]
+
+
+def reject(tx: Tx, group_id: int, reason: str, now: float) -> bool:
+    return tx.execute(_REJECT, {"b_id": group_id, "b_reason": reason, "b_now": now}).rowcount == 1
+
+
+def reject_pending_of_node(tx: Tx, node_id: str, reason: str, now: float) -> int:
+    """Reject every still-pending group of a node, held ones included; how many."""
+    return tx.execute(_REJECT_NODE, {"b_node": node_id, "b_reason": reason, "b_now": now}).rowcount
+
+
+def group_counts(tx: Tx) -> dict[str, int]:
+    """Groups by status, and `held` (pending groups that are held)."""
+    counts = {"pending": 0, "accepted": 0, "rejected": 0}
+    for status, n in tx.execute(select(g.status, func.count()).group_by(g.status)):
+        counts[status] = int(n)
+    counts["held"] = int(tx.execute(select(func.count()).select_from(rollout_groups)
+                                    .where(g.status == "pending", g.held.is_(True))).scalar_one())
+    return counts
+
+
+# -- rules ------------------------------------------------------------------------------------------------
+
+
+class Verification:
+    """The verifiers' side: claiming pending groups (long-polling when there are none) and posting verdicts."""
+
+    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], long_polls: LongPolls):
+        self.store, self.config, self.clock, self.long_polls = store, config, clock, long_polls
+
+    def claim(self, req: Signed) -> list[m.PendingGroup]:
+        """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s (waiting up to `wait_s`
+        for one when there is none)."""
+
+        def fetch() -> list[ClaimedGroup]:
+            now = self.clock()
+            # Not durable: a claim lost with a power cut only makes its groups claimable again.
+            return self.store.write(lambda tx: claim_pending(tx, req.signer, req.payload.limit, now,
+                                                             now + self.config.claim_ttl_s), durable=False)
+
+        return [m.PendingGroup(group_id=r.id, node_id=r.node_id, prompt_text=r.prompt_text, answer=r.answer,
+                               lease_version=r.lease_version, sampling=m.SamplingSpec.model_validate(r.sampling),
+                               seeds=r.seeds, policy_version=r.policy_version,
+                               group=m.RolloutGroup.model_validate(r.payload), node_checks_passed=r.node_checks_passed)
+                for r in self.long_polls.wait(fetch, req.payload.wait_s)]
+
+    def decide(self, req: Signed) -> None:
+        """Apply a batch of verdicts (see the module docstring for what each does)."""
+        batch: m.VerdictBatch = req.payload
+        now = self.clock()
+
+        def apply(tx: Tx) -> None:
+            # Verdict batches take turns on the feed's counter row first (PostgreSQL): each then locks the rows it
+            # changes in peace, and feed positions follow the order batches commit in.
+            counter(tx, FEED_HEAD, lock=True)
+            groups = lock_groups(tx, [v.group_id for v in batch.verdicts])
+            for v in batch.verdicts:  # validate the whole batch first: a refused batch must change nothing
+                grp = groups.get(v.group_id)
+                if v.accepted and grp is not None and grp.status == "pending" and not grp.held:
+                    n = len(grp.payload["rollouts"])
+                    if len(v.rewards) != n:
+                        raise Refused(422, f"group {v.group_id}: {len(v.rewards)} rewards for {n} rollouts")
+                    if not all(math.isfinite(r) for r in v.rewards):
+                        raise Refused(422, f"group {v.group_id}: rewards must be finite")
+            counts: dict[str, list[int]] = {}  # node id -> [accepted, rejected, checks passed], added at the end
+            for v in batch.verdicts:
+                grp = groups.get(v.group_id)
+                if grp is None:
+                    continue
+                # Re-read: an earlier verdict of this batch (a release, a ban) may have decided it.
+                status, held = tx.execute(_STATE, {"b_id": grp.id}).one()
+                if status == "pending" and not held:
+                    self._apply(tx, grp, v, now, counts.setdefault(grp.node_id, [0, 0, 0]))
+            for node_id, (accepted, rejected, checks) in counts.items():
+                registry.count_verdicts(tx, node_id, accepted=accepted, rejected=rejected, checks=checks)
+
+        self.store.write(apply, notify=True)
+
+    @staticmethod
+    def _apply(tx: Tx, grp: GroupRow, v: m.Verdict, now: float, counts: list[int]) -> None:
+        """One verdict on a pending, unheld group; `counts` (the node's [accepted, rejected, checks]) grows."""
+        if v.accepted and not v.checked:
+            hold(tx, grp.id, list(v.rewards), now)
+        elif v.accepted:
+            released = release(tx, grp.node_id, grp.id, now)  # first: the feed then follows submission order
+            accept(tx, grp.id, list(v.rewards), now)
+            counts[0] += 1 + len(released)
+            counts[2] += 1
+        else:
+            reason = (v.reason or "rejected by the verifier")[:MAX_REASON_CHARS]
+            reject(tx, grp.id, reason, now)
+            counts[1] += 1
+            if v.ban:
+                registry.ban(tx, grp.node_id, reason)
+                counts[1] += reject_pending_of_node(tx, grp.node_id, "node banned", now)
