@@ -53,14 +53,15 @@ def test_the_addition_example_is_the_zero_argument_demo():
 
 
 def write_gsm8k_like(path: Path, n: int, offset: int) -> str:
-    """`n` GSM8K-format problems (a worked solution, then `#### answer`); returns the file's sha256."""
+    """`n` GSM8K-format problems (a worked solution, then `#### answer`) whose answers are 1, 2 or 3, so that a
+    small random model learns to hit some of them in a short warm start; returns the file's sha256."""
     lines = []
     for i in range(offset, offset + n):
-        a, b = 3 + i % 7, 10 + i
+        total, eaten = 10 + i, 9 + i - i % 3
+        left = total - eaten
         lines.append(json.dumps({
-            "question": f"Tom has {b} apples and buys {a} bags with {a} apples each. How many apples does he have?",
-            "answer": f"He buys {a} * {a} = <<{a}*{a}={a * a}>>{a * a} apples.\n"
-                      f"He has {b} + {a * a} = <<{b}+{a * a}={a * a + b}>>{a * a + b} apples.\n#### {a * a + b}"}))
+            "question": f"Tom has {total} apples and eats {eaten} of them. How many apples are left?",
+            "answer": f"He has {total} - {eaten} = <<{total}-{eaten}={left}>>{left} apples left.\n#### {left}"}))
     data = ("\n".join(lines) + "\n").encode()
     path.write_bytes(data)
     return hashlib.sha256(data).hexdigest()
@@ -79,14 +80,16 @@ def test_the_gpu_gsm8k_recipe_runs_on_the_cpu_with_a_small_random_qwen2(tmp_path
     train_sha = write_gsm8k_like(tmp_path / "data" / "train.jsonl", 64, 0)
     test_sha = write_gsm8k_like(tmp_path / "data" / "test.jsonl", 8, 1000)
     recipe = EXAMPLES / "gpu-gsm8k" / "swarm.toml"
-    # The recipe as written, but: the CPU (fp32 everywhere), the small model and data, and a few small steps.
+    # The recipe as written, but: the CPU (fp32 everywhere), the small model and data, a few small steps, and a
+    # warm start (a random model never finds a GSM8K answer, and groups whose rollouts all score 0 teach nothing).
     cfg = load_config(DemoConfig, recipe, [
         "device=cpu", f"model.path={model}", f"run.task.options.sha256={train_sha}",
         f"run.task.options.eval_sha256={test_sha}", f"data_dir={tmp_path}", f"run_dir={tmp_path / 'run'}",
-        "max_steps=2", "batch_groups=4", "prompts_per_lease=4", "eval_size=8"])
+        "warmup.target_accuracy=0.3", "warmup.eval_every=5", "max_steps=2", "batch_groups=4",
+        "prompts_per_lease=4", "eval_size=8", "time_limit_s=600"])
     written = load_config(DemoConfig, recipe)
-    assert (cfg.run.task.options["path"], cfg.run.sampling, cfg.warmup, cfg.roles) == (
-        written.run.task.options["path"], written.run.sampling, written.warmup, written.roles)
+    assert (cfg.run.task.options["path"], cfg.run.sampling, cfg.roles) == (
+        written.run.task.options["path"], written.run.sampling, written.roles)
     report = run_demo(cfg)
     assert report["stop_reason"] == "trainer finished", report
     assert report["steps"] == 2 and report["final_version"] >= 2, report
