@@ -70,7 +70,8 @@ class DemoConfig(BaseModel):
                          "demo-<time>; model not given: described from [model].")
     model: ModelSource = Field(default_factory=ModelSource, description="The initial policy.")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="Supervised warm start on the task's "
-                                 "training split before RL (target_accuracy = 0: none).")
+                                 "training split before RL. target_accuracy = 0: none; the default, 0.25, is the "
+                                 "adder's: set 0 for a model that needs none (an instruct model, say).")
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="cpu: every role in float32 on the CPU; cuda: the trainer, the verifier (bf16 "
         "recomputation), the nodes' engines (bf16) and the demo's evaluations on the GPU. [roles] settings win.")
