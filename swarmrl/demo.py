@@ -169,6 +169,17 @@ def describe_model(source: ModelSource) -> str:
     return f"{b.arch} {b.size}, {b.tokenizer} tokenizer, random init"
 
 
+def buffered_groups(cfg: DemoConfig, run: RunSpec) -> int:
+    """The coordinator's backpressure bound: enough groups in flight to keep the nodes busy, few enough that they do
+    not go stale. The coordinator counts a group as in flight until the trainer acknowledges the step that consumed
+    it; a trainer that fills each batch with informative groups (`fill_with_informative`) reads past the
+    zero-advantage ones first, so it gets three times the room: a batch stalls only when fewer than a sixth of the
+    groups in flight are informative (then the trainer waits for groups that the coordinator no longer leases).
+    More room would let the nodes and the verifier work on groups that go stale before the trainer reads them."""
+    base = cfg.batch_groups * max(run.max_staleness, 1)
+    return base * 3 if cfg.roles.get("trainer", {}).get("fill_with_informative") else base
+
+
 def start_roles(swarm: Swarm, cfg: DemoConfig, run: RunSpec, url: str, port: int, keys: dict[str, Identity]) -> None:
     """Start the coordinator (and wait for it), the nodes and the verifiers; the trainer comes once the model is."""
     from swarmrl.coordinator.config import CoordinatorConfig
@@ -180,7 +191,7 @@ def start_roles(swarm: Swarm, cfg: DemoConfig, run: RunSpec, url: str, port: int
     swarm.start("coordinator", "coordinator", {
         "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"),
         "key_path": str(run_dir / "keys" / "coordinator.key"), "run": run.model_dump(mode="json"),
-        "max_buffered_groups": cfg.batch_groups * max(run.max_staleness, 1),
+        "max_buffered_groups": buffered_groups(cfg, run),
         "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
         "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
     }, CoordinatorConfig)
