@@ -213,6 +213,10 @@ def start_roles(swarm: Swarm, cfg: DemoConfig, run: RunSpec, url: str, port: int
             "coordinator_url": url, "key_path": str(run_dir / "keys" / f"{name}.key"),
             "work_dir": str(run_dir / name),
             "sample_rate": 1.0,  # a local swarm checks every group: its runs are what the verifier is measured on
+            # One claimed batch can span more versions than k + 1 (groups pending while the trainer steps fast), and
+            # the verifier loads them all before it checks any: with only k + 1 kept, an evicted version whose shards
+            # the coordinator has pruned since cannot be loaded again, and the verifier stopped (VersionUnavailable).
+            "keep_versions": run.max_staleness + 3,
             **({"dtype": "bfloat16", "device": "cuda"} if cuda else {}),
         }, VerifierConfig)
 
