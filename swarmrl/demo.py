@@ -192,6 +192,7 @@ def start_roles(swarm: Swarm, cfg: DemoConfig, run: RunSpec, url: str, port: int
         "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"),
         "key_path": str(run_dir / "keys" / "coordinator.key"), "run": run.model_dump(mode="json"),
         "max_buffered_groups": buffered_groups(cfg, run),
+        "keep_versions": run.max_staleness + 3,  # what the verifiers keep (below): they can fetch each again
         "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
         "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
     }, CoordinatorConfig)
