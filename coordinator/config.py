@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swarmrl.pools.config import PoolConfig
+from swarmrl.protocol import quarantine
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import task_options
@@ -81,6 +82,13 @@ class CoordinatorConfig(BaseModel):
     claim_ttl_s: float = Field(
         120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
     )
+    release_passes: int = Field(
+        quarantine.RELEASE_PASSES, ge=1, description="m: a held (unchecked) group reaches the trainer once this "
+        "many vouching full checks of later groups of its node have passed (protocol.quarantine; docs/quarantine.md)."
+    )
+    node_gone_after_s: float = Field(
+        60.0, gt=0, description="A node not heard from (no signed request) for this long is shown as gone on the "
+        "dashboard and in /metrics, and no longer counts towards checkpoint spread.")
     max_challenges: int = Field(
         10000, ge=1, description="Outstanding registration challenges at most (429 above), against flooding."
     )

@@ -1,9 +1,11 @@
-"""The dashboard: one self-contained HTML page (no CDN) that polls /v1/status every 2 s.
+"""The dashboard: one self-contained HTML page (no CDN, no external file) that polls the coordinator's public API.
 
-It shows the run, the current version, the nodes (with their self-reported idle and busy seconds), the
-group counters, and line charts (inline SVG) of the trainer's accuracy and reward metrics and of the nodes'
-idle share (`node_idle_frac`) over steps. Every value from the server is inserted as text,
-never as HTML: node names come from untrusted nodes.
+Sections, each an element with its id: `summary` (version, groups by outcome, nodes by state, ledger totals),
+`training` (reward and accuracy curves and the nodes' idle share over trainer steps, inline SVG), `spread` (live
+nodes per held policy version: how far each checkpoint has spread), `verification` (outcomes, and rejection
+reasons by kind with an example), `nodes` (each node with its state: live, gone or banned) and `ledger` (accepted
+groups and tokens per node and version, a page at a time). Data: /v1/status, /v1/overview, /v1/ledger. Every value
+from the server is inserted as text, never as HTML: node names and reasons come from untrusted nodes.
 """
 
 PAGE = """<!doctype html>
@@ -11,40 +13,58 @@ PAGE = """<!doctype html>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
  body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; background: #fafafa; }
- h1 { font-size: 1.3em; margin: 0 0 .3em; } h2 { font-size: 1.05em; margin: 1.2em 0 .4em; }
+ h1 { font-size: 1.3em; margin: 0 0 .3em; } h2 { font-size: 1.05em; margin: 1.4em 0 .4em; }
  .muted { color: #777; } .err { color: #b00; }
- .cards { display: flex; gap: 1em; flex-wrap: wrap; }
- .card { background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: .6em 1em; min-width: 8em; }
- .card b { display: block; font-size: 1.5em; }
+ .cards { display: flex; gap: .8em; flex-wrap: wrap; }
+ .card { background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: .5em .9em; min-width: 7em; }
+ .card b { display: block; font-size: 1.4em; }
  table { border-collapse: collapse; background: #fff; } td, th { border: 1px solid #ddd; padding: .25em .6em; }
  th { background: #f0f0f0; text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
- tr.banned td { color: #b00; }
- .charts { display: flex; gap: 1.5em; flex-wrap: wrap; }
+ tr.banned td { color: #b00; } tr.gone td { color: #999; }
+ .row { display: flex; gap: 1.5em; flex-wrap: wrap; align-items: flex-start; }
  svg { background: #fff; border: 1px solid #ddd; border-radius: 6px; }
+ button { margin-top: .4em; }
 </style></head><body>
 <h1>swarmrl coordinator <span id="run" class="muted"></span></h1>
 <div id="err" class="err"></div>
-<div class="cards">
- <div class="card">version<b id="version">-</b></div>
+<section id="summary"><div class="cards">
+ <div class="card">policy version<b id="version">-</b></div>
+ <div class="card">groups accepted<b id="accepted">-</b></div>
  <div class="card">pending<b id="pending">-</b></div>
- <div class="card">accepted<b id="accepted">-</b></div>
+ <div class="card">held<b id="held">-</b></div>
  <div class="card">rejected<b id="rejected">-</b></div>
- <div class="card">nodes<b id="nnodes">-</b></div>
+ <div class="card">nodes live / gone / banned<b id="nodestates">-</b></div>
+ <div class="card">ledger tokens<b id="ledgertokens">-</b></div>
+ <div class="card">receipts signed<b id="receipts">-</b></div>
+</div></section>
+<section id="training"><h2>Training</h2>
+<div class="row"><div><div>accuracy</div><svg id="acc" width="420" height="200"></svg></div>
+<div><div>reward</div><svg id="rew" width="420" height="200"></svg></div>
+<div><div>node idle share since the previous step</div><svg id="idle" width="420" height="200"></svg></div></div>
+</section>
+<div class="row">
+<section id="spread"><h2>Checkpoint spread</h2>
+<div id="spread-text" class="muted"></div><svg id="spread-chart" width="420" height="200"></svg></section>
+<section id="verification"><h2>Verification</h2>
+<svg id="outcomes" width="420" height="120"></svg>
+<table><thead><tr><th>rejection reason</th><th>groups</th><th>example</th></tr></thead>
+<tbody id="reasons"></tbody></table></section>
 </div>
-<h2>Training</h2>
-<div class="charts"><div><div id="acc-title">accuracy</div><svg id="acc" width="460" height="220"></svg></div>
-<div><div id="rew-title">reward</div><svg id="rew" width="460" height="220"></svg></div>
-<div><div id="idle-title">node idle share since the previous step</div>
-<svg id="idle" width="460" height="220"></svg></div></div>
-<h2>Nodes</h2>
-<table><thead><tr><th>node</th><th>name</th><th>engine</th><th>version</th><th>accepted</th><th>rejected</th>
-<th>banned</th><th>idle s</th><th>busy s</th><th>idle %</th><th>last seen</th></tr></thead>
-<tbody id="nodes"></tbody></table>
+<section id="nodes"><h2>Nodes</h2>
+<table><thead><tr><th>node</th><th>name</th><th>state</th><th>engine</th><th>version</th><th>accepted</th>
+<th>rejected</th><th>reputation</th><th>idle s</th><th>busy s</th><th>idle %</th><th>last seen</th></tr></thead>
+<tbody id="nodelist"></tbody></table></section>
+<section id="ledger"><h2>Ledger</h2>
+<table><thead><tr><th>node</th><th>name</th><th>version</th><th>groups</th><th>tokens</th><th>last accepted</th>
+</tr></thead><tbody id="ledgerrows"></tbody></table>
+<button id="more" hidden>more</button></section>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
 const NS = "http://www.w3.org/2000/svg";
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd"];
+const LEDGER_PAGE = 200;
+let ledgerAfter = 0, ledgerShown = new Map();
 
 function el(tag, attrs, text) {
   const e = document.createElementNS(NS, tag);
@@ -52,10 +72,11 @@ function el(tag, attrs, text) {
   if (text !== undefined) e.textContent = text;
   return e;
 }
+function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
 
 function chart(svg, series) {
-  // series: {name: [[step, value], ...]}; drawn on shared axes.
-  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  // series: {name: [[step, value], ...]}; drawn as lines on shared axes.
+  clear(svg);
   const W = +svg.getAttribute("width"), H = +svg.getAttribute("height"), L = 44, R = 10, T = 10, B = 24;
   const pts = Object.values(series).flat();
   if (!pts.length) { svg.appendChild(el("text", {x: W / 2 - 30, y: H / 2, fill: "#999"}, "no data yet")); return; }
@@ -71,9 +92,25 @@ function chart(svg, series) {
   svg.appendChild(el("text", {x: W - R - 60, y: H - 6, "font-size": 10, fill: "#555"}, "step " + x1));
   Object.entries(series).forEach(([name, data], i) => {
     const c = COLORS[i % COLORS.length];
-    svg.appendChild(el("polyline", {fill: "none", stroke: c, "stroke-width": 1.5,
+    svg.appendChild(el("polyline", {fill: "none", stroke: c, "stroke-width": 2,
                                     points: data.map(p => sx(p[0]) + "," + sy(p[1])).join(" ")}));
+    for (const p of data) svg.appendChild(el("circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: c}));
     svg.appendChild(el("text", {x: L + 6, y: T + 12 + 12 * i, "font-size": 11, fill: c}, name));
+  });
+}
+
+function bars(svg, items, color) {
+  // items: [[label, value], ...]; horizontal bars, one per item.
+  clear(svg);
+  const W = +svg.getAttribute("width"), L = 90, R = 50, h = 20;
+  svg.setAttribute("height", Math.max(40, 10 + items.length * (h + 4)));
+  if (!items.length) { svg.appendChild(el("text", {x: 10, y: 25, fill: "#999"}, "nothing yet")); return; }
+  const top = Math.max(1, ...items.map(i => i[1]));
+  items.forEach(([label, value], k) => {
+    const y = 6 + k * (h + 4), w = (W - L - R) * value / top;
+    svg.appendChild(el("text", {x: 4, y: y + 14, "font-size": 12, fill: "#333"}, label));
+    svg.appendChild(el("rect", {x: L, y: y, width: Math.max(w, 1), height: h, fill: color(label)}));
+    svg.appendChild(el("text", {x: L + w + 4, y: y + 14, "font-size": 12, fill: "#333"}, String(value)));
   });
 }
 
@@ -90,43 +127,95 @@ function cell(tr, text, cls) {
   td.textContent = text; if (cls) td.className = cls; tr.appendChild(td);
 }
 
-function ago(t) {
-  const s = Math.max(0, Date.now() / 1000 - t);
+function ago(now, t) {
+  const s = Math.max(0, now - t);
   if (s < 90) return s.toFixed(0) + " s ago";
   return s < 5400 ? (s / 60).toFixed(0) + " min ago" : (s / 3600).toFixed(1) + " h ago";
 }
 
+async function get(path) {
+  const r = await fetch(path, {cache: "no-store"});
+  if (!r.ok) throw new Error(path + ": status " + r.status);
+  return r.json();
+}
+
+function showStatus(s, ov) {
+  const spec = s.run.spec;
+  $("run").textContent = [spec.run_id, spec.task.name, "group size " + spec.sampling.group_size,
+                          "key " + s.run.coordinator_key.slice(0, 16)].join(" \\u00b7 ");
+  $("version").textContent = ov.current_version;
+  for (const k of ["accepted", "pending", "held", "rejected"]) $(k).textContent = ov.groups[k];
+  $("nodestates").textContent = [ov.nodes.live, ov.nodes.gone, ov.nodes.banned].join(" / ");
+  $("ledgertokens").textContent = ov.ledger_tokens.toLocaleString("en");
+  $("receipts").textContent = ov.receipts;
+  chart($("acc"), seriesMatching(s.metrics, /acc/i));
+  chart($("rew"), seriesMatching(s.metrics, /reward/i));
+  chart($("idle"), seriesMatching(s.metrics, /^node_idle_frac$/));
+
+  const live = ov.spread.reduce((a, v) => a + v.nodes, 0);
+  const current = ov.spread.filter(v => v.version === ov.current_version).reduce((a, v) => a + v.nodes, 0);
+  $("spread-text").textContent = current + " of " + live + " live nodes hold the current version v" +
+                                 ov.current_version;
+  bars($("spread-chart"), ov.spread.map(v => [v.version < 0 ? "none" : "v" + v.version, v.nodes]),
+       (label) => label === "v" + ov.current_version ? "#2ca02c" : "#9ecae1");
+  const outcome = {accepted: "#2ca02c", held: "#ff7f0e", pending: "#9ecae1", rejected: "#d62728"};
+  bars($("outcomes"), Object.keys(outcome).map(k => [k, ov.groups[k]]), (k) => outcome[k]);
+  const reasons = $("reasons"); clear(reasons);
+  for (const r of ov.reasons) {
+    const tr = document.createElement("tr");
+    cell(tr, r.reason); cell(tr, r.groups, "num"); cell(tr, r.example); reasons.appendChild(tr);
+  }
+  if (!ov.reasons.length) {
+    const tr = document.createElement("tr"); cell(tr, "no rejections"); reasons.appendChild(tr);
+  }
+
+  const body = $("nodelist"); clear(body);
+  for (const n of s.nodes) {
+    const state = n.banned ? "banned" : (ov.now - n.last_seen > ov.gone_after_s ? "gone" : "live");
+    const tr = document.createElement("tr"); tr.className = state;
+    cell(tr, n.node_id.slice(0, 12)); cell(tr, n.name); cell(tr, state); cell(tr, n.engine);
+    cell(tr, n.held_version, "num"); cell(tr, n.groups_accepted, "num"); cell(tr, n.groups_rejected, "num");
+    cell(tr, n.reputation.toFixed(2), "num");
+    const spent = n.idle_s + n.busy_s;
+    cell(tr, n.idle_s.toFixed(0), "num"); cell(tr, n.busy_s.toFixed(0), "num");
+    cell(tr, spent > 0 ? (100 * n.idle_s / spent).toFixed(0) : "", "num");
+    cell(tr, ago(ov.now, n.last_seen)); body.appendChild(tr);
+  }
+}
+
+function showLedger(entries, now) {
+  // Entries grow in place (groups, tokens) and new ones come after the cursor: keep one row per entry.
+  for (const e of entries) {
+    let tr = ledgerShown.get(e.cursor);
+    if (!tr) { tr = document.createElement("tr"); ledgerShown.set(e.cursor, tr); $("ledgerrows").appendChild(tr); }
+    clear(tr);
+    cell(tr, e.node_id.slice(0, 12)); cell(tr, e.name); cell(tr, e.policy_version, "num");
+    cell(tr, e.groups, "num"); cell(tr, e.tokens.toLocaleString("en"), "num"); cell(tr, ago(now, e.last_accepted_at));
+  }
+}
+
+async function loadLedger(now, more) {
+  // The first page is read again on every poll (its counts grow); "more" reads on after the last one shown.
+  const page = await get("/v1/ledger?limit=" + LEDGER_PAGE + "&after=" + (more ? ledgerAfter : 0));
+  showLedger(page.entries, now);
+  for (const e of page.entries) ledgerAfter = Math.max(ledgerAfter, e.cursor);
+  if (more || ledgerShown.size <= LEDGER_PAGE) $("more").hidden = page.next_after === null;
+}
+
+let lastNow = 0;
 async function poll() {
   try {
-    const r = await fetch("/v1/status", {cache: "no-store"});
-    if (!r.ok) throw new Error("status " + r.status);
-    const s = await r.json();
+    const [s, ov] = await Promise.all([get("/v1/status"), get("/v1/overview")]);
+    lastNow = ov.now;
+    showStatus(s, ov);
+    await loadLedger(ov.now, false);
     $("err").textContent = "";
-    const spec = s.run.spec;
-    $("run").textContent = [spec.run_id, spec.task.name, "group size " + spec.sampling.group_size].join(" \\u00b7 ");
-    $("version").textContent = s.run.current_version;
-    $("pending").textContent = s.groups_pending;
-    $("accepted").textContent = s.groups_accepted;
-    $("rejected").textContent = s.groups_rejected;
-    $("nnodes").textContent = s.nodes.length;
-    const body = $("nodes"); body.textContent = "";
-    for (const n of s.nodes) {
-      const tr = document.createElement("tr"); if (n.banned) tr.className = "banned";
-      cell(tr, n.node_id.slice(0, 12)); cell(tr, n.name); cell(tr, n.engine); cell(tr, n.held_version, "num");
-      cell(tr, n.groups_accepted, "num"); cell(tr, n.groups_rejected, "num"); cell(tr, n.banned ? "yes" : "");
-      const spent = n.idle_s + n.busy_s;
-      cell(tr, n.idle_s.toFixed(0), "num"); cell(tr, n.busy_s.toFixed(0), "num");
-      cell(tr, spent > 0 ? (100 * n.idle_s / spent).toFixed(0) : "", "num");
-      cell(tr, ago(n.last_seen)); body.appendChild(tr);
-    }
-    chart($("acc"), seriesMatching(s.metrics, /acc/i));
-    chart($("rew"), seriesMatching(s.metrics, /reward/i));
-    chart($("idle"), seriesMatching(s.metrics, /^node_idle_frac$/));
   } catch (e) {
     $("err").textContent = "cannot reach the coordinator: " + e.message;
   }
 }
+$("more").addEventListener("click", () => loadLedger(lastNow, true).catch(e => { $("err").textContent = e.message; }));
 poll();
-setInterval(poll, 2000);
+setInterval(poll, 3000);
 </script></body></html>
 """

@@ -1,62 +1,126 @@
-"""Prometheus text exposition (format 0.0.4) of the coordinator's counters, written by hand."""
+"""The coordinator's Prometheus metrics (GET /metrics), through prometheus_client.
+
+Every name starts with `swarmrl_coordinator_` (`runtime.metrics.metric_name`). What the store knows (groups by
+outcome, nodes by state, checkpoint spread, rejection reasons, the ledger, per-node counters, the trainer's last
+report) is read at scrape time in one read transaction; request counts and latencies are counted as requests
+pass (`HttpMetrics`). Trainer metric keys become label values (`metric="eval/accuracy"`), never names, so no two
+keys can collide however they are spelled.
+"""
 
 from __future__ import annotations
 
-import math
-import re
+import time
+from typing import TYPE_CHECKING
 
-from swarmrl.protocol.messages import RunStatus
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import Metric
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+from swarmrl.coordinator import registry as nodes_registry
+from swarmrl.coordinator.status import recent_metrics
+from swarmrl.runtime.metrics import counter, gauge, metric_name, registry_of
+
+if TYPE_CHECKING:
+    from swarmrl.coordinator.service import Coordinator
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+ROLE = "coordinator"
+_METHODS = frozenset({"GET", "POST", "PUT", "HEAD", "DELETE", "PATCH", "OPTIONS"})
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def behind_label(current: int, held: int) -> str:
+    """How far a held version is behind the current one, as a bounded label value."""
+    if held < 0:
+        return "none"
+    behind = current - held
+    return "ahead" if behind < 0 else str(behind) if behind < 3 else "3_or_more"
 
 
-def _num(v: float) -> str:
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v))
+def store_families(svc: Coordinator) -> list[Metric]:
+    """The metric families of what the coordinator's store says now."""
+    ov = svc.overviews.overview()
+    run = svc.config.run.run_id
+
+    def per_node(tx):  # noqa: ANN001, ANN202 (a read transaction)
+        last = recent_metrics(tx, 1)
+        return nodes_registry.list_nodes(tx), (last[0] if last else None)
+
+    node_rows, last = svc.store.read(per_node)
+    behind: dict[str, float] = {}
+    for s in ov.spread:
+        key = behind_label(ov.current_version, s.version)
+        behind[key] = behind.get(key, 0) + s.nodes
+    ids = [((n.id, n.name), n) for n in node_rows]
+    fams: list[Metric] = [
+        gauge(ROLE, "info", "The run this coordinator serves and its key (value 1).", labels=("run", "key"),
+              samples=[((run, svc.identity.public_key_hex), 1.0)]),
+        gauge(ROLE, "current_version", "Newest published policy version (-1 before the first).", ov.current_version),
+        gauge(ROLE, "groups", "Submitted rollout groups by outcome (held: accepted by the cheap checks, waiting for a "
+              "later full check of its node).", labels=("status",), samples=[((k,), v) for k, v in ov.groups.items()]),
+        gauge(ROLE, "rejected_groups", "Rejected groups by kind of reason (numbers replaced by #; the 20 most frequent "
+              "kinds).", labels=("reason",), samples=[((r.reason,), r.groups) for r in ov.reasons]),
+        gauge(ROLE, "nodes", "Registered nodes by state: live, gone (not heard from for node_gone_after_s), banned.",
+              labels=("state",), samples=[((k,), v) for k, v in ov.nodes.items()]),
+        gauge(ROLE, "nodes_behind", "Live, unbanned nodes by how many versions the newest one they hold is behind the "
+              "current version (their self-report).", labels=("behind",),
+              samples=[((k,), v) for k, v in behind.items()]),
+        counter(ROLE, "ledger_groups", "Groups accepted into the contribution ledger.", ov.ledger_groups),
+        counter(ROLE, "ledger_tokens", "Completion tokens of the groups in the ledger.", ov.ledger_tokens),
+        counter(ROLE, "receipts", "Receipts signed for accepted groups.", ov.receipts),
+        counter(ROLE, "node_groups_accepted", "Groups of a node the verifier accepted.", labels=("node", "name"),
+                samples=[(k, n.groups_accepted) for k, n in ids]),
+        counter(ROLE, "node_groups_rejected", "Groups of a node the verifier rejected.", labels=("node", "name"),
+                samples=[(k, n.groups_rejected) for k, n in ids]),
+        counter(ROLE, "node_idle_seconds", "Seconds a node waited for work or weights since it started (its "
+                "untrusted self-report).", labels=("node", "name"), samples=[(k, n.idle_s) for k, n in ids]),
+        counter(ROLE, "node_busy_seconds", "Seconds a node spent generating and submitting since it started (its "
+                "untrusted self-report).", labels=("node", "name"), samples=[(k, n.busy_s) for k, n in ids]),
+    ]
+    if last is not None:
+        fams.append(gauge(ROLE, "trainer_step", "Step of the trainer's last metrics report.", last.step))
+        fams.append(gauge(ROLE, "trainer_metric", "The trainer's last reported metrics, by key.", labels=("metric",),
+                          samples=[((k,), v) for k, v in sorted(last.data.items())]))
+    return fams
 
 
-def render(status: RunStatus) -> str:
-    """The exposition text for one status snapshot."""
-    run = _label(status.run.run_id)
-    lines: list[str] = []
+class HttpMetrics:
+    """ASGI middleware counting requests by route template (never the raw path), method and status, and timing
+    them."""
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{{{labels}}} {_num(v)}" for labels, v in samples)
+    def __init__(self, app: ASGIApp, registry: CollectorRegistry):
+        self.app = app
+        self.requests = Counter(metric_name(ROLE, "http_requests"), "HTTP requests answered.",
+                                ("route", "method", "status"), registry=registry)
+        self.seconds = Histogram(metric_name(ROLE, "http_request_seconds"), "Time to answer an HTTP request.",
+                                 ("route", "method"), registry=registry, buckets=_LATENCY_BUCKETS)
 
-    base = f'run="{run}"'
-    metric("swarmrl_groups", "gauge", "Submitted rollout groups by verification status.",
-           [(f'{base},status="{s}"', float(n)) for s, n in
-            (("pending", status.groups_pending), ("accepted", status.groups_accepted),
-             ("rejected", status.groups_rejected))])
-    banned = sum(1 for n in status.nodes if n.banned)
-    metric("swarmrl_nodes", "gauge", "Registered nodes, banned or not.",
-           [(f'{base},banned="false"', float(len(status.nodes) - banned)), (f'{base},banned="true"', float(banned))])
-    metric("swarmrl_current_version", "gauge", "Newest published policy version (-1 before the first).",
-           [(base, float(status.run.current_version))])
-    metric("swarmrl_node_groups_accepted_total", "counter", "Groups of a node the verifier accepted.",
-           [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', float(n.groups_accepted)) for n in status.nodes])
-    metric("swarmrl_node_groups_rejected_total", "counter", "Groups of a node the verifier rejected.",
-           [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', float(n.groups_rejected)) for n in status.nodes])
-    metric("swarmrl_node_idle_seconds_total", "counter",
-           "Seconds a node waited for work or weights since it started (its untrusted self-report).",
-           [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', n.idle_s) for n in status.nodes])
-    metric("swarmrl_node_busy_seconds_total", "counter",
-           "Seconds a node spent generating and submitting since it started (its untrusted self-report).",
-           [(f'{base},node="{n.node_id}",name="{_label(n.name)}"', n.busy_s) for n in status.nodes])
-    if status.metrics:
-        last = status.metrics[-1]
-        metric("swarmrl_trainer_step", "gauge", "Step of the last trainer metrics report.", [(base, float(last.step))])
-        for key, value in sorted(last.metrics.items()):
-            name = "swarmrl_trainer_" + _UNSAFE.sub("_", key)
-            metric(name, "gauge", f"Last reported trainer metric {_label(key)}.", [(base, value)])
-    return "\n".join(lines) + "\n"
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        t0 = time.perf_counter()
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")  # set by the router once it matched one
+            method = scope.get("method", "") if scope.get("method") in _METHODS else "other"
+            self.requests.labels(route, method, str(status)).inc()
+            self.seconds.labels(route, method).observe(time.perf_counter() - t0)
+
+
+def coordinator_registry(svc: Coordinator) -> CollectorRegistry:
+    """The registry /metrics renders: the store's families at scrape time (HttpMetrics adds its own)."""
+    return registry_of(lambda: store_families(svc))
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

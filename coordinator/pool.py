@@ -3,7 +3,7 @@
 `attach_pool` starts a `swarmrl.pools.announce.PoolAnnouncer` on a DHT peer of its own (bootstrapped from
 `pool.initial_peers` or SWARMRL_BOOTSTRAP; none: it starts the DHT and others bootstrap from it), which refreshes
 the record every ttl/3 with what the coordinator knows now: the current policy version, how many nodes it heard
-from recently, and how many completion tokens of accepted groups it holds.
+from recently, and how many completion tokens of accepted groups its ledger holds.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from swarmrl.coordinator import feed, registry
+from swarmrl.coordinator import registry
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.ledger import totals as ledger_totals
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.pools import POOL_NAME_PATTERN, PoolRecord
 
 if TYPE_CHECKING:
     from swarmrl.pools.announce import PoolAnnouncer
-
-ACCEPTED_PAGE = 1024
-
 
 def pool_name(config: CoordinatorConfig) -> str:
     """`pool.name`, or the run's id made into a pool name; ValueError when neither is one."""
@@ -35,30 +33,12 @@ def pool_name(config: CoordinatorConfig) -> str:
     return name
 
 
-class AcceptedTokens:
-    """Completion tokens of every accepted group, counted incrementally along the trainer feed's cursor."""
-
-    def __init__(self, svc: Coordinator):
-        self.svc = svc
-        self.cursor = 0
-        self.total = 0
-
-    def __call__(self) -> int:
-        while True:
-            rows = self.svc.store.read(lambda tx: feed.entries_after(tx, self.cursor, ACCEPTED_PAGE))
-            for r in rows:
-                self.total += sum(len(x["completion_ids"]) for x in r.payload["rollouts"])
-                self.cursor = max(self.cursor, r.accepted_seq)
-            if len(rows) < ACCEPTED_PAGE:
-                return self.total
-
-
 def record_fields(config: CoordinatorConfig, svc: Coordinator, listen_url: str,
                   clock: Callable[[], float] = time.time) -> Callable[[], dict[str, Any]]:
     """A function giving the pool record's fields as they are now (everything but key, lifetime and sequence)."""
     pool = config.pool
     assert pool is not None
-    name, tokens = pool_name(config), AcceptedTokens(svc)
+    name = pool_name(config)
 
     def fields() -> dict[str, Any]:
         info = svc.status.run_info()
@@ -66,7 +46,7 @@ def record_fields(config: CoordinatorConfig, svc: Coordinator, listen_url: str,
         nodes = sum(1 for n in svc.store.read(registry.list_nodes) if not n.banned and n.last_seen >= seen_after)
         return dict(name=name, description=pool.description, model=info.spec.model, task=info.spec.task.name,
                     coordinator_urls=pool.public_urls or [listen_url], current_version=info.current_version,
-                    nodes=nodes, accepted_tokens=tokens(), status=pool.status)
+                    nodes=nodes, accepted_tokens=svc.store.read(ledger_totals)[1], status=pool.status)
 
     return fields
 

@@ -7,6 +7,8 @@
     feed          the trainer feed and its acknowledgements                                (coordinator.feed)
     checkpoints   shards, manifests, publishing                                            (coordinator.checkpoints)
     status        RunInfo, the status snapshot, trainer metrics                            (coordinator.status)
+    ledger        receipts signed as groups are accepted, the contribution ledger          (coordinator.ledger)
+    overviews     outcomes, reasons, node states, checkpoint spread (dashboard, metrics)   (coordinator.overview)
 
 Every part either completes a request's whole effect or raises `Refused` having changed nothing (its store work
 runs in one transaction). The one deliberate exception: the nonce of a correctly signed request is recorded
@@ -25,7 +27,9 @@ from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.feed import Feed
 from swarmrl.coordinator.gate import Gate
 from swarmrl.coordinator.leases import Leases
+from swarmrl.coordinator.ledger import Ledger
 from swarmrl.coordinator.longpoll import LongPolls
+from swarmrl.coordinator.overview import Overviews
 from swarmrl.coordinator.registry import Registry
 from swarmrl.coordinator.status import Status
 from swarmrl.coordinator.verification import Verification
@@ -51,6 +55,10 @@ class Coordinator:
         self.feed = Feed(self.store, long_polls)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)
         self.status = Status(self.store, config, identity, clock)
+        self.ledger = Ledger(self.store, config, identity, clock)
+        self.verification.accept_hooks.append(self.ledger.issue)
+        self.ledger.backfill()  # groups accepted before the ledger existed get their receipts now
+        self.overviews = Overviews(self.store, config, clock)
 
     def close(self) -> None:
         self.store.close()

@@ -1,4 +1,4 @@
-"""What the run looks like from outside: RunInfo, the status snapshot (dashboard, /metrics), and the trainer's
+"""What the run looks like from outside: RunInfo, the status snapshot (the dashboard), and the trainer's
 metrics reports, to which the coordinator adds the swarm's node idle time since the previous report."""
 
 from __future__ import annotations

@@ -9,12 +9,14 @@ A submitted group's life from here on (`rollout_groups.status`, `held`):
     HELD    --RELEASE-------------------------> accepted (a feed position)
     HELD    --BAN-----------------------------> rejected ("node banned")
 
-    RELEASE of node n at group g: n's held groups submitted before g are accepted, oldest first, before g itself
-            (a full check that passes on a later group vouches for the node's earlier ones).
+    RELEASE of node n at group g (`protocol.quarantine.on_pass`): if the check of g vouches (`Verdict.vouches`:
+            drawn, not forced by the held cap), each of n's held groups submitted before g gets a vouch; those with
+            `release_passes` vouches are accepted, oldest first, before g itself.
     BAN of node n: n is banned (for good); every pending group of n, held or not, is rejected.
 
-The verifier's policy only says whether it ran the full check (`Verdict.checked`); when a held group is released
-or dropped is decided here and nowhere else. Verdicts on groups already decided, held, or unknown are ignored, so
+The verifier's policy only says whether it ran the full check (`Verdict.checked`) and whether that check vouches;
+when a held group is released or dropped is decided here, by the rule of `protocol.quarantine` (its bound:
+docs/quarantine.md). Verdicts on groups already decided, held, or unknown are ignored, so
 a retried or duplicated batch changes nothing. A batch is validated whole before any of it is applied.
 """
 
@@ -33,6 +35,7 @@ from swarmrl.coordinator.db.schema import FEED_HEAD, lease_prompts, leases, node
 from swarmrl.coordinator.db.store import Store, Tx, counter, load
 from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.protocol import messages as m
+from swarmrl.protocol import quarantine
 
 MAX_REASON_CHARS = 1000
 
@@ -48,8 +51,11 @@ _CLAIMABLE = select(g.id).where(g.status == "pending", g.held.is_(False),
 _CLAIM = update(rollout_groups).where(g.id.in_(_ids)).values(claimed_by=bindparam("b_by"),
                                                              claimed_until=bindparam("b_until", type_=Double))
 _p, _l, _n = lease_prompts.c, leases.c, nodes.c
+_h = rollout_groups.alias("held_groups")
 _CLAIMED = (select(g.id, g.node_id, g.policy_version, g.payload, _p.text.label("prompt_text"), _p.answer, _p.seeds,
-                   _l.policy_version.label("lease_version"), _l.sampling, _n.checks_passed.label("node_checks_passed"))
+                   _l.policy_version.label("lease_version"), _l.sampling, _n.checks_passed.label("node_checks_passed"),
+                   select(func.count()).select_from(_h).where(_h.c.node_id == g.node_id, _h.c.status == "pending",
+                                                              _h.c.held.is_(True)).scalar_subquery().label("node_held"))
             .select_from(rollout_groups.join(lease_prompts, (_p.lease_id == g.lease_id) & (_p.prompt_id == g.prompt_id))
                          .join(leases, _l.id == g.lease_id).join(nodes, _n.id == g.node_id))
             .where(g.id.in_(_ids)).order_by(g.id))
@@ -60,9 +66,10 @@ _ACCEPT = update(rollout_groups).where(g.id == bindparam("b_id")).values(
     accepted_seq=bindparam("b_seq", type_=BigInteger), held=False, **_decided)
 _HOLD = update(rollout_groups).where(g.id == bindparam("b_id"), g.status == "pending", g.held.is_(False)).values(
     held=True, rewards=bindparam("b_rewards", type_=g.rewards.type), **_decided)
-_HELD_BEFORE = (select(g.id, g.rewards).where(g.node_id == bindparam("b_node"), g.status == "pending",
-                                              g.held.is_(True), g.id < bindparam("b_id"))
-                .order_by(g.id).with_for_update())
+_HELD = (select(g.id, g.rewards, g.vouches).where(g.node_id == bindparam("b_node"), g.status == "pending",
+                                                  g.held.is_(True))
+         .order_by(g.id).with_for_update())
+_VOUCH = update(rollout_groups).where(g.id == bindparam("b_id")).values(vouches=bindparam("b_vouches"))
 _STATE = select(g.status, g.held).where(g.id == bindparam("b_id"))
 _REJECT = update(rollout_groups).where(g.id == bindparam("b_id"), g.status == "pending").values(
     status="rejected", reason=bindparam("b_reason"), **_decided)
@@ -105,10 +112,17 @@ def hold(tx: Tx, group_id: int, rewards: list[float], now: float) -> bool:
     return tx.execute(_HOLD, {"b_id": group_id, "b_rewards": rewards, "b_now": now}).rowcount == 1
 
 
-def release(tx: Tx, node_id: str, before_id: int, now: float) -> list[int]:
-    """Accept, in submission order, the node's held groups submitted before group `before_id`; their ids."""
-    held = tx.execute(_HELD_BEFORE, {"b_node": node_id, "b_id": before_id}).all()
-    return [r.id for r in held if accept(tx, r.id, r.rewards, now) is not None]
+def release(tx: Tx, node_id: str, passed_id: int, now: float, vouches: bool = True,
+            release_passes: int = quarantine.RELEASE_PASSES) -> list[int]:
+    """A full check of the node's group `passed_id` passed: apply `protocol.quarantine.on_pass` to its held groups
+    (new vouch counts stored) and accept, oldest first, those it releases; their ids."""
+    held = {r.id: r for r in tx.execute(_HELD, {"b_node": node_id}).all()}
+    out = quarantine.on_pass([quarantine.Held(r.id, r.vouches) for r in held.values()], passed_id, vouches,
+                             release_passes)
+    for h in out.still_held:
+        if h.vouches != held[h.group_id].vouches:
+            tx.execute(_VOUCH, {"b_id": h.group_id, "b_vouches": h.vouches})
+    return [gid for gid in out.released if accept(tx, gid, held[gid].rewards, now) is not None]
 
 
 def reject(tx: Tx, group_id: int, reason: str, now: float) -> bool:
@@ -138,6 +152,9 @@ class Verification:
 
     def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], long_polls: LongPolls):
         self.store, self.config, self.clock, self.long_polls = store, config, clock, long_polls
+        self.accept_hooks: list[Callable[[Tx, list[int], float], object]] = []
+        """Called with the ids of the groups a verdict batch accepted (released ones included), inside the batch's
+        transaction, before it commits (the ledger signs their receipts there)."""
 
     def claim(self, req: Signed) -> list[m.PendingGroup]:
         """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s (waiting up to `wait_s`
@@ -152,7 +169,8 @@ class Verification:
         return [m.PendingGroup(group_id=r.id, node_id=r.node_id, prompt_text=r.prompt_text, answer=r.answer,
                                lease_version=r.lease_version, sampling=m.SamplingSpec.model_validate(r.sampling),
                                seeds=r.seeds, policy_version=r.policy_version,
-                               group=m.RolloutGroup.model_validate(r.payload), node_checks_passed=r.node_checks_passed)
+                               group=m.RolloutGroup.model_validate(r.payload), node_checks_passed=r.node_checks_passed,
+                               node_held=r.node_held)
                 for r in self.long_polls.wait(fetch, req.payload.wait_s)]
 
     def decide(self, req: Signed) -> None:
@@ -174,6 +192,7 @@ class Verification:
                     if not all(math.isfinite(r) for r in v.rewards):
                         raise Refused(422, f"group {v.group_id}: rewards must be finite")
             counts: dict[str, list[int]] = {}  # node id -> [accepted, rejected, checks passed], added at the end
+            accepted: list[int] = []
             for v in batch.verdicts:
                 grp = groups.get(v.group_id)
                 if grp is None:
@@ -181,22 +200,28 @@ class Verification:
                 # Re-read: an earlier verdict of this batch (a release, a ban) may have decided it.
                 status, held = tx.execute(_STATE, {"b_id": grp.id}).one()
                 if status == "pending" and not held:
-                    self._apply(tx, grp, v, now, counts.setdefault(grp.node_id, [0, 0, 0]))
-            for node_id, (accepted, rejected, checks) in counts.items():
-                registry.count_verdicts(tx, node_id, accepted=accepted, rejected=rejected, checks=checks)
+                    accepted += self._apply(tx, grp, v, now, counts.setdefault(grp.node_id, [0, 0, 0]),
+                                            self.config.release_passes)
+            for node_id, (n_accepted, n_rejected, checks) in counts.items():
+                registry.count_verdicts(tx, node_id, accepted=n_accepted, rejected=n_rejected, checks=checks)
+            for hook in self.accept_hooks:
+                hook(tx, accepted, now)
 
         self.store.write(apply, notify=True)
 
     @staticmethod
-    def _apply(tx: Tx, grp: GroupRow, v: m.Verdict, now: float, counts: list[int]) -> None:
-        """One verdict on a pending, unheld group; `counts` (the node's [accepted, rejected, checks]) grows."""
+    def _apply(tx: Tx, grp: GroupRow, v: m.Verdict, now: float, counts: list[int], release_passes: int) -> list[int]:
+        """One verdict on a pending, unheld group; `counts` (the node's [accepted, rejected, checks]) grows. The ids
+        of the groups it accepted."""
         if v.accepted and not v.checked:
             hold(tx, grp.id, list(v.rewards), now)
         elif v.accepted:
-            released = release(tx, grp.node_id, grp.id, now)  # first: the feed then follows submission order
+            # First: the feed then follows submission order.
+            released = release(tx, grp.node_id, grp.id, now, v.vouches, release_passes)
             accept(tx, grp.id, list(v.rewards), now)
             counts[0] += 1 + len(released)
             counts[2] += 1
+            return [*released, grp.id]
         else:
             reason = (v.reason or "rejected by the verifier")[:MAX_REASON_CHARS]
             reject(tx, grp.id, reason, now)
@@ -204,3 +229,4 @@ class Verification:
             if v.ban:
                 registry.ban(tx, grp.node_id, reason)
                 counts[1] += reject_pending_of_node(tx, grp.node_id, "node banned", now)
+        return []

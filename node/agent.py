@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,9 +26,10 @@ from transformers import PreTrainedTokenizerBase
 
 from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.node.config import NodeConfig
-from swarmrl.node.engine import GenerationRequest, InferenceEngine
+from swarmrl.node.engine import EngineConfig, GenerationRequest, InferenceEngine
 from swarmrl.node.engines import build_engine, resolve_engine_kind
-from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook
+from swarmrl.node.metrics import node_families
+from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook, collect_receipts
 from swarmrl.node.refusal import PermanentRefusal, is_unknown_node, permanent, pinned_coordinator_key
 from swarmrl.node.stats import Download, NodeStats
 from swarmrl.protocol.identity import Identity
@@ -40,10 +42,10 @@ from swarmrl.protocol.messages import (
     RolloutGroup,
     RolloutSubmission,
     RunInfo,
-    SubmitResult,
 )
 from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.metrics import registry_of, serve_metrics
 from swarmrl.runtime.retry import RetryPolicy
 from swarmrl.transfer.connect import open_fetcher
 from swarmrl.transfer.fetcher import CheckpointFetcher
@@ -56,15 +58,23 @@ log = logging.getLogger("swarmrl.node")
 
 __all__ = ["Node", "NodeStats", "PermanentRefusal", "pinned_coordinator_key"]
 
-# Refusals the whole submission got on a retry that may repeat an applied earlier try: outcome unknown.
-_MAYBE_APPLIED = frozenset({404, 409, 410})
+
+EngineFactory = Callable[[EngineConfig, Path, float], InferenceEngine]
 
 
 class Node:
-    """One worker. `run()` loops until `stop()` or `max_leases`."""
+    """One worker. `run()` loops until `stop()` or `max_leases`.
 
-    def __init__(self, cfg: NodeConfig, extra_sources: list[ShardSource] | None = None):
+    Its public steps are the seams tests and adversarial nodes build on: `join` (register, pin the key, set up
+    fetching), `fetch_newer` (fetch the newest checkpoint), `load_ready_weights` (swap it into the engine),
+    `wait_for_weights` (until the weights fit a lease), `generate` (a lease's groups), `step` (lease, generate
+    and submit once). `engine_factory` builds the engine (`node.engines.build_engine` by default);
+    `extra_sources` are shard sources tried besides the pool's."""
+
+    def __init__(self, cfg: NodeConfig, extra_sources: list[ShardSource] | None = None, *,
+                 engine_factory: EngineFactory = build_engine):
         self.cfg = cfg
+        self.engine_factory = engine_factory
         self.identity = Identity.load_or_create(cfg.key_path)
         self._stop = threading.Event()
         # Every request waits out an outage of any length (until stop()); the outage is logged once per outage.
@@ -87,7 +97,7 @@ class Node:
 
     # -- weights --------------------------------------------------------------------------------------
 
-    def _fetch_newer(self) -> None:
+    def fetch_newer(self) -> None:
         """Fetch the coordinator's newest manifest if it is newer than anything held or ready."""
         assert self.fetcher is not None
         with self._ready_lock:
@@ -124,13 +134,13 @@ class Node:
         d = self.download
         return None if d is None else (d, min(max(self._shards_stored() - d.counter_at_start, 0), d.shards))
 
-    def _fetch_loop(self) -> None:
+    def fetch_loop(self) -> None:
         """Fetch newer checkpoints until stop(). Requests wait out outages in the client; a fetch that fails
         anyway (a bad manifest, a full disk, a shard no source could give) is tried again later."""
         failures = 0
         while not self._stop.is_set():
             try:
-                self._fetch_newer()
+                self.fetch_newer()
                 failures = 0
             except Exception as e:  # keep the fetch thread alive: the main loop still works with old weights
                 if self._stop.is_set():
@@ -147,7 +157,7 @@ class Node:
         """Full jitter over poll_interval_s * 2^failures, capped at max_backoff_s."""
         return random.uniform(0, min(self.cfg.max_backoff_s, self.cfg.poll_interval_s * 2 ** min(failures, 20)))
 
-    def _swap_in_weights(self, temperature: float, max_version: int | None = None) -> None:
+    def load_ready_weights(self, temperature: float, max_version: int | None = None) -> None:
         """Load the newest fetched checkpoint, if there is one (and, with `max_version`, if it is no newer)."""
         with self._ready_lock:
             ready = self._ready
@@ -158,14 +168,14 @@ class Node:
         if self.engine is None or self.engine.temperature != temperature:
             if self.engine is not None:
                 self.engine.close()
-            self.engine = build_engine(self.cfg.engine, path, temperature)
+            self.engine = self.engine_factory(self.cfg.engine, path, temperature)
             self.tokenizer = load_tokenizer(path)
         else:
             self.engine.load(path)
         self.stats.held_version = version
         log.info("now generating with policy version %d", version)
 
-    def _catch_up(self, lease: Lease, max_staleness: int, temperature: float) -> None:
+    def wait_for_weights(self, lease: Lease, max_staleness: int, temperature: float) -> None:
         """Wait (up to the lease's expiry) for weights recent enough that the lease's groups will be accepted.
 
         Groups from a policy more than `max_staleness` versions behind the lease's are refused, so
@@ -182,11 +192,11 @@ class Node:
             t0 = time.perf_counter()
             self._stop.wait(0.05)
             self.stats.idle_seconds += time.perf_counter() - t0
-            self._swap_in_weights(temperature, max_version=lease.policy_version)
+            self.load_ready_weights(temperature, max_version=lease.policy_version)
 
     # -- work -----------------------------------------------------------------------------------------
 
-    def _generate(self, lease: Lease) -> RolloutSubmission:
+    def generate(self, lease: Lease) -> RolloutSubmission:
         assert self.engine is not None and self.tokenizer is not None
         requests, owners = [], []
         prompt_ids: dict[str, list[int]] = {}
@@ -212,60 +222,27 @@ class Node:
         """Lease, generate and submit once. False when there was no work (the caller waits)."""
         assert self._run_info is not None
         run = self._run_info.spec
-        self._swap_in_weights(run.sampling.temperature)
+        self.load_ready_weights(run.sampling.temperature)
         if self.engine is None:
             return False
         lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
         if lease is None:
             return False
         self.stats.leases += 1
-        self._catch_up(lease, run.max_staleness, run.sampling.temperature)
+        self.wait_for_weights(lease, run.max_staleness, run.sampling.temperature)
         t0 = time.perf_counter()
-        submission = self._generate(lease)
+        submission = self.generate(lease)
         try:
             result = self.client.submit(submission)
         except CoordinatorError as e:
-            self._count_refused(submission, e)
+            self.stats.count_refused(submission, e)
             if permanent(e, self.cfg) is not None or is_unknown_node(e):
                 raise  # the main loop stops, or registers again
             return True
         finally:
             self.stats.busy_seconds += time.perf_counter() - t0
-        self._count_result(submission, result)
+        self.stats.count_result(submission, result)
         return True
-
-    def _count_refused(self, submission: RolloutSubmission, e: CoordinatorError) -> None:
-        """A refusal of the whole submission. On a retry of a request that may have reached the coordinator
-        before (its answer lost), "unknown lease"/"lease expired"/a conflict may be about that applied try:
-        those groups are counted as unconfirmed, not as rejected."""
-        n = len(submission.groups)
-        self.stats.groups_submitted += n
-        if e.retried and e.status in _MAYBE_APPLIED:
-            self.stats.groups_unconfirmed += n
-            log.warning("submission of lease %s: outcome unknown (an earlier try may have been applied before the "
-                        "answer was lost): %s", submission.lease_id, e.reason)
-            return
-        self.stats.groups_rejected += n
-        self.stats.last_rejection = self.stats.last_error = e.reason
-        log.warning("submission refused: %s", e.reason)
-
-    def _count_result(self, submission: RolloutSubmission, result: SubmitResult) -> None:
-        # A retried submit whose first try was applied (its answer lost) gets "already submitted" for the groups
-        # that try delivered: those were taken, not refused. (A coordinator that honours the Idempotency-Key
-        # header answers the first result again instead.)
-        taken = set(result.accepted) | {pid for pid, r in result.rejected.items() if r == "already submitted"}
-        refused = {pid: r for pid, r in result.rejected.items() if pid not in taken}
-        tokens = {g.prompt_id: sum(len(r.completion_ids) for r in g.rollouts) for g in submission.groups}
-        self.stats.groups_submitted += len(submission.groups)
-        self.stats.groups_accepted += len(taken)
-        self.stats.accepted_tokens += sum(tokens.get(pid, 0) for pid in taken)
-        self.stats.groups_rejected += len(refused)
-        for pid, reason in refused.items():
-            self.stats.last_rejection = f"{pid}: {reason}"
-            log.warning("group %s refused: %s", pid, reason)
-        if result.receipts and self.receipts is not None:
-            self.receipts.add(result.receipts)
-            self.stats.receipts, self.stats.receipt_tokens = self.receipts.count, self.receipts.tokens
 
     def _register(self) -> Registered:
         """Register (waiting out a coordinator that cannot be reached), check its key against the one trusted,
@@ -299,7 +276,7 @@ class Node:
             return
         log.warning("coordinator refused: %s", e.reason)
 
-    def _setup(self) -> None:
+    def join(self) -> None:
         """Register with the pool, pin its key, join the checkpoint swarm if it has one, set up fetching.
 
         Only this first registration gives up, after join_timeout_s (when set), on a coordinator it cannot reach."""
@@ -325,17 +302,27 @@ class Node:
         log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
 
     def run(self) -> NodeStats:
-        """Join, then lease, generate and submit until stop() or max_leases. Raises PermanentRefusal when the
-        pool refuses the node for good (its message says what to do)."""
+        """Join, then lease, generate and submit until stop() or max_leases, serving metrics on `metrics_port`
+        meanwhile. Raises PermanentRefusal when the pool refuses the node for good (its message says what to do)."""
+        metrics = serve_metrics(registry_of(lambda: node_families(
+            self.identity.node_id, self.cfg.name, self.stats, self.client.outage,
+            self.fetcher.stats if self.fetcher is not None else None)), self.cfg.metrics_host, self.cfg.metrics_port)
         try:
-            self._setup()
+            return self._run()
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _run(self) -> NodeStats:
+        try:
+            self.join()
         except httpx.TransportError:
             if self._stop.is_set():  # stopped before the coordinator could be reached
                 return self.stats
             raise
-        fetch_thread = threading.Thread(target=self._fetch_loop, name="fetch", daemon=True)
+        fetch_thread = threading.Thread(target=self.fetch_loop, name="fetch", daemon=True)
         fetch_thread.start()
-        last_beat, refusals = 0.0, 0
+        last_beat, last_receipts, refusals = 0.0, time.time(), 0
         try:
             while not self._stop.is_set():
                 if self.cfg.max_leases is not None and self.stats.leases >= self.cfg.max_leases:
@@ -347,6 +334,9 @@ class Node:
                         self.client.heartbeat(self.stats.held_version, status="generating" if worked else "idle",
                                               idle_s=min(self.stats.idle_seconds, MAX_NODE_SECONDS),
                                               busy_s=min(self.stats.busy_seconds, MAX_NODE_SECONDS))
+                    if time.time() - last_receipts > self.cfg.receipts_interval_s:
+                        last_receipts = time.time()
+                        self.collect_receipts()
                     refusals = 0
                 except CoordinatorError as e:
                     self._refused(e)
@@ -368,6 +358,18 @@ class Node:
             if self.swarm is not None:
                 self.swarm.close()
         return self.stats
+
+    def collect_receipts(self) -> int:
+        """Collect the receipts the coordinator signed for this node since the last ones held (`node.receipts`);
+        how many new ones were kept. A refusal (e.g. a coordinator without receipts) is logged, not raised."""
+        assert self.receipts is not None
+        try:
+            new = collect_receipts(self.client, self.receipts)
+        except CoordinatorError as e:
+            log.warning("collecting receipts was refused: %s", e.reason)
+            return 0
+        self.stats.receipts, self.stats.receipt_tokens = self.receipts.count, self.receipts.tokens
+        return new
 
     def stop(self) -> None:
         self._stop.set()

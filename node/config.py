@@ -44,6 +44,11 @@ class NodeConfig(BaseModel):
     poll_interval_s: float = Field(0.5, gt=0, description="Wait between polls when there is no work or no new weights.")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="Send a heartbeat (held version, idle and busy "
                                         "seconds) at most this often, between leases.")
+    receipts_interval_s: float = Field(30.0, gt=0, description="Collect the coordinator's signed receipts for "
+                                       "accepted groups at most this often (they are kept in receipts.jsonl).")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics (swarmrl_node_*) on "
+                                     "this port at /metrics; 0 or None: off.")
+    metrics_host: str = Field("127.0.0.1", description="Interface the metrics port listens on (0.0.0.0: all).")
     max_leases: int | None = Field(None, description="Stop after this many leases (for tests); None runs forever.")
     progress: bool = Field(True, description="Show a live panel (rich); false: plain log lines.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine settings.")

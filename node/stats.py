@@ -3,7 +3,16 @@ own books)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+from swarmrl.protocol.messages import RolloutSubmission, SubmitResult
+from swarmrl.runtime.client import CoordinatorError
+
+log = logging.getLogger("swarmrl.node")
+
+# Refusals the whole submission got on a retry that may repeat an applied earlier try: outcome unknown.
+_MAYBE_APPLIED = frozenset({404, 409, 410})
 
 
 @dataclass
@@ -30,6 +39,38 @@ class NodeStats:
     def tokens_per_s(self) -> float:
         """Generation throughput: completion tokens per second spent generating."""
         return self.tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+    def count_refused(self, submission: RolloutSubmission, e: CoordinatorError) -> None:
+        """A refusal of the whole submission. On a retry of a request that may have reached the coordinator
+        before (its answer lost), "unknown lease"/"lease expired"/a conflict may be about that applied try:
+        those groups are counted as unconfirmed, not as rejected."""
+        n = len(submission.groups)
+        self.groups_submitted += n
+        if e.retried and e.status in _MAYBE_APPLIED:
+            self.groups_unconfirmed += n
+            log.warning("submission of lease %s: outcome unknown (an earlier try may have been applied before the "
+                        "answer was lost): %s", submission.lease_id, e.reason)
+            return
+        self.groups_rejected += n
+        self.last_rejection = self.last_error = e.reason
+        log.warning("submission refused: %s", e.reason)
+
+    def count_result(self, submission: RolloutSubmission, result: SubmitResult) -> None:
+        """The coordinator's answer to a submission: groups taken and refused (with the latest reason).
+
+        A retried submit whose first try was applied (its answer lost) gets "already submitted" for the groups
+        that try delivered: those were taken, not refused. (A coordinator that honours the Idempotency-Key
+        header answers the first result again instead.)"""
+        taken = set(result.accepted) | {pid for pid, r in result.rejected.items() if r == "already submitted"}
+        refused = {pid: r for pid, r in result.rejected.items() if pid not in taken}
+        tokens = {g.prompt_id: sum(len(r.completion_ids) for r in g.rollouts) for g in submission.groups}
+        self.groups_submitted += len(submission.groups)
+        self.groups_accepted += len(taken)
+        self.accepted_tokens += sum(tokens.get(pid, 0) for pid in taken)
+        self.groups_rejected += len(refused)
+        for pid, reason in refused.items():
+            self.last_rejection = f"{pid}: {reason}"
+            log.warning("group %s refused: %s", pid, reason)
 
 
 @dataclass(frozen=True)

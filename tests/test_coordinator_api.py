@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.server import running_server
@@ -66,8 +67,13 @@ class Run:
         ckpt.mkdir()
         (ckpt / "config.json").write_text(json.dumps({"version": version, "tag": tag}))
         (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(2500))
+        return self.publish_checkpoint(ckpt, version)
+
+    def publish_checkpoint(self, ckpt: Path, version: int, shard_size: int = 1024) -> m.SignedManifest:
+        """Cut the checkpoint directory `ckpt`, upload its shards and publish it as `version`."""
         local = ShardStore(self.tmp / "trainer-shards")
-        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run.run_id, version=version, store=local, shard_size=1024)
+        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run.run_id, version=version, store=local,
+                                  shard_size=shard_size)
         for ref in manifest.shards():
             self.op.upload_shard(ref.sha256, local.get(ref.sha256))
         return self.op.publish(manifest)
@@ -726,10 +732,13 @@ def test_metrics_status_and_dashboard(run: Run) -> None:
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/status" in page.text and "<svg" in page.text
     assert "cdn" not in page.text.lower() and "src=" not in page.text
-    prom = httpx.get(run.url + "/metrics").text
-    assert 'swarmrl_groups{run="test-run",status="accepted"} 0' in prom
-    assert 'swarmrl_current_version{run="test-run"} 0' in prom
-    assert "swarmrl_trainer_reward_mean" in prom and "swarmrl_trainer_eval_accuracy" in prom
+    prom = {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(httpx.get(run.url + "/metrics").text) for s in f.samples}
+    assert prom[("swarmrl_coordinator_groups", (("status", "accepted"),))] == 0
+    assert prom[("swarmrl_coordinator_current_version", ())] == 0
+    assert prom[("swarmrl_coordinator_info", (("key", run.key.public_key_hex), ("run", "test-run")))] == 1
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "reward_mean"),))] == 0.5
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "eval/accuracy"),))] == 0.2
 
 
 def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:

@@ -5,12 +5,13 @@ fixtures); the coordinator's clock is advanced by hand, so nothing here waits on
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from swarmrl.coordinator import registry, status
@@ -19,8 +20,10 @@ from swarmrl.coordinator.registry import COUNTER_SLACK_FRAC, COUNTER_SLACK_S
 from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
 from swarmrl.protocol import messages as m
+from swarmrl.testing.byzantine.harness import make_checkpoint
+from swarmrl.testing.waiting import wait_for
 from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, post, signed_at, submission
+from tests.test_coordinator_api import Run, post, signed_at
 
 run_factory = api.run_factory  # the coordinator fixture, shared with the API tests
 
@@ -54,11 +57,13 @@ def test_heartbeat_counters_in_status_metrics_and_dashboard(run: Run) -> None:
     row = _node_row(run, node.identity.node_id)
     assert (row.idle_s, row.busy_s) == (20.0, 70.0)
 
-    prom = httpx.get(run.url + "/metrics").text
-    labels = f'run="test-run",node="{node.identity.node_id}",name="alpha"'
-    assert "# TYPE swarmrl_node_idle_seconds_total counter" in prom
-    assert f"swarmrl_node_idle_seconds_total{{{labels}}} 20" in prom.splitlines()
-    assert f"swarmrl_node_busy_seconds_total{{{labels}}} 70" in prom.splitlines()
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(run.url + "/metrics").text)}
+    labels = {"node": node.identity.node_id, "name": "alpha"}
+    assert families["swarmrl_coordinator_node_idle_seconds"].type == "counter"
+    for name, value in (("idle", 20.0), ("busy", 70.0)):
+        samples = families[f"swarmrl_coordinator_node_{name}_seconds"].samples
+        assert [(s.name, s.labels, s.value) for s in samples] == [
+            (f"swarmrl_coordinator_node_{name}_seconds_total", labels, value)]
 
     page = httpx.get(run.url + "/").text
     assert "n.idle_s" in page and "n.busy_s" in page and "node_idle_frac" in page
@@ -84,8 +89,9 @@ def test_node_idle_frac_across_two_steps(run: Run) -> None:
     assert second["node_idle_frac"] == pytest.approx(5.0 / 35.0)
     assert _step_metrics(run, 1) == first  # earlier rows are not rewritten
 
-    prom = httpx.get(run.url + "/metrics").text
-    assert f'swarmrl_trainer_node_idle_frac{{run="test-run"}} {5.0 / 35.0!r}' in prom.splitlines()
+    samples = [s for f in text_string_to_metric_families(httpx.get(run.url + "/metrics").text) for s in f.samples]
+    assert [s.value for s in samples if s.name == "swarmrl_coordinator_trainer_metric"
+            and s.labels == {"metric": "node_idle_frac"}] == [pytest.approx(5.0 / 35.0)]
 
     # No node time since step 2: node_idle_s is 0 and the fraction is left out, even if the trainer sent one.
     run.op.metrics(step=3, version=2, metrics={"reward_mean": 0.7, "node_idle_frac": 0.99, "node_idle_s": 9.0})
@@ -154,34 +160,22 @@ def test_counters_beyond_wall_time_are_scaled_down(run: Run) -> None:
 
 
 def test_node_agent_reports_busy_and_idle(run_factory, tmp_path: Path) -> None:
-    """The real node loop sends its counters: generation is faked (no engine), the rest is the real agent."""
+    """The real node loop sends its counters: a real tiny checkpoint, fetched and generated from with the torch
+    engine. Before the first checkpoint the node has no work and waits (idle)."""
     run = run_factory()
     cfg = NodeConfig(coordinator_url=run.url, key_path=tmp_path / "node.key", work_dir=tmp_path / "node-data",
                      name="agent", poll_interval_s=0.05, progress=False, max_leases=2, max_prompts=1,
-                     heartbeat_interval_s=0.01)
+                     heartbeat_interval_s=0.01, engine={"kind": "torch", "proofs": False})
     node = Node(cfg)
-    node._fetch_loop = lambda: None  # no checkpoint loading: the engine is a stand-in
-
-    def fake_generate(lease: m.Lease) -> m.RolloutSubmission:
-        time.sleep(0.3)
-        return submission(lease)
-
-    node._generate = fake_generate  # type: ignore[method-assign]
-    node.engine = SimpleNamespace(close=lambda: None, name="fake")  # type: ignore[assignment]
-    # Before the first checkpoint there is no work: the node waits (idle) until version 0 is published.
-    original_step, calls = node.step, []
-
-    def step() -> bool:
-        calls.append(1)
-        if len(calls) == 4:
-            run.publish(0)
-            node.stats.held_version = 0  # as if the fetcher had loaded it
-        return original_step()
-
-    node.step = step  # type: ignore[method-assign]
-    stats = node.run()
-    assert stats.leases == 2 and stats.groups_submitted == 2
-    assert stats.busy_seconds >= 0.6 and stats.idle_seconds >= 0.1
+    runner = threading.Thread(target=node.run, daemon=True)
+    runner.start()
+    wait_for(lambda: node.stats.registrations > 0 and node.stats.idle_seconds > 0, what="the node waiting for work")
+    run.publish_checkpoint(make_checkpoint(tmp_path / "ckpt"), 0, shard_size=60_000)
+    runner.join(timeout=300)
+    assert not runner.is_alive(), "the node did not finish its two leases"
+    stats = node.stats
+    assert stats.leases == 2 and stats.groups_submitted == 2 and stats.held_version == 0
+    assert stats.busy_seconds > 0 and stats.idle_seconds > 0
     row = _node_row(run, node.identity.node_id)
     # A heartbeat goes out after every loop turn here; the last one after the second lease was submitted.
     assert row.name == "agent" and row.held_version == 0

@@ -1,5 +1,5 @@
-"""What a node keeps and shows: the coordinator's signed receipts (checked, appended to receipts.jsonl once each,
-counted again after a restart) and the live panel's contents."""
+"""What a node keeps and shows: the coordinator's signed receipts (collected from the coordinator, checked, appended
+to receipts.jsonl once each, counted again after a restart) and the live panel's contents."""
 
 from __future__ import annotations
 
@@ -12,52 +12,79 @@ from rich.console import Console
 
 from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
-from swarmrl.node.receipts import ReceiptBook
+from swarmrl.node.receipts import ReceiptBook, collect_receipts
 from swarmrl.node.runner import render
 from swarmrl.node.stats import Download
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.receipts import Receipt, ReceiptPage, verify_receipt
 
 
-def receipt(coordinator: Identity, node_id: str, prompt: str = "l1.0", tokens: int = 12) -> m.Receipt:
-    return m.Receipt.sign(coordinator, node_id=node_id, lease_id="l1", prompt_id=prompt, policy_version=3,
-                          tokens=tokens, accepted_at=time.time())
+def receipt(coordinator: Identity, node_id: str, prompt: str = "l1.0", tokens: int = 12, seq: int = 1) -> Receipt:
+    return Receipt.sign(coordinator, run_id="r", seq=seq, node_id=node_id, lease_id="l1", prompt_id=prompt,
+                        policy_version=3, tokens=tokens, accepted_at=time.time())
 
 
 def test_receipts_verify_and_refuse_forgeries() -> None:
     coordinator, node, other = Identity.generate(), Identity.generate(), Identity.generate()
     r = receipt(coordinator, node.node_id)
-    assert m.verify_receipt(r, coordinator.public_key_hex, node.node_id) is None
-    assert m.verify_receipt(r, other.public_key_hex).startswith("bad signature")
-    assert "not to this node" in m.verify_receipt(r, coordinator.public_key_hex, other.node_id)
-    inflated = r.model_copy(update={"tokens": 10_000})
-    assert m.verify_receipt(inflated, coordinator.public_key_hex).startswith("bad signature")
+    assert verify_receipt(r, coordinator.public_key_hex, node.node_id) is None
+    assert verify_receipt(r, other.public_key_hex).startswith("bad signature")
+    assert "not to this node" in verify_receipt(r, coordinator.public_key_hex, other.node_id)
+    for change in ({"tokens": 10_000}, {"seq": 2}, {"run_id": "other"}, {"policy_version": 4}):
+        assert verify_receipt(r.model_copy(update=change), coordinator.public_key_hex).startswith("bad signature")
     with pytest.raises(ValidationError):
-        m.Receipt.model_validate({**r.model_dump(), "tokens": -1})
-    # Today's coordinator sends no receipts: the field is optional, and a result with them parses.
-    assert m.SubmitResult.model_validate({"accepted": [], "rejected": {}}).receipts == []
-    assert m.SubmitResult.model_validate_json(m.SubmitResult(accepted=["l1.0"], rejected={}, receipts=[r])
-                                              .model_dump_json()).receipts == [r]
+        Receipt.model_validate({**r.model_dump(), "tokens": -1})
+    # The domain prefix: the same bytes signed without it are not a receipt.
+    bare = r.model_copy(update={"signature": coordinator.sign(r.signed_bytes().split(b"\n", 1)[1])})
+    assert verify_receipt(bare, coordinator.public_key_hex).startswith("bad signature")
 
 
 def test_receipt_book_keeps_each_valid_receipt_once(tmp_path: Path) -> None:
     coordinator, node, forger = Identity.generate(), Identity.generate(), Identity.generate()
     path = tmp_path / "receipts.jsonl"
     book = ReceiptBook(path, node.node_id, coordinator.public_key_hex)
-    good = [receipt(coordinator, node.node_id, "l1.0", 10), receipt(coordinator, node.node_id, "l1.1", 20)]
-    forged = receipt(forger, node.node_id, "l1.2", 1000)
+    good = [receipt(coordinator, node.node_id, "l1.0", 10, 1), receipt(coordinator, node.node_id, "l1.1", 20, 2)]
+    forged = receipt(forger, node.node_id, "l1.2", 1000, 9)
     refused = book.add([*good, forged])
     assert len(refused) == 1 and "bad signature" in refused[0]
-    assert book.add(good) == []  # a retried submission's receipts again: not kept twice
-    assert (book.count, book.tokens) == (2, 30)
+    assert book.add(good) == []  # the same receipts again: not kept twice
+    assert (book.count, book.tokens, book.cursor) == (2, 30, 2)
     assert len(path.read_text().splitlines()) == 2
     # After a restart the file is read back and checked again; another pool's receipts are not counted here.
     ReceiptBook(path, node.node_id, Identity.generate().public_key_hex).add([receipt(forger, node.node_id, "x.0")])
     again = ReceiptBook(path, node.node_id, coordinator.public_key_hex)
-    assert (again.count, again.tokens) == (2, 30)
+    assert (again.count, again.tokens, again.cursor) == (2, 30, 2)
 
 
-def test_node_counts_a_result_with_receipts(tmp_path: Path) -> None:
+class Pages:
+    """A coordinator's receipt book as GET /v1/receipts pages it (the API itself is tested in test_ledger.py)."""
+
+    def __init__(self, receipts: list[Receipt]):
+        self.held, self.asked = receipts, []
+
+    def receipts(self, after: int = 0, limit: int = 200) -> ReceiptPage:
+        self.asked.append(after)
+        got = [r for r in self.held if r.seq > after][:limit]
+        head = max((r.seq for r in self.held), default=0)
+        return ReceiptPage(receipts=got, next_after=got[-1].seq if got else after, head=head)
+
+
+def test_collecting_pages_after_the_cursor_and_starts_over_for_a_new_book(tmp_path: Path) -> None:
+    coordinator, node = Identity.generate(), Identity.generate()
+    book = ReceiptBook(tmp_path / "receipts.jsonl", node.node_id, coordinator.public_key_hex)
+    first = [receipt(coordinator, node.node_id, f"a.{i}", 5, i + 1) for i in range(5)]
+    source = Pages(first)
+    assert collect_receipts(source, book, page_size=2) == 5
+    assert source.asked == [0, 2, 4, 5] and (book.count, book.tokens, book.cursor) == (5, 25, 5)
+    assert collect_receipts(source, book) == 0 and source.asked[-1] == 5  # nothing new: one request after 5
+    # The coordinator lost its database (same key): its numbers start again below ours; everything is collected.
+    source = Pages([receipt(coordinator, node.node_id, "b.0", 7, 1), first[0].model_copy()])
+    assert collect_receipts(source, book) == 1
+    assert source.asked[:2] == [5, 0] and (book.count, book.tokens) == (6, 32)
+
+
+def test_node_counts_a_submission_result(tmp_path: Path) -> None:
     coordinator = Identity.generate()
     node = Node(NodeConfig(key_path=tmp_path / "node.key", work_dir=tmp_path / "node", progress=False))
     node.receipts = ReceiptBook(tmp_path / "node" / "receipts.jsonl", node.identity.node_id,
@@ -65,13 +92,13 @@ def test_node_counts_a_result_with_receipts(tmp_path: Path) -> None:
     rollout = m.Rollout(seed=1, completion_ids=[4, 5, 2], logprobs=[-0.1, -0.2, -0.3], finish_reason="stop")
     groups = [m.RolloutGroup(prompt_id=f"l1.{i}", prompt_ids=[1, 4], rollouts=[rollout, rollout]) for i in range(3)]
     submission = m.RolloutSubmission(lease_id="l1", policy_version=0, groups=groups)
-    result = m.SubmitResult(accepted=["l1.0"], rejected={"l1.1": "already submitted", "l1.2": "bad shape"},
-                            receipts=[receipt(coordinator, node.identity.node_id, "l1.0", 6)])
-    node._count_result(submission, result)
+    result = m.SubmitResult(accepted=["l1.0"], rejected={"l1.1": "already submitted", "l1.2": "bad shape"})
+    node.stats.count_result(submission, result)
+    node.receipts.add([receipt(coordinator, node.identity.node_id, "l1.0", 6)])
+    node.stats.receipts, node.stats.receipt_tokens = node.receipts.count, node.receipts.tokens
     s = node.stats
     assert (s.groups_submitted, s.groups_accepted, s.groups_rejected) == (3, 2, 1)
     assert s.accepted_tokens == 12 and s.last_rejection == "l1.2: bad shape"
-    assert (s.receipts, s.receipt_tokens) == (1, 6)
 
     node.coordinator_key = coordinator.public_key_hex
     node.download = Download(version=4, shards=40, bytes=84_000_000, counter_at_start=0)

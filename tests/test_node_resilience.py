@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,23 +38,13 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.runtime.config import dump_toml
+from swarmrl.testing.waiting import wait_for
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 REPO = Path(__file__).resolve().parents[1]
 RUN = {"run_id": "resilient", "sampling": {"group_size": 2, "max_tokens": 4}}
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = condition()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling interval of the wait, not a stand-in for synchronisation
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ import pytest
 
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import SignedManifest
+from swarmrl.testing.waiting import wait_for
 from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig
 from swarmrl.transfer.p2p.sources import SwarmSource
 from swarmrl.transfer.sources import SourceBusy
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-from tests.transfer_fixtures import SHARD, GatedStore, LyingStore, StoreSource, make_checkpoint, publish, wait_for
+from tests.transfer_fixtures import SHARD, GatedStore, LyingStore, StoreSource, make_checkpoint, publish
 
 pytestmark = pytest.mark.timeout(180)
 

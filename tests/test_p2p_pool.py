@@ -48,8 +48,8 @@ def test_nodes_share_a_published_checkpoint_through_the_coordinators_seed(tmp_pa
         def join_and_fetch(node: Node) -> None:
             # What Node.run does before generating: register, join the swarm, fetch the newest checkpoint.
             try:
-                node._setup()
-                node._fetch_newer()
+                node.join()
+                node.fetch_newer()
             except BaseException as e:  # surfaced below
                 errors.append(e)
 

@@ -40,6 +40,7 @@ from swarmrl.protocol.pools import (
     pool_record_problem,
 )
 from swarmrl.runtime.config import ConfigError, load_config
+from swarmrl.testing.waiting import wait_for
 from swarmrl.transfer.p2p.host import DhtHost
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -54,16 +55,6 @@ def record(key: Identity, name: str = "alpha", seq: int = 1, issued: float | Non
                   nodes=2, accepted_tokens=1000, issued_at=issued, expires_at=issued + ttl, seq=seq)
     fields.update(over)
     return SignedPoolRecord.sign(PoolRecord(**fields), key)
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = condition()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- the record and the rule ----------------------------------------------------------------------------

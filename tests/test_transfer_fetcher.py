@@ -18,10 +18,11 @@ import pytest
 
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, ShardRef, SignedManifest
+from swarmrl.testing.waiting import wait_for
 from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig, ShardUnavailable
 from swarmrl.transfer.sources import WAIT, ShardNotHeld
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-from tests.transfer_fixtures import SHARD, FakePeer, StoreSource, make_checkpoint, publish, wait_for
+from tests.transfer_fixtures import SHARD, FakePeer, StoreSource, make_checkpoint, publish
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -295,9 +296,9 @@ def test_a_node_fetches_only_versions_newer_than_it_holds(tmp_path, coordinator)
                                   latest_manifest=lambda: signed[served["latest"]])
     origin = StoreSource(store)
     node.fetcher = CheckpointFetcher(tmp_path / "node" / "checkpoints", coordinator.public_key_hex, [origin])
-    node._fetch_newer()
+    node.fetch_newer()
     assert node._ready is not None and node._ready[0] == 2
     calls = len(origin.calls)
     served["latest"] = 1  # a coordinator that hands out an older manifest than the node already has
-    node._fetch_newer()
+    node.fetch_newer()
     assert node._ready[0] == 2 and len(origin.calls) == calls

@@ -1,4 +1,5 @@
-"""Cheap checks (termination, shape, versions, claims, proof presence) and the check policy, without a server."""
+"""Cheap checks (termination, shape, versions, claims, proof presence, consistency of claimed logprobs, copied
+proofs) and the check policy, without a server."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import torch
 
 from swarmrl.node.proof import build_proof
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.quarantine import Check, Rules
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.trainer.model import build_tokenizer
-from swarmrl.verifier.checks import CheckContext, cheap_checks
+from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, reward_problem
 from swarmrl.verifier.policy import CheckPolicy
 
 TOK = build_tokenizer()
@@ -91,13 +93,52 @@ def test_length_at_the_model_limit_is_a_valid_ending():
 
 
 def test_policy_checks_new_nodes_then_samples():
-    policy = CheckPolicy(warmup_checks=3, sample_rate=0.25, seed=0)
-    assert all(policy.wants_full_check("a", 0) for _ in range(50))
-    for _ in range(3):
-        policy.record_pass("a", 0)
-    draws = [policy.wants_full_check("a", 0) for _ in range(2000)]
-    assert 0.2 < sum(draws) / len(draws) < 0.3
-    assert policy.wants_full_check("b", 0)  # another node is new
-    assert not CheckPolicy(3, 0.0).wants_full_check("c", on_record=3)  # the coordinator's count is honoured
-    with pytest.raises(ValueError):
-        CheckPolicy(1, 1.5)
+    policy = CheckPolicy(Rules(warmup_checks=3, sample_rate=0.25, max_held=5), seed=0)
+    assert all(policy.decide(passes=2, held=0) is Check.WARMUP for _ in range(50))
+    draws = [policy.decide(passes=3, held=0) for _ in range(2000)]
+    assert 0.2 < draws.count(Check.SAMPLED) / len(draws) < 0.3
+    assert set(draws) == {Check.SAMPLED, Check.HOLD}
+    at_cap = [policy.decide(passes=3, held=5) for _ in range(200)]
+    assert set(at_cap) == {Check.SAMPLED, Check.OVERFLOW}  # never held beyond the cap
+    assert CheckPolicy(Rules(warmup_checks=3, sample_rate=0.0)).decide(passes=3, held=0) is Check.HOLD
+
+
+def test_shared_prefixes_must_claim_the_same_logprobs():
+    ctx = CheckContext(**{**CTX.__dict__, "logprob_abs": 5e-4})
+    a = rollout(DIGITS + [EOS], "stop", 1)
+    b = rollout([DIGITS[0]] * 4, "length", 2)  # shares the first token with a
+    ok = [a, b.model_copy(update={"logprobs": [-0.5 + 9e-4, -0.1, -0.1, -0.1]})]  # within 2 x tolerance
+    assert cheap_checks(group(ok), ctx)[0] is None
+    bad = [a, b.model_copy(update={"logprobs": [-0.52, -0.5, -0.5, -0.5]})]
+    reason = cheap_checks(group(bad), ctx)[0]
+    assert reason is not None and "share their first 1 tokens" in reason
+    # Different first tokens: nothing to compare.
+    c = rollout([DIGITS[1]] * 4, "length", 2).model_copy(update={"logprobs": [-3.0] * 4})
+    assert cheap_checks(group([a, c]), ctx)[0] is None
+
+
+def test_a_copied_proof_is_caught_within_a_group_and_across_a_nodes_groups():
+    same = build_proof(torch.randn(4, 16))
+    a = rollout(DIGITS + [EOS], "stop", 1, proof=same)
+    b = rollout([DIGITS[0]] * 4, "length", 2, proof=same)
+    reason = cheap_checks(group([a, b]), CTX)[0]
+    assert reason is not None and "same activation proof" in reason
+    # The same states commit to the same proof: completions differing only in their last token may share one.
+    b_same_states = rollout(DIGITS + [DIGITS[0]], "length", 2, proof=same)
+    assert cheap_checks(group([a, b_same_states]), CTX)[0] is None
+    ledger = ProofLedger()
+    ctx = CheckContext(**{**CTX.__dict__, "proof_ledger": ledger})
+    first = group(GOOD)
+    assert cheap_checks(first, ctx)[0] is None
+    copied = [GOOD[0], rollout([DIGITS[1]] * 4, "length", 2, proof=GOOD[1].proof)]
+    reason = cheap_checks(group(copied), ctx)[0]
+    assert reason is not None and "already sent" in reason
+    # Only the node's own proofs count: another node cannot be framed by a proof sent first.
+    other = group(copied).model_copy(update={"node_id": "m"})
+    assert cheap_checks(other, ctx)[0] is None
+    assert cheap_checks(first, ctx)[0] is None  # the same group again (a deferred group claimed again)
+
+
+def test_a_non_finite_reward_is_refused_without_blame():
+    assert reward_problem([0.0, 1.0]) is None
+    assert "non-finite" in reward_problem([0.0, float("nan")])

@@ -162,3 +162,20 @@ def test_batched_replay_and_logprobs_equal_one_at_a_time():
     lp = compare_logprobs_many(logits, tokens, claimed, temps)
     assert lp == [compare_logprobs(*a) for a in zip(logits, tokens, claimed, temps, strict=True)]
     assert lp[2].worst_position == 4 and abs(lp[2].max_abs_diff - 0.5) < 1e-9 and lp[0].max_abs_diff < 1e-12
+
+
+def test_a_proof_checked_piece_by_piece_gives_the_whole_check():
+    s = states(100, seed=3)
+    proof = proofs.decode(build_proof(s))
+    whole = proof_errors(proof, s, 1e-3)
+    cuts = [0, 5, 32, 40, 77, 100]  # pieces across and inside the 32-token chunks
+    pieces = [s[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    parts = proof_errors_many([proof] * 5, pieces, 1e-3, starts=cuts[:-1])
+    assert sum(p.checked for p in parts) == whole.checked
+    assert sum(p.err_sum for p in parts) == pytest.approx(whole.err_sum)
+    assert max(p.max_err for p in parts) == whole.max_err
+    # A piece of foreign states is caught on its own, at the right token.
+    bad = s.clone()
+    bad[60] = torch.randn(H)
+    part = proof_errors_many([proof], [bad[40:77]], 1e-3, starts=[40])[0]
+    assert part.max_err > 1.0 and part.worst_token == 60

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from swarmrl.protocol.identity import Identity
@@ -14,17 +12,6 @@ from swarmrl.transfer.sources import ShardSource
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 SHARD = 64 * 1024
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:
-    """Poll `cond` until it is true (returns its value); AssertionError after a generous `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def make_checkpoint(root: Path, version: int = 1, size: int = 600_000, seed: int = 0) -> tuple[Path, bytes]:

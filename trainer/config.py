@@ -32,6 +32,9 @@ class TrainerConfig(BaseModel):
     init_checkpoint: str | None = Field(
         None, description="HF checkpoint directory of the warm-started model; used when state_dir holds no state."
     )
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics (swarmrl_trainer_*) "
+                                     "on this port at /metrics; 0 or None: off.")
+    metrics_host: str = Field("127.0.0.1", description="Interface the metrics port listens on (0.0.0.0: all).")
     run: RunSpec | None = Field(None, description="The run this trainer is meant for (the pool's [run] table); when "
                                 "set, the trainer refuses to start against a coordinator whose run differs.")
 

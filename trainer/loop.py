@@ -55,6 +55,7 @@ from swarmrl.trainer.distributed import (
     unsharded_copy,
 )
 from swarmrl.trainer.evaluate import correct_count
+from swarmrl.trainer.exporter import TrainerExporter
 from swarmrl.trainer.grpo import build_batch, make_optimizer
 from swarmrl.trainer.metrics import StepDisplay, elapsed_s, rollout_metrics, staleness_histogram
 from swarmrl.trainer.model import load_checkpoint
@@ -180,6 +181,7 @@ class _Run:
         self.publisher = Publisher(pub_client, self.run_id, background=cfg.publish_in_background,
                                    shard_size=int(cfg.shard_mb * (1 << 20))) if env.is_main else None
         self.display = StepDisplay(cfg.max_steps, self.ts.step, enabled=display and env.is_main)
+        self.exporter = TrainerExporter() if env.is_main else None
 
     # -- collectives (every rank calls these) --------------------------------------------------------
 
@@ -216,6 +218,8 @@ class _Run:
                    "eval_total_s": self.eval_total_s}
         record = {"step": float(self.ts.step), "version": float(self.ts.version), **metrics}
         self.history.append(record)
+        if self.exporter is not None:
+            self.exporter.observe(self.ts.step, self.ts.version, metrics)
         try:
             self.client.metrics(self.ts.step, self.ts.version, metrics)  # type: ignore[union-attr]
         except Exception as e:  # metrics are not worth stopping training for
@@ -245,6 +249,7 @@ class _Run:
 
     def run(self) -> TrainerSummary:
         cfg, env = self.cfg, self.env
+        server = self.exporter.serve(cfg.metrics_host, cfg.metrics_port) if self.exporter is not None else None
         try:
             # Identical on every rank (all saw the same info), so the collectives inside match up.
             # The training clock starts here, setup done (the initial publish counts: nodes wait for it).
@@ -268,6 +273,8 @@ class _Run:
         finally:
             if self.publisher is not None:
                 self.publisher.close()
+            if server is not None:
+                server.close()
         return TrainerSummary(self.ts.step, self.ts.version, self.ts.cursor, self.state_path, self.history)
 
     def train_one_step(self) -> bool:

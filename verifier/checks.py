@@ -5,16 +5,26 @@
 - termination: a stop token (any of the model's) only at the end and exactly when "stop"; "length" only at
   max_tokens or at the model's length limit; no completion longer than max_tokens;
 - versions: generated with a version no newer than the lease's and within the pool's staleness bound;
-- logprobs finite and <= 0; a claimed reward, if any, must be the trusted one; a proof, when required,
-  must decode with the pool's parameters (a malformed proof is rejected, never a crash; a missing one is
-  refused without a ban).
+- logprobs finite and <= 0, and equal (within twice the logprob tolerance) wherever two rollouts of the group
+  share the tokens up to and including that position: the policy gives a prefix one logprob, whatever seed
+  sampled it;
+- a claimed reward, if any, must be the trusted one; a proof, when required, must decode with the pool's
+  parameters (a malformed proof is rejected, never a crash; a missing one is refused without a ban);
+- a proof commits the states of the prompt and the completion but its last token: the same proof text under
+  other such tokens, in one group or anywhere in the node's recent groups (`ProofLedger`), is a copied proof.
+  Only the node's own groups are compared, so no node can be framed by another submitting a proof first.
 
-The reward is recomputed here from the decoded completion, never taken from the node. All of this costs
-microseconds per group; the prefill-based checks are in `verifier.full_check`.
+The reward is recomputed here (`score`) from the decoded completion, never taken from the node. The checks
+cost microseconds per group; a reward may cost much more (a task can run code in a sandbox), so the verifier
+scores only groups it holds or that passed their full check. The prefill-based checks are in
+`verifier.full_check`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -42,6 +52,10 @@ class CheckContext:
     """The model's stop tokens (`PolicyModel.stop_ids`); empty: the tokenizer's eos only."""
     vocab_size: int | None = None
     """Rows of the model's logits; None: the tokenizer's size."""
+    logprob_abs: float | None = None
+    """The full check's logprob tolerance; claims of a shared prefix may differ by twice it. None: not compared."""
+    proof_ledger: ProofLedger | None = None
+    """Proofs the node sent recently (None: only the group itself is compared)."""
 
 
 def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
@@ -97,6 +111,87 @@ def check_proofs_decode(g: PendingGroup, ctx: CheckContext) -> str | None:
     return None
 
 
+def check_logprob_consistency(g: PendingGroup, ctx: CheckContext) -> str | None:
+    """Rollouts that share their first i + 1 tokens must claim (nearly) the same logprob at position i."""
+    if ctx.logprob_abs is None:
+        return None
+    rollouts = g.group.rollouts
+    cls: dict[int, int] = dict.fromkeys(range(len(rollouts)), 0)  # rollout -> class of equal prefixes so far
+    i = 0
+    while len(cls) > 1:
+        classes: dict[tuple[int, int], list[int]] = {}
+        for k, c in cls.items():
+            ids = rollouts[k].completion_ids
+            if i < len(ids):
+                classes.setdefault((c, ids[i]), []).append(k)
+        cls = {}
+        for n, members in enumerate(classes.values()):
+            if len(members) < 2:
+                continue
+            lps = [rollouts[k].logprobs[i] for k in members]
+            if max(lps) - min(lps) > 2 * ctx.logprob_abs:
+                return (f"rollouts {members[0]} and {members[1]} share their first {i + 1} tokens but claim logprobs "
+                        f"{max(lps):.6g} and {min(lps):.6g} for token {i}")
+            cls.update(dict.fromkeys(members, n))
+        i += 1
+    return None
+
+
+def _content(g: PendingGroup, r_index: int) -> bytes:
+    """What a rollout's proof commits to: the prompt and the completion without its last token."""
+    r = g.group.rollouts[r_index]
+    return hashlib.blake2b(repr((g.group.prompt_ids, r.completion_ids[:-1])).encode(), digest_size=16).digest()
+
+
+def check_proof_reuse(g: PendingGroup, ctx: CheckContext) -> str | None:
+    """The same proof text for other committed content, in this group or (with a ledger) an earlier group of the
+    same node: a copied proof. Records this group's proofs in the ledger."""
+    seen: dict[str, tuple[int, bytes]] = {}
+    for i, r in enumerate(g.group.rollouts):
+        if r.proof is None:
+            continue
+        content = _content(g, i)
+        if r.proof in seen and seen[r.proof][1] != content:
+            return f"rollouts {seen[r.proof][0]} and {i} carry the same activation proof for different tokens"
+        seen.setdefault(r.proof, (i, content))
+        if ctx.proof_ledger is not None and ctx.proof_ledger.conflicts(g.node_id, r.proof, content):
+            return f"rollout {i} carries an activation proof this node already sent for different tokens"
+    if ctx.proof_ledger is not None:
+        for proof, (_, content) in seen.items():
+            ctx.proof_ledger.record(g.node_id, proof, content)
+    return None
+
+
+class ProofLedger:
+    """Digests of the proofs each node sent recently and of what they committed to, the newest `capacity`."""
+
+    def __init__(self, capacity: int = 200_000):
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, bytes] = OrderedDict()
+
+    @staticmethod
+    def _key(node_id: str, proof: str) -> bytes:
+        return hashlib.blake2b(f"{node_id}/{proof}".encode(), digest_size=16).digest()
+
+    def conflicts(self, node_id: str, proof: str, content: bytes) -> bool:
+        earlier = self._seen.get(self._key(node_id, proof))
+        return earlier is not None and earlier != content
+
+    def record(self, node_id: str, proof: str, content: bytes) -> None:
+        key = self._key(node_id, proof)
+        self._seen[key] = content
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+
+def reward_problem(trusted: list[float]) -> str | None:
+    """A reward the task computed that is not a finite number: the task's fault, not proof of cheating."""
+    if not all(math.isfinite(x) for x in trusted):
+        return "the task gave a non-finite reward"
+    return None
+
+
 def rewards(g: PendingGroup, ctx: CheckContext) -> list[float]:
     """Trusted rewards: the completion decoded here, scored against the coordinator's answer."""
     out = []
@@ -124,12 +219,26 @@ def missing_proof(g: PendingGroup, ctx: CheckContext) -> str | None:
     return None
 
 
-def cheap_checks(g: PendingGroup, ctx: CheckContext) -> tuple[str | None, list[float]]:
+def score(g: PendingGroup, ctx: CheckContext) -> tuple[list[float], str | None, bool]:
+    """(trusted rewards, reason to reject or None, whether the reason proves cheating): a claimed reward that is not
+    the trusted one does; a non-finite reward (`reward_problem`) does not. Rewarding can be costly (a sandbox
+    runs code), so the verifier scores a group only once it is held or has passed its full check."""
+    trusted = rewards(g, ctx)
+    if (reason := check_claimed_rewards(g, trusted)) is not None:
+        return trusted, reason, True
+    return trusted, reward_problem(trusted), False
+
+
+def cheap_checks(g: PendingGroup, ctx: CheckContext, scored: bool = True) -> tuple[str | None, list[float]]:
     """(reason to reject or None, trusted rewards). Every failure here proves the group was not made honestly,
-    except a missing proof (see `missing_proof`, which callers check first to refuse without a ban)."""
-    for check in (check_versions, check_shape, check_proofs_decode):
+    except a missing proof (see `missing_proof`, which callers check first to refuse without a ban) and a
+    non-finite reward (`reward_problem`, which callers check on the rewards returned). `scored=False`: the
+    microsecond checks only, no rewards (the verifier `score`s later)."""
+    for check in (check_versions, check_shape, check_proofs_decode, check_logprob_consistency, check_proof_reuse):
         reason = check(g, ctx)
         if reason is not None:
             return reason, []
+    if not scored:
+        return None, []
     trusted = rewards(g, ctx)
     return check_claimed_rewards(g, trusted), trusted

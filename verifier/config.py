@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from swarmrl.protocol import quarantine
 from swarmrl.protocol.run import RunSpec
 from swarmrl.transfer.p2p.config import P2PConfig
 
@@ -93,6 +94,9 @@ class VerifierConfig(BaseModel):
     run: RunSpec | None = Field(None, description="The run this verifier is meant for (the pool's [run] table); "
                                 "when set, the verifier refuses to start against a coordinator whose run differs. "
                                 "The task, staleness bound and proof parameters always come from the coordinator.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics (swarmrl_verifier_*) "
+                                     "on this port at /metrics; 0 or None: off.")
+    metrics_host: str = Field("127.0.0.1", description="Interface the metrics port listens on (0.0.0.0: all).")
     batch: int = Field(64, ge=1, description="Pending groups claimed per poll.")
     poll_interval_s: float = Field(0.2, gt=0, description="Wait between polls when nothing is pending and the "
                                    "coordinator did not wait (long_poll_s = 0, or an error).")
@@ -107,13 +111,35 @@ class VerifierConfig(BaseModel):
     max_batch_tokens: int = Field(16384, ge=64, description="Padded tokens per recomputation forward.")
     tolerances: Tolerances = Field(default_factory=Tolerances, description="Thresholds; see Tolerances. Fields "
                                    "not given take the defaults of `dtype` (Tolerances.for_dtype).")
-    warmup_checks: int = Field(8, ge=0, description="K: every group of a node is fully checked until it passed K.")
-    sample_rate: float = Field(1.0, ge=0, le=1, description="p: after K passes, the share of groups fully checked; "
-                                                            "the others are held until a later check passes.")
+    warmup_checks: int = Field(quarantine.WARMUP_CHECKS, ge=0, description="K: every group of a node is fully "
+                               "checked until it passed K (protocol.quarantine; the bound in docs/quarantine.md).")
+    sample_rate: float = Field(quarantine.SAMPLE_RATE, ge=0, le=1, description="p: after K passes, the share of "
+                               "groups fully checked; the others are held until later checks vouch for them.")
+    max_held: int = Field(quarantine.MAX_HELD, ge=0, description="h: a node holding this many groups gets its next "
+                          "group fully checked (an overflow check, which vouches for nothing).")
     policy_seed: int | None = Field(None, description="Seed of the p draws (tests only); None: OS randomness.")
+    probe_tokens: int = Field(16, ge=1, description="Early exit: first, the prompt and this many completion tokens of "
+                              "one rollout per group (chosen at random) are recomputed and checked; a group failing "
+                              "there costs no more.")
+    first_chunk_tokens: int = Field(16, ge=1, description="Then all rollouts are recomputed in chunks with the "
+                                    "model's KV cache, checked after each: the first covers this many completion "
+                                    "tokens, each next one `chunk_growth` times as many.")
+    chunk_growth: int = Field(2, ge=1, description="Growth factor of the chunks (1: equal chunks).")
+    logit_memory_mb: int = Field(256, ge=1, description="Logits are scored (replay, logprobs) this many MiB of "
+                                 "float64 [positions, vocab] at a time, so long completions and large vocabularies "
+                                 "stay in bounded memory.")
+    identity_budget_s: float | None = Field(300.0, gt=0, description="Verifier seconds of full checks one identity "
+                                            "may use per `identity_budget_window_s` (a token bucket); over it, its "
+                                            "groups are deferred: left pending, unclaimed for claim_ttl_s, not "
+                                            "drawn. None: no budget.")
+    identity_budget_window_s: float = Field(600.0, gt=0, description="Refill period of `identity_budget_s`.")
     p2p: P2PConfig | None = Field(
         None, description="Fetch policy versions from the checkpoint swarm too (and serve them to it), when the pool "
         "has one; None: from the coordinator's HTTP origin only.")
+
+    def quarantine_rules(self) -> quarantine.Rules:
+        return quarantine.Rules(warmup_checks=self.warmup_checks, sample_rate=self.sample_rate,
+                                max_held=self.max_held)
 
     @model_validator(mode="before")
     @classmethod

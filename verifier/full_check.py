@@ -1,28 +1,64 @@
-"""The full check of groups: one prefill over every rollout, then replay, logprobs and activation proofs.
+"""The full check of groups: replay, logprobs and activation proofs against the verifier's own prefill, in stages
+that stop as soon as a group has failed, so that garbage costs a small fraction of an honest check.
 
 All groups passed here must have passed `verifier.checks.cheap_checks` (shapes, token ids, proofs decode) and
-belong to one policy version, whose model is given. Their rollouts are recomputed together in as few forwards
-as `max_batch_tokens` allows; then each group gets the first failure found (which check, which rollout, which
-token, by how much), or None.
+belong to one policy version, whose model is given. Stages (`Staging`):
+
+1. probe: for each group, one rollout chosen at random (the node cannot know which) is recomputed over its
+   prompt and its first `probe_tokens` completion tokens, and those tokens are checked. Random tokens, made-up
+   logprobs or a proof of other states fail here, for about (prompt + probe) / (group size x (prompt +
+   completion)) of an honest check: 2% for groups of 8 x 128 tokens.
+2. chunks: all rollouts of the groups left, right-padded and batched up to `max_batch_tokens`, run through the
+   model a span of columns at a time with its KV cache: the first span covers `first_chunk_tokens` completion
+   tokens, each next one `chunk_growth` times more. After each span the new tokens are checked; the rows of a
+   group that failed leave the batch (its node's other groups too: the ban drops them).
+
+Each check runs on every token as it comes: replay (the token must be the seeded sample), logprobs (the claimed
+one must be the policy's), and the activation proof (each committed entry within `proof_max_ulp`, the mean of
+the group's compared entries within `proof_mean_ulp`: honest entries are each within half an ulp plus noise,
+so any subset's mean is too). A group therefore fails at the earliest span that shows a failure, and fails
+exactly when the whole check would have failed: stopping early changes what the report lists, never the
+verdict. `Staging(early_exit=False)` checks everything of every group (calibration, and the byzantine suite's
+account of which layer catches which attack).
+
+Memory: logits exist only for the positions being scored, at most `logit_memory_mb` of float64 [positions,
+vocab] at a time; the final hidden states ([tokens, hidden]) of a rollout are kept for its proof.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 from swarmrl.protocol import proofs as wire
 from swarmrl.protocol.messages import PendingGroup
 from swarmrl.verifier.config import Tolerances
-from swarmrl.verifier.logprobs import LogprobResult, compare_logprobs_many
 from swarmrl.verifier.models import PolicyModel
-from swarmrl.verifier.prefill import recompute
-from swarmrl.verifier.proofs import ProofStats, proof_errors_many
-from swarmrl.verifier.replay import ReplayResult, replay_many
+from swarmrl.verifier.prefill import ChunkedPrefill, length_batches
+from swarmrl.verifier.proofs import proof_errors_many
+from swarmrl.verifier.replay import replay_gaps
+
+_TEMPORARIES = 6
+"""float64 / int64 [positions, vocab] tensors alive at once while scoring (noise hashing, scores, log-softmax)."""
+
+
+@dataclass(frozen=True)
+class Staging:
+    """How the full check proceeds (see the module docstring); VerifierConfig sets it."""
+
+    probe_tokens: int = 16
+    first_chunk_tokens: int = 16
+    chunk_growth: int = 2
+    logit_memory_mb: int = 256
+    early_exit: bool = True
 
 
 @dataclass
 class GroupReport:
-    """What the full check measured on one group (for logs, calibration and the bench)."""
+    """What the full check measured on one group (for logs, calibration, the bench and the budget)."""
 
     reason: str | None = None
     max_logprob_diff: float = 0.0
@@ -32,64 +68,213 @@ class GroupReport:
     proof_mean_ulp: float = 0.0
     proof_checked: int = 0
     tokens: int = 0
+    """Completion tokens checked."""
     failures: list[str] = field(default_factory=list)
-    """Every check that failed (reason holds the first)."""
+    """Every check that failed on what was checked (reason holds the first)."""
+    stage: str = ""
+    """Where the verdict was reached: 'probe', 'chunk <k>' (failed there), 'complete' (passed) or 'skipped'."""
+    prefill_tokens: int = 0
+    """Tokens (not padding) this group put through the model."""
+    seconds: float = 0.0
+    """Its share of the check's wall time (by prefill tokens)."""
+    skipped: bool = False
+    """Not checked: another group of the same node failed first in this call."""
 
 
-def full_check(groups: list[PendingGroup], policy: PolicyModel, tol: Tolerances,
-               max_batch_tokens: int = 16384) -> list[GroupReport]:
+@dataclass
+class _Rollout:
+    group: int
+    index: int
+    prompt: list[int]
+    tokens: list[int]
+    claimed: list[float]
+    seed: int
+    temperature: float
+    proof: wire.Proof | None
+    max_gap: float = 0.0
+    gap_pos: int = 0
+    mismatches: int = 0
+    max_lp: float = 0.0
+    lp_pos: int = 0
+    proof_max: float = 0.0
+    proof_worst: int = 0
+    proof_sum: float = 0.0
+    proof_checked: int = 0
+    scored: int = 0
+
+    def fresh(self, n: int | None = None) -> _Rollout:
+        """The same rollout, nothing scored, its completion cut to `n` tokens (the probe)."""
+        k = len(self.tokens) if n is None else min(n, len(self.tokens))
+        return _Rollout(self.group, self.index, self.prompt, self.tokens[:k], self.claimed[:k], self.seed,
+                        self.temperature, self.proof)
+
+
+def full_check(groups: list[PendingGroup], policy: PolicyModel, tol: Tolerances, max_batch_tokens: int = 16384,
+               staging: Staging | None = None, rng: random.Random | None = None) -> list[GroupReport]:
     """One report per group, in order."""
-    seqs = [(g.group.prompt_ids, r.completion_ids) for g in groups for r in g.group.rollouts]
-    recomputed = recompute(policy.model, seqs, policy.pad_id, max_batch_tokens)
-    # Replay, logprobs and proofs of every rollout in one vectorised pass each; then judged group by group.
-    rollouts = [(g, r) for g in groups for r in g.group.rollouts]
-    logits = [rc.logits for rc in recomputed]
-    tokens = [r.completion_ids for _, r in rollouts]
-    temps = [g.sampling.temperature for g, _ in rollouts]
-    replays = replay_many(logits, tokens, [r.seed for _, r in rollouts], temps)
-    logprobs = compare_logprobs_many(logits, tokens, [r.logprobs for _, r in rollouts], temps)
-    with_proof = [i for i, (_, r) in enumerate(rollouts) if r.proof is not None]
-    stats = proof_errors_many([wire.decode(rollouts[i][1].proof) for i in with_proof],  # type: ignore[arg-type]
-                              [recomputed[i].states for i in with_proof], tol.proof_boundary_rel)
-    proof_stats: list[ProofStats | None] = [None] * len(rollouts)
-    for i, ps in zip(with_proof, stats, strict=True):
-        proof_stats[i] = ps
-    reports = []
-    k = 0
-    for g in groups:
-        n = len(g.group.rollouts)
-        reports.append(_check_group(g, replays[k:k + n], logprobs[k:k + n], proof_stats[k:k + n], tol))
-        k += n
+    staging = staging or Staging()
+    rng = rng or random.SystemRandom()
+    reports = [GroupReport() for _ in groups]
+    rollouts = [[_Rollout(gi, i, g.group.prompt_ids, r.completion_ids, r.logprobs, r.seed, g.sampling.temperature,
+                          wire.decode(r.proof) if r.proof is not None else None)
+                 for i, r in enumerate(g.group.rollouts)] for gi, g in enumerate(groups)]
+    run = _Run(policy, tol, staging, max_batch_tokens, reports, [g.node_id for g in groups])
+    if staging.early_exit and staging.probe_tokens > 0:
+        probes = [rs[rng.randrange(len(rs))].fresh(staging.probe_tokens) for rs in rollouts]
+        run.stage([[p] for p in probes], "probe", single_span=True)
+    run.stage([[r.fresh() for r in rs] for rs in rollouts], "chunk", single_span=False)
+    for rep in reports:
+        if not rep.stage:
+            rep.stage = "complete"
+        rep.reason = rep.failures[0] if rep.failures else ("not checked: another group of this node failed its "
+                                                           "full check first" if rep.skipped else None)
     return reports
 
 
-def _check_group(g: PendingGroup, replays: list[ReplayResult], logprobs: list[LogprobResult],
-                 proof_stats: list[ProofStats | None], tol: Tolerances) -> GroupReport:
-    rep = GroupReport()
-    err_sum, checked = 0.0, 0
-    for i, (r, rp, lp, ps) in enumerate(zip(g.group.rollouts, replays, logprobs, proof_stats, strict=True)):
-        rep.tokens += len(r.completion_ids)
-        rep.max_replay_gap = max(rep.max_replay_gap, rp.max_gap)
-        rep.replay_mismatches += rp.mismatches
-        if rp.max_gap > tol.tie_margin:
-            rep.failures.append(f"replay: rollout {i} token {rp.worst_position} is not the token the seeded sampling "
-                                f"rule picks (score gap {rp.max_gap:.3g} > tie margin {tol.tie_margin:g})")
-        rep.max_logprob_diff = max(rep.max_logprob_diff, lp.max_abs_diff)
-        if lp.max_abs_diff > tol.logprob_abs:
-            rep.failures.append(f"logprobs: rollout {i} token {lp.worst_position} differs from the policy's by "
-                                f"{lp.max_abs_diff:.3g} > {tol.logprob_abs:g}")
-        if ps is not None:
-            err_sum += ps.err_sum
-            checked += ps.checked
-            rep.proof_max_ulp = max(rep.proof_max_ulp, ps.max_err)
-            if ps.max_err > tol.proof_max_ulp:
-                rep.failures.append(f"activation proof: rollout {i} token {ps.worst_token} commits a value "
-                                    f"{ps.max_err:.3g} fp16 ulps from the recomputed state (> {tol.proof_max_ulp:g})")
-    rep.proof_checked = checked
-    if checked:
-        rep.proof_mean_ulp = err_sum / checked
-        if rep.proof_mean_ulp > tol.proof_mean_ulp:
-            rep.failures.append(f"activation proof: mean error {rep.proof_mean_ulp:.3g} fp16 ulps over {checked} "
-                                f"entries exceeds {tol.proof_mean_ulp:g}")
-    rep.reason = rep.failures[0] if rep.failures else None
-    return rep
+class _Run:
+    """One call's state: the reports, which groups have failed and which nodes."""
+
+    def __init__(self, policy: PolicyModel, tol: Tolerances, staging: Staging, max_batch_tokens: int,
+                 reports: list[GroupReport], nodes: list[str]):
+        self.policy, self.tol, self.staging, self.max_batch_tokens = policy, tol, staging, max_batch_tokens
+        self.reports, self.nodes = reports, nodes
+        self.failed_nodes: set[str] = set()
+        vocab = policy.model.get_output_embeddings().weight.shape[0]
+        self.rows_per_call = max(1, (staging.logit_memory_mb << 20) // (vocab * 8 * _TEMPORARIES))
+
+    def done(self, gi: int) -> bool:
+        """Whether group gi needs no more checking (decided, or its node failed elsewhere with early exit)."""
+        rep = self.reports[gi]
+        if not self.staging.early_exit:
+            return False
+        if rep.failures or rep.skipped:
+            return True
+        if self.nodes[gi] in self.failed_nodes:
+            rep.skipped, rep.stage = True, "skipped"
+            return True
+        return False
+
+    def stage(self, per_group: list[list[_Rollout]], name: str, single_span: bool) -> None:
+        """Check these rollouts (per group), batched by length, span by span."""
+        live = [r for gi, rs in enumerate(per_group) if not self.done(gi) for r in rs]
+        if not live:
+            return
+        lengths = [len(r.prompt) + len(r.tokens) - 1 for r in live]
+        for batch in length_batches(lengths, self.max_batch_tokens):
+            items = [live[i] for i in batch if not self.done(live[i].group)]
+            if items:
+                self._batch(items, per_group, name, single_span)
+
+    def _batch(self, items: list[_Rollout], per_group: list[list[_Rollout]], name: str, single_span: bool) -> None:
+        pf = ChunkedPrefill(self.policy.model, [r.prompt + r.tokens[:-1] for r in items], self.policy.pad_id)
+        longest_prompt = max(len(r.prompt) for r in items)
+        size = self.staging.first_chunk_tokens
+        end = pf.width if single_span else longest_prompt - 1 + size
+        k = 0
+        while pf.rows and pf.done < pf.width:
+            start = pf.done
+            t0 = time.perf_counter()
+            hidden = pf.advance(end)
+            pieces = []
+            for row, r in enumerate(items[j] for j in pf.rows):
+                p0 = len(r.prompt) - 1
+                a, b = max(0, start - p0), min(len(r.tokens), pf.done - p0)
+                if a < b:
+                    pieces.append((r, a, b, hidden[row, p0 + a - start:p0 + b - start]))
+            self._score(pieces)
+            seconds = time.perf_counter() - t0
+            real = pf.real_tokens(start, pf.done)
+            total = max(sum(real.values()), 1)
+            for j, n in real.items():
+                rep = self.reports[items[j].group]
+                rep.prefill_tokens += n
+                rep.seconds += seconds * n / total
+            label = name if name == "probe" else f"{name} {k}"
+            for gi in sorted({r.group for r, *_ in pieces}):
+                self._judge(gi, per_group[gi], label)
+            if self.staging.early_exit:
+                pf.keep([j for j in pf.rows if not self.done(items[j].group)])
+            k += 1
+            size *= self.staging.chunk_growth
+            end = pf.done + size
+
+    @torch.inference_mode()
+    def _score(self, pieces: list[tuple[_Rollout, int, int, torch.Tensor]]) -> None:
+        """Replay, logprobs and proof entries of each piece (rollout, tokens a..b-1, their states)."""
+        if not pieces:
+            return
+        head = self.policy.model.get_output_embeddings()
+        states = torch.cat([s for *_, s in pieces])
+        tokens = torch.tensor([t for r, a, b, _ in pieces for t in r.tokens[a:b]], dtype=torch.long)
+        claimed = torch.tensor([c for r, a, b, _ in pieces for c in r.claimed[a:b]], dtype=torch.float64)
+        seeds = torch.tensor([r.seed for r, a, b, _ in pieces for _ in range(a, b)], dtype=torch.int64)
+        positions = torch.tensor([i for _, a, b, _ in pieces for i in range(a, b)], dtype=torch.int64)
+        temps = torch.tensor([r.temperature for r, a, b, _ in pieces for _ in range(a, b)], dtype=torch.float64)
+        gaps = torch.empty(len(tokens), dtype=torch.float64)
+        diffs = torch.empty(len(tokens), dtype=torch.float64)
+        step = self.rows_per_call
+        for i in range(0, len(tokens), step):
+            sl = slice(i, i + step)
+            logits = head(states[sl]).float()
+            dev = logits.device
+            gaps[sl] = replay_gaps(logits, tokens[sl], seeds[sl], positions[sl], temps[sl]).cpu()
+            logp = torch.log_softmax(logits.double() / temps[sl].to(dev)[:, None], dim=-1)
+            own = logp.gather(-1, tokens[sl].to(dev)[:, None])[:, 0].cpu()
+            diffs[sl] = torch.nan_to_num((claimed[sl] - own).abs(), nan=float("inf"))
+            del logits, logp
+        with_proof = [k for k, (r, *_) in enumerate(pieces) if r.proof is not None]
+        stats = proof_errors_many([pieces[k][0].proof for k in with_proof],  # type: ignore[misc]
+                                  [pieces[k][3] for k in with_proof], self.tol.proof_boundary_rel,
+                                  starts=[pieces[k][1] for k in with_proof])
+        proof_stats = dict(zip(with_proof, stats, strict=True))
+        off = 0
+        for k, (r, a, b, _) in enumerate(pieces):
+            g, d = gaps[off:off + b - a], diffs[off:off + b - a]
+            off += b - a
+            gi, di = int(g.argmax()), int(d.argmax())
+            if g[gi] > r.max_gap or r.scored == 0:
+                r.max_gap, r.gap_pos = float(g[gi]), a + gi
+            if d[di] > r.max_lp or r.scored == 0:
+                r.max_lp, r.lp_pos = float(d[di]), a + di
+            r.mismatches += int((g > 0).sum())
+            r.scored += b - a
+            if (ps := proof_stats.get(k)) is not None:
+                r.proof_sum += ps.err_sum
+                r.proof_checked += ps.checked
+                if ps.max_err > r.proof_max:
+                    r.proof_max, r.proof_worst = ps.max_err, ps.worst_token
+
+    def _judge(self, gi: int, rollouts: list[_Rollout], stage: str) -> None:
+        """Fill group gi's report from what its rollouts have scored; mark it failed at `stage` if it fails."""
+        tol, rep = self.tol, self.reports[gi]
+        failures = []
+        err_sum, checked = 0.0, 0
+        for r in rollouts:
+            if not r.scored:
+                continue
+            if r.max_gap > tol.tie_margin:
+                failures.append(f"replay: rollout {r.index} token {r.gap_pos} is not the token the seeded sampling "
+                                f"rule picks (score gap {r.max_gap:.3g} > tie margin {tol.tie_margin:g})")
+            if r.max_lp > tol.logprob_abs:
+                failures.append(f"logprobs: rollout {r.index} token {r.lp_pos} differs from the policy's by "
+                                f"{r.max_lp:.3g} > {tol.logprob_abs:g}")
+            if r.proof_max > tol.proof_max_ulp:
+                failures.append(f"activation proof: rollout {r.index} token {r.proof_worst} commits a value "
+                                f"{r.proof_max:.3g} fp16 ulps from the recomputed state (> {tol.proof_max_ulp:g})")
+            err_sum += r.proof_sum
+            checked += r.proof_checked
+        mean = err_sum / checked if checked else 0.0
+        if mean > tol.proof_mean_ulp:
+            failures.append(f"activation proof: mean error {mean:.3g} fp16 ulps over {checked} entries exceeds "
+                            f"{tol.proof_mean_ulp:g}")
+        scored = [r for r in rollouts if r.scored]
+        rep.tokens = sum(r.scored for r in scored)
+        rep.max_replay_gap = max((r.max_gap for r in scored), default=0.0)
+        rep.max_logprob_diff = max((r.max_lp for r in scored), default=0.0)
+        rep.replay_mismatches = sum(r.mismatches for r in scored)
+        rep.proof_max_ulp = max((r.proof_max for r in scored), default=0.0)
+        rep.proof_mean_ulp, rep.proof_checked = mean, checked
+        if failures and not rep.stage:
+            rep.stage = stage
+            self.failed_nodes.add(self.nodes[gi])
+        rep.failures = failures

@@ -50,13 +50,19 @@ def proof_errors(proof: proofs.Proof, states: torch.Tensor, boundary_rel: float)
     return proof_errors_many([proof], [states], boundary_rel)[0]
 
 
-def proof_errors_many(proof_list: list[proofs.Proof], states: list[torch.Tensor], boundary_rel: float
-                      ) -> list[ProofStats]:
+def proof_errors_many(proof_list: list[proofs.Proof], states: list[torch.Tensor], boundary_rel: float,
+                      starts: list[int] | None = None) -> list[ProofStats]:
     """`proof_errors` of many rollouts at once: one top-k over all their states (when they share a hidden size
-    and top-k), and the chunk polynomials of equal size and modulus evaluated together."""
+    and top-k), and the chunk polynomials of equal size and modulus evaluated together.
+
+    With `starts`, states[i] holds the states of tokens starts[i] .. starts[i] + len - 1 only, and only their
+    entries are compared (a polynomial can be evaluated at any subset of its points): the verifier checks a
+    proof piece by piece as its recomputation advances. `worst_token` is then counted from token 0."""
+    starts = list(starts) if starts is not None else [0] * len(proof_list)
     shapes = {(s.shape[1], p.topk) for p, s in zip(proof_list, states, strict=True)}
     if len(shapes) > 1:
-        return [proof_errors_many([p], [s], boundary_rel)[0] for p, s in zip(proof_list, states, strict=True)]
+        return [proof_errors_many([p], [s], boundary_rel, [s0])[0]
+                for p, s, s0 in zip(proof_list, states, starts, strict=True)]
     if not proof_list:
         return []
     ((hidden, k),) = shapes
@@ -70,17 +76,21 @@ def proof_errors_many(proof_list: list[proofs.Proof], states: list[torch.Tensor]
     else:
         inside = np.ones_like(mags, dtype=bool)
     own = np.clip(s.gather(-1, top.indices[:, :k]).numpy().astype(np.float64), -proofs.FP16_MAX, proofs.FP16_MAX)
-    # Every chunk as (first row in `own`, rows, xs); chunks of one (size, modulus) are evaluated together.
+    # Every piece of a chunk as (first row in `own`, rows, xs, coeffs); pieces of one (size, modulus, point count)
+    # are evaluated together.
     offsets = np.cumsum([0] + [x.shape[0] for x in states])
-    kinds: dict[tuple[int, int], list[tuple[int, int, np.ndarray, np.ndarray]]] = {}
-    for proof, base in zip(proof_list, offsets[:-1], strict=True):
+    kinds: dict[tuple[int, int, int], list[tuple[int, int, np.ndarray, np.ndarray]]] = {}
+    for proof, base, s0, n in zip(proof_list, offsets[:-1], starts, np.diff(offsets), strict=True):
         for j, (p, coeffs) in enumerate(proof.chunks):
             start, end = proof.chunk_bounds(j)
-            t = np.repeat(np.arange(end - start), k)
-            xs = proofs.point_index(t, idx[base + start:base + end].reshape(-1), hidden)
-            kinds.setdefault((len(coeffs), p), []).append((base + start, end - start, xs, coeffs))
+            lo, hi = max(start, s0), min(end, s0 + int(n))
+            if lo >= hi:
+                continue
+            t = np.repeat(np.arange(lo - start, hi - start), k)
+            xs = proofs.point_index(t, idx[base + lo - s0:base + hi - s0].reshape(-1), hidden)
+            kinds.setdefault((len(coeffs), p, len(xs)), []).append((base + lo - s0, hi - lo, xs, coeffs))
     committed = np.zeros_like(own)
-    for (_, p), chunks in kinds.items():
+    for (_, p, _), chunks in kinds.items():
         values = proofs.fp16_values(proofs.evaluate_many(np.stack([c[3] for c in chunks]),
                                                          np.stack([c[2] for c in chunks]), p))
         for (row, n, _, _), v in zip(chunks, values, strict=True):
@@ -89,11 +99,11 @@ def proof_errors_many(proof_list: list[proofs.Proof], states: list[torch.Tensor]
     checked = np.where(inside, errs, 0.0)
     per_token = checked.max(axis=1)
     out = []
-    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+    for a, b, s0 in zip(offsets[:-1], offsets[1:], starts, strict=True):
         worst = int(per_token[a:b].argmax())
         out.append(ProofStats(checked=int(inside[a:b].sum()), skipped=int((~inside[a:b]).sum()),
                               err_sum=float(checked[a:b].sum()), max_err=float(per_token[a + worst]),
-                              worst_token=worst))
+                              worst_token=s0 + worst))
     return out
 
 

@@ -29,6 +29,14 @@ def replay(logits: torch.Tensor, tokens: list[int], seed: int, temperature: floa
     return replay_many([logits], [tokens], [seed], [temperature])[0]
 
 
+def replay_gaps(logits: torch.Tensor, tokens: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                temperatures: torch.Tensor) -> torch.Tensor:
+    """Per row of `logits` [R, vocab] (one completion position each): best perturbed score - the score of the
+    sampled token (0 when it is the argmax), float64 [R]. Each row has its own seed, position and temperature."""
+    scores = sampling.perturbed_scores(logits, seeds, positions, temperatures)
+    return scores.max(dim=-1).values - scores.gather(-1, tokens[:, None].to(scores.device))[:, 0]
+
+
 def replay_many(logits: list[torch.Tensor], tokens: list[list[int]], seeds: list[int],
                 temperatures: list[float]) -> list[ReplayResult]:
     """`replay` of many rollouts (each non-empty) at once: one noise computation over all their tokens."""
@@ -36,10 +44,9 @@ def replay_many(logits: list[torch.Tensor], tokens: list[list[int]], seeds: list
     rows = torch.repeat_interleave(torch.arange(len(tokens)), lens)
     starts = torch.cumsum(lens, 0) - lens
     positions = torch.arange(int(lens.sum())) - starts[rows]
-    scores = sampling.perturbed_scores(torch.cat(logits), torch.tensor(seeds, dtype=torch.int64)[rows], positions,
-                                       torch.tensor(temperatures, dtype=torch.float64)[rows])
     taken = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
-    gaps = (scores.max(dim=-1).values - scores.gather(-1, taken[:, None])[:, 0]).tolist()
+    gaps = replay_gaps(torch.cat(logits), taken, torch.tensor(seeds, dtype=torch.int64)[rows], positions,
+                       torch.tensor(temperatures, dtype=torch.float64)[rows]).tolist()
     out = []
     for start, n in zip(starts.tolist(), lens.tolist(), strict=True):
         g = gaps[start:start + n]

@@ -1,62 +1,76 @@
 """The verifier process: claim pending groups from the coordinator, check them, post verdicts.
 
-Per group: the cheap checks (`verifier.checks`) always; then either the full check (`verifier.full_check`:
-prefill with the weights of the group's policy version, replay, logprobs, activation proof) or, when the
-policy (`verifier.policy`) samples it out, an accepted verdict with `checked=False` that the coordinator holds
-until a later full check of the same node passes. Any failed check rejects the group and bans its node.
-A group whose weights the coordinator can no longer supply, or that lacks a required proof, is rejected
-without a ban.
+Per batch, in group-id order:
+1. the facts: the weights of the group's policy version (a version the coordinator can no longer supply, or a
+   missing proof, is rejected without a ban), then the cheap checks (`verifier.checks`; a failure bans);
+   rewards come last (step 5): they can cost far more than the checks (a sandbox runs code);
+2. the budget: an identity that has used its verifier time (`verifier.budget`) has its groups deferred: no
+   verdict, no draw; the coordinator hands them out again later;
+3. the draw (`verifier.policy`, the rule of `protocol.quarantine`): warm-up, sampled or overflow full check,
+   or hold (an accepted verdict with `checked=False`; the coordinator holds it until later checks vouch);
+4. the full checks (`verifier.full_check`, early exit), by policy version: a failure bans. A full check that
+   cannot be completed (a verifier error) is counted as failed and bans too: a check that was drawn must end in
+   a verdict with consequences, or a node could make the checks it would fail disappear;
+5. the rewards of each held group and each group that passed: recomputed from the completion (a claimed
+   reward that differs bans; a non-finite one is refused without a ban).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import httpx
 import torch
 
+from swarmrl.protocol import quarantine
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import PendingGroup, Verdict
 from swarmrl.protocol.run import RunSpec, check_run
 from swarmrl.protocol.tasks import Task, load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from swarmrl.verifier.checks import CheckContext, cheap_checks, missing_proof
+from swarmrl.verifier.budget import IdentityBudget
+from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, missing_proof, score
 from swarmrl.verifier.config import VerifierConfig
-from swarmrl.verifier.full_check import GroupReport, full_check
+from swarmrl.verifier.full_check import GroupReport, Staging, full_check
+from swarmrl.verifier.metrics import VerifierStats, serve_verifier_metrics
 from swarmrl.verifier.models import ModelCache, PolicyModel, VersionUnavailable
 from swarmrl.verifier.policy import CheckPolicy
 
 log = logging.getLogger("swarmrl.verifier")
 MAX_REPORTS = 100_000
 
-
-@dataclass
-class VerifierStats:
-    groups: int = 0
-    full_checks: int = 0
-    held: int = 0
-    rejected: int = 0
-    tokens_checked: int = 0
-    check_seconds: float = 0.0
-    """Wall time of full checks (prefill + comparisons), for the cost ratio."""
+Item = tuple[PendingGroup, CheckContext, quarantine.Check]
 
 
 class Verifier:
-    def __init__(self, cfg: VerifierConfig, identity: Identity | None = None):
+    def __init__(self, cfg: VerifierConfig, identity: Identity | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.identity = identity or Identity.load_or_create(cfg.key_path)
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity)
         self.task: Task | None = None
-        self.policy = CheckPolicy(cfg.warmup_checks, cfg.sample_rate, cfg.policy_seed)
+        rules = cfg.quarantine_rules()
+        self.policy = CheckPolicy(rules, cfg.policy_seed)
+        self._rng = random.SystemRandom() if cfg.policy_seed is None else random.Random(cfg.policy_seed + 1)
+        self.staging = Staging(probe_tokens=cfg.probe_tokens, first_chunk_tokens=cfg.first_chunk_tokens,
+                               chunk_growth=cfg.chunk_growth, logit_memory_mb=cfg.logit_memory_mb)
+        self.budget = (IdentityBudget(cfg.identity_budget_s, cfg.identity_budget_window_s, clock)
+                       if cfg.identity_budget_s is not None else None)
+        self.ledger = ProofLedger()
         self.stats = VerifierStats()
         self.reports: dict[int, GroupReport] = {}
         """Full-check reports by group id, the most recent `MAX_REPORTS` (for logs, tests and the bench)."""
         self.models: ModelCache | None = None
         self.run_spec: RunSpec | None = None
+        bound = quarantine.poisoned_share_bound(rules)
+        log.info("check rule: K=%d p=%g h=%d; poisoned share at most %.4f with attackers holding %.2f of the "
+                 "throughput (docs/quarantine.md)", rules.warmup_checks, rules.sample_rate, rules.max_held, bound,
+                 quarantine.ATTACKER_SHARE)
 
     # kept for callers of the first cut
     @property
@@ -84,15 +98,18 @@ class Verifier:
         assert self.task is not None and self.run_spec is not None
         return CheckContext(tokenizer=weights.tokenizer, task=self.task, run=self.run_spec,
                             max_positions=weights.max_positions, hidden_size=weights.hidden_size,
-                            stop_ids=weights.stop_ids, vocab_size=weights.vocab_size)
+                            stop_ids=weights.stop_ids, vocab_size=weights.vocab_size,
+                            logprob_abs=self.cfg.tolerances.logprob_abs, proof_ledger=self.ledger)
 
     def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
-        """Verdicts for `groups` (in group-id order, so holds are applied before later passes release them)."""
+        """Verdicts for `groups`, in group-id order (so holds are applied before later passes vouch for them); a
+        deferred group gets none."""
         if self.models is None:
             self._connect()
         assert self.models is not None
         verdicts: list[Verdict] = []
-        full: dict[int, list[tuple[PendingGroup, list[float]]]] = defaultdict(list)
+        passed: list[tuple[PendingGroup, CheckContext]] = []
+        banned_here: set[str] = set()
         for g in sorted(groups, key=lambda g: g.group_id):
             try:
                 weights = self.models.get(g.policy_version)
@@ -104,49 +121,90 @@ class Verifier:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason))
                 continue
             try:
-                reason, rewards = cheap_checks(g, ctx)
+                reason, _ = cheap_checks(g, ctx, scored=False)
             except Exception as e:  # a bug here must not stop the verifier, nor pass the group
                 log.exception("cheap checks of group %d crashed", g.group_id)
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500]))
                 continue
             if reason is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=True))
-            elif self.policy.wants_full_check(g.node_id, g.node_checks_passed):
-                full[g.policy_version].append((g, rewards))
+                banned_here.add(g.node_id)
             else:
-                verdicts.append(Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=False))
+                passed.append((g, ctx))
+        # Nothing below may raise for one group without a verdict: every draw must end in one.
+        full: dict[int, list[Item]] = defaultdict(list)
+        held_here: Counter[str] = Counter()
+        for g, ctx in passed:
+            if g.node_id in banned_here:  # the ban drops it anyway: no draw, no check
+                verdicts.append(Verdict(group_id=g.group_id, accepted=False,
+                                        reason="not checked: another group of this node failed its checks"))
+                continue
+            if self.budget is not None and self.budget.over(g.node_id):
+                self.stats.deferred += 1  # before the draw: see verifier.budget
+                continue
+            check = self.policy.decide(g.node_checks_passed, g.node_held + held_here[g.node_id])
+            if check.full:
+                full[g.policy_version].append((g, ctx, check))
+            else:
+                held_here[g.node_id] += 1
+                verdicts.append(self._scored(g, ctx, check))
         for version, items in full.items():
-            verdicts.extend(self._full(self.models.get(version), items))
+            try:
+                weights = self.models.get(version)
+            except (VersionUnavailable, ManifestError, OSError) as e:  # not the node's doing: no ban
+                verdicts.extend(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {e}")
+                                for g, _, _ in items)
+                continue
+            verdicts.extend(self._full(weights, items))
         return sorted(verdicts, key=lambda v: v.group_id)
 
-    def _full(self, weights: PolicyModel, items: list[tuple[PendingGroup, list[float]]]) -> list[Verdict]:
+    def _scored(self, g: PendingGroup, ctx: CheckContext, check: quarantine.Check) -> Verdict:
+        """The verdict of a group that is held or passed its full check: its trusted rewards decide the rest."""
+        try:
+            rewards, reason, ban = score(g, ctx)
+        except Exception as e:  # the task's bug; whatever the draw, this group would end here
+            log.exception("rewarding group %d crashed", g.group_id)
+            return Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500])
+        if reason is not None:
+            return Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=ban)
+        return Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=check.full,
+                       vouches=check.vouches)
+
+    def _full(self, weights: PolicyModel, items: list[Item]) -> list[Verdict]:
         t0 = time.perf_counter()
         try:
-            reports = full_check([g for g, _ in items], weights, self.cfg.tolerances, self.cfg.max_batch_tokens)
+            reports: list[GroupReport | None] = list(full_check(
+                [g for g, _, _ in items], weights, self.cfg.tolerances, self.cfg.max_batch_tokens, self.staging,
+                self._rng))
         except Exception:
             log.exception("batched full check crashed; checking its %d groups one by one", len(items))
-            reports = [self._full_one(g, weights) for g, _ in items]
+            reports = [self._full_one(g, weights) for g, _, _ in items]
         self.stats.check_seconds += time.perf_counter() - t0
         out = []
-        for (g, rewards), rep in zip(items, reports, strict=True):
+        for (g, ctx, check), rep in zip(items, reports, strict=True):
             if rep is None:
-                out.append(Verdict(group_id=g.group_id, accepted=False, reason="verifier error during the full check"))
+                out.append(Verdict(group_id=g.group_id, accepted=False, ban=True,
+                                   reason="the full check could not be completed (verifier error): counted as failed"))
                 continue
             self.reports[g.group_id] = rep
             if len(self.reports) > MAX_REPORTS:
                 del self.reports[next(iter(self.reports))]
-            self.stats.full_checks += 1
+            if self.budget is not None:
+                self.budget.charge(g.node_id, rep.seconds)
+            self.stats.full_checks += not rep.skipped
             self.stats.tokens_checked += rep.tokens
-            if rep.reason is None:
-                self.policy.record_pass(g.node_id, g.node_checks_passed)
-                out.append(Verdict(group_id=g.group_id, accepted=True, rewards=rewards))
+            if rep.skipped:  # its node failed another group here: the ban drops this one anyway
+                out.append(Verdict(group_id=g.group_id, accepted=False, reason=rep.reason or "not checked"))
+            elif rep.reason is None:
+                out.append(self._scored(g, ctx, check))
             else:
                 out.append(Verdict(group_id=g.group_id, accepted=False, reason=rep.reason, ban=True))
         return out
 
     def _full_one(self, g: PendingGroup, weights: PolicyModel) -> GroupReport | None:
         try:
-            return full_check([g], weights, self.cfg.tolerances, self.cfg.max_batch_tokens)[0]
+            return full_check([g], weights, self.cfg.tolerances, self.cfg.max_batch_tokens, self.staging,
+                              self._rng)[0]
         except Exception:
             log.exception("full check of group %d crashed", g.group_id)
             return None
@@ -157,11 +215,13 @@ class Verifier:
         if not groups:
             return 0
         verdicts = self.verify(groups)
-        self.client.verdicts(verdicts)
+        if verdicts:
+            self.client.verdicts(verdicts)
         self.stats.groups += len(verdicts)
         for v in verdicts:
             if not v.accepted:
                 self.stats.rejected += 1
+                self.stats.bans += int(v.ban)
                 log.warning("group %d rejected%s: %s", v.group_id, " (node banned)" if v.ban else "", v.reason)
             elif not v.checked:
                 self.stats.held += 1
@@ -171,6 +231,7 @@ class Verifier:
         """Poll until `stop_after_s` (forever by default). Coordinator errors and unreachable or inconsistent
         weights are logged and retried: claimed groups left without a verdict are claimed again later."""
         t0 = time.time()
+        metrics = serve_verifier_metrics(self.stats, self.cfg.metrics_host, self.cfg.metrics_port)
         try:
             while stop_after_s is None or time.time() - t0 < stop_after_s:
                 t_poll = time.monotonic()
@@ -178,9 +239,12 @@ class Verifier:
                     worked = self.poll_once()
                 except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
                     log.error("poll failed: %s", e)
+                    self.stats.poll_errors += 1
                     worked = 0
                 if worked == 0 and time.monotonic() - t_poll < self.cfg.poll_interval_s:
                     time.sleep(self.cfg.poll_interval_s)  # the coordinator did not hold the poll: do not spin
         finally:
+            if metrics is not None:
+                metrics.close()
             if self.models is not None:
                 self.models.close()  # leaves the checkpoint swarm, if it joined one

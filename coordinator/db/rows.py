@@ -84,6 +84,8 @@ class GroupRow:
     submitted_at: float
     decided_at: float | None
     held: bool
+    vouches: int
+    """Vouching full checks it has had while held (`protocol.quarantine`)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class ClaimedGroup:
     lease_version: int
     sampling: dict[str, Any]
     node_checks_passed: int
+    node_held: int
+    """Groups of the node held when this one was claimed."""
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ rollout_groups = Table(
     Column("submitted_at", Double, nullable=False),
     Column("decided_at", Double),
     Column("held", Boolean, nullable=False, server_default=false()),
+    Column("vouches", Integer, nullable=False, server_default="0"),
     UniqueConstraint("lease_id", "prompt_id"),
     CheckConstraint("status IN ('pending', 'accepted', 'rejected')", name="rollout_groups_status_values"),
     Index("rollout_groups_status", "status", "id"),
@@ -141,6 +142,33 @@ metrics = Table(
     sqlite_autoincrement=True,
 )
 
+# The contribution ledger (`coordinator.ledger`): one signed receipt per accepted group, numbered by the
+# RECEIPT_SEQ counter, and per node and policy version the accepted groups and tokens, both written in the
+# transaction that accepts the groups.
+receipts = Table(
+    "receipts", metadata,
+    Column("seq", BigInteger, primary_key=True, autoincrement=False),
+    Column("group_id", BigInteger, ForeignKey("rollout_groups.id"), nullable=False, unique=True),
+    Column("node_id", Text, ForeignKey("nodes.id"), nullable=False),
+    Column("policy_version", BigInteger, nullable=False),
+    Column("tokens", BigInteger, nullable=False),
+    Column("accepted_at", Double, nullable=False),
+    Column("body", Text, nullable=False),
+    Index("receipts_node", "node_id", "seq"),
+)
+
+ledger = Table(
+    "ledger", metadata,
+    Column("id", AutoId, primary_key=True, autoincrement=True),
+    Column("node_id", Text, ForeignKey("nodes.id"), nullable=False),
+    Column("policy_version", BigInteger, nullable=False),
+    Column("groups", BigInteger, nullable=False, server_default="0"),
+    Column("tokens", BigInteger, nullable=False, server_default="0"),
+    Column("last_accepted_at", Double, nullable=False),
+    UniqueConstraint("node_id", "policy_version"),
+    sqlite_autoincrement=True,
+)
+
 # Named counters. Their rows exist from migration 0002 on, so a counter is moved by one UPDATE ... RETURNING,
 # which on PostgreSQL also locks the row until the transaction ends: that lock is what orders the transactions
 # that move it (see `coordinator.feed`).
@@ -160,3 +188,5 @@ CURRENT_VERSION = "current_version"
 """The newest published policy version (-1 before the first)."""
 METRICS_REPORTS = "metrics_reports"
 """Trainer metrics reports recorded so far (its row lock orders the reports' node-time deltas)."""
+RECEIPT_SEQ = "receipt_seq"
+"""The last receipt number handed out (0: none yet)."""

@@ -48,8 +48,12 @@ def _outcome(pool: Pool, node_ids: list[str], before: int, refused: list[str]) -
         banned = all(pool.node_row(nid).banned for nid in {g["node_id"] for g in mine})
         reports = [pool.verifier.reports[g["id"]] for g in mine if g["id"] in pool.verifier.reports]
         failures = [f for rep in reports for f in rep.failures]
+        # The cheap check of claimed logprobs (rollouts sharing a prefix) is the logprob layer, run early.
+        failures += ["logprobs: (cheap)" for g in mine if "claim logprobs" in g["reason"]]
         caught = tuple(sorted({f.split(":")[0] for f in failures}))
-        return Attempt(True, "verifier", mine[0]["reason"][:200], caught, banned)
+        # The reason that decided it, rather than "not checked" of a group dropped along with its node.
+        first = next((g for g in mine if not g["reason"].startswith("not checked")), mine[0])
+        return Attempt(True, "verifier", first["reason"][:200], caught, banned)
     if refused:
         return Attempt(True, "coordinator", refused[0][:200])
     return Attempt(False, "missed", "nothing was submitted or refused")
@@ -92,9 +96,9 @@ def _node_attack(make: Callable[[Pool, int], ScriptedNode], tries: int = 1) -> C
 def _honest_submission(pool: Pool, name: str) -> tuple[ScriptedNode, m.Lease, m.RolloutSubmission]:
     """A node with an honestly generated, not yet submitted submission (for protocol-level attacks)."""
     node = pool.node(name=name, max_prompts=1)
-    node._swap_in_weights(node._run_info.spec.sampling.temperature)
+    node.load_ready_weights(node._run_info.spec.sampling.temperature)
     lease = node.client.lease(1, held_version=node.stats.held_version)
-    sub = node._generate(lease)
+    sub = node.generate(lease)
     node.engine.close()
     return node, lease, sub
 

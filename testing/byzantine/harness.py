@@ -91,7 +91,7 @@ class ScriptedNode(Node):
 
     def sync(self) -> None:
         """Fetch the newest published version now (an honest node's fetch thread does this in the background)."""
-        self._fetch_newer()
+        self.fetch_newer()
         if self._ready is not None:
             version, path = self._ready
             self.true_checkpoint = path
@@ -111,18 +111,18 @@ class ScriptedNode(Node):
 
     # -- the agent's steps, with the hooks applied --------------------------------------------------------------
 
-    def _swap_in_weights(self, temperature: float, max_version: int | None = None) -> None:
-        super()._swap_in_weights(self.engine_temperature(temperature), max_version)
+    def load_ready_weights(self, temperature: float, max_version: int | None = None) -> None:
+        super().load_ready_weights(self.engine_temperature(temperature), max_version)
 
-    def _catch_up(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
+    def wait_for_weights(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
         # No fetch thread here: fetch now if the lease needs newer weights than this node holds.
         if not is_fresh(self.stats.held_version, lease.policy_version, max_staleness):
             self.sync()
-        super()._catch_up(lease, max_staleness, temperature)
+        super().wait_for_weights(lease, max_staleness, temperature)
 
-    def _generate(self, lease: m.Lease) -> m.RolloutSubmission:
+    def generate(self, lease: m.Lease) -> m.RolloutSubmission:
         self.last_lease = lease
-        self.last_submission = self.tamper(super()._generate(lease), lease)
+        self.last_submission = self.tamper(super().generate(lease), lease)
         return self.last_submission
 
 
@@ -168,16 +168,26 @@ class Pool:
         return total
 
     def groups(self, node_id: str | None = None) -> list[dict]:
-        """Every submitted group (optionally of one node): id, node_id, status, held, reason, accepted_seq."""
+        """Every submitted group (optionally of one node): id, node_id, status, held, vouches, reason,
+        accepted_seq."""
         con = sqlite3.connect(f"file:{self.cfg.data_dir / 'coordinator.sqlite'}?mode=ro", uri=True)
         con.row_factory = sqlite3.Row
         try:
-            sql = "SELECT id, node_id, status, held, reason, accepted_seq FROM rollout_groups"
+            sql = "SELECT id, node_id, status, held, vouches, reason, accepted_seq FROM rollout_groups"
             rows = con.execute(sql + (" WHERE node_id = ?" if node_id else "") + " ORDER BY id",
                                (node_id,) if node_id else ()).fetchall()
         finally:
             con.close()
         return [dict(r) for r in rows]
+
+    def node_facts(self, node_id: str) -> tuple[int, bool]:
+        """(full checks passed, banned) of a node, read from the coordinator's database."""
+        con = sqlite3.connect(f"file:{self.cfg.data_dir / 'coordinator.sqlite'}?mode=ro", uri=True)
+        try:
+            row = con.execute("SELECT checks_passed, banned FROM nodes WHERE id = ?", (node_id,)).fetchone()
+        finally:
+            con.close()
+        return (int(row[0]), bool(row[1])) if row else (0, False)
 
     def node_row(self, node_id: str) -> m.NodeStatus | None:
         return next((n for n in self.op.status().nodes if n.node_id == node_id), None)

@@ -101,12 +101,14 @@ Edit = Callable[[m.Rollout, list[int], Truth, random.Random, m.SamplingSpec], m.
 class EditNode(ScriptedNode):
     """Honest generation, then `edit` applied to one rollout of every group (re-annotated with the true model)."""
 
-    def __init__(self, cfg: NodeConfig, edit: Edit, seed: int = 0):
+    def __init__(self, cfg: NodeConfig, edit: Edit, seed: int = 0, truth: Truth | None = None):
         super().__init__(cfg)
         self.edit, self.rng = edit, random.Random(seed)
+        self.truth = truth
+        """The true model, if one is already loaded (attackers that come back under new keys share one)."""
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        truth = Truth(self.true_checkpoint)
+        truth = self.truth if self.truth is not None else Truth(self.true_checkpoint)
         groups = []
         for g in submission.groups:
             rollouts = list(g.rollouts)
@@ -235,7 +237,7 @@ class OldWeightsNode(ScriptedNode):
         self.true_checkpoint = path
         self._ready = (manifest.version, path)
 
-    def _catch_up(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
+    def wait_for_weights(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
         pass  # it stays on the old weights on purpose
 
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
