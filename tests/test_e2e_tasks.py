@@ -9,8 +9,10 @@ on loopback. The demo itself measures the held-out reward (greedy, mean trusted 
 sandboxed tests for code) of the warm-started model and of the newest checkpoint the trainer published.
 
 Margins: the held-out sets have 422 (math) and 270 (code) problems, so one measurement's standard error is at most
-0.024 and 0.030 (p(1 - p) / n at p = 0.5); the rise asserted, 0.1, is over four of them, while the runs measured
-rose by about twice that (bench/RESULTS.md, "Bring your own model and task").
+0.024 and 0.030 (sqrt(p(1 - p) / n) at p = 0.5): the rise asserted, 0.1, is four and three of them, while the runs
+measured rose by 0.17-0.21 (math) and 0.32-0.38 (code) (bench/RESULTS.md, "Bring your own model and task"). The
+warm start is seeded and single-threaded, so every run starts from the same model. Wall time on 2 busy cores:
+3-7 min (math), about 9 min (code, where every rollout's program runs in a fresh sandbox).
 """
 
 from __future__ import annotations
