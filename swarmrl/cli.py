@@ -7,7 +7,7 @@
     swarmrl ledger --url http://pool.example:8470 --csv
     swarmrl ledger --verify node-data/receipts.jsonl --coordinator-key HEX
     swarmrl demo --report report.json
-    swarmrl demo --config examples/math-qwen2/swarm.toml
+    swarmrl demo --config examples/math-qwen2/swarm.toml --set data_dir=examples/math-qwen2
 
 Every role takes `--config FILE.toml` and any number of `--set dotted.key=value` overrides, and
 `--print-config` shows the resolved config without running.
