@@ -1,25 +1,27 @@
 """The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, the dashboard (`/`) and
 Prometheus metrics (`/metrics`).
 
-HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed
-endpoints are sync functions (FastAPI runs them in its thread pool) whose request is authenticated by a
-dependency that reads the raw body on the event loop and then opens the envelope (`coordinator.gate`). Every
-error is `{"detail": reason}`; path parameters are bounded like payload fields (422 beyond them).
+HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed endpoints
+go through `coordinator.pipeline` (one hop to a worker thread, the gate, the action, a stored answer for a retry).
+Every error is `{"detail": reason}`: refusals are 4xx, failures of the coordinator's own storage 503/507
+(`coordinator.failures`), anything else a 500 that keeps the connection (`coordinator.middleware`). Path and query
+parameters are bounded like payload fields (422 beyond them); every list is a page. The OpenAPI schema is served
+at /openapi.json.
 
-No `from __future__ import annotations` here: FastAPI must evaluate the endpoint annotations, some of
-which name dependencies local to `build_app`.
+No `from __future__ import annotations` here: FastAPI must evaluate the endpoint annotations.
 """
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi import FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
@@ -27,23 +29,28 @@ from swarmrl.coordinator import dashboard, metrics
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import is_sha256
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.failures import refusal_of
 from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware
+from swarmrl.coordinator.pipeline import REFUSALS, Offload, SignedDispatch, SignedRoutes
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.ledger import MAX_LEDGER_PAGE
-from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptsRequest
+from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, LedgerPage
+from swarmrl.protocol.manifest import SignedManifest
+from swarmrl.protocol.overview import Overview
+from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.runtime.client import ENVELOPE_HEADER
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
+log = logging.getLogger("swarmrl.coordinator")
 
 
 def _json(obj: BaseModel) -> Response:
     return Response(obj.model_dump_json(), media_type="application/json")
 
 
-def _error(status: int, reason: str) -> JSONResponse:
-    return JSONResponse({"detail": reason}, status_code=status)
+def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": reason}, status_code=status, headers=headers)
 
 
 def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -52,15 +59,19 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     The store opens now (so `app.state.coordinator` is usable at once) and closes on app shutdown.
     """
     svc = Coordinator(config, identity, clock=clock)
+    offload = Offload(config.store_pool_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # noqa: ANN202
         try:
             yield
         finally:
+            offload.close()
             svc.close()
 
-    app = FastAPI(title="swarmrl coordinator", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="swarmrl coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Signed endpoints take an Ed25519-signed envelope (see protocol.signing) whose payload "
+                              "is the endpoint's message; refusals are {\"detail\": reason}.")
     app.state.coordinator = svc
 
     def limit_for(scope: Scope) -> int:
@@ -68,14 +79,13 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
             return config.max_shard_bytes
         return config.max_body_bytes
 
+    signed = SignedRoutes(svc)
+    signed.install_openapi(app)
+    app.add_middleware(SignedDispatch, routes=signed, offload=offload)  # inside the body limit
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
     app.add_middleware(ErrorMiddleware)
     prometheus_registry = metrics.coordinator_registry(svc)
     app.add_middleware(metrics.HttpMetrics, registry=prometheus_registry)  # added last: the outermost, counts all
-
-    @app.exception_handler(Refused)
-    async def _refused(_: Request, e: Refused) -> JSONResponse:
-        return _error(e.status, e.reason)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> Response:
@@ -88,139 +98,130 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in e.errors()]
         return _error(422, "; ".join(parts[:5]) or "invalid request")
 
-    async def raw_body(request: Request) -> bytes:
-        return await request.body()
+    async def _refusal(request: Request, e: Exception) -> JSONResponse:
+        refusal = refusal_of(e, f"{request.method} {request.url.path}")
+        if refusal is None:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+            return _error(500, f"internal error ({type(e).__name__})")
+        return _error(*refusal)
 
-    RawBody = Annotated[bytes, Depends(raw_body)]
+    for exc in (Refused, SQLAlchemyError, OSError):
+        app.add_exception_handler(exc, _refusal)
 
-    def header_signed(request: Request, kind: str, model: type[BaseModel], role: str | None) -> Signed:
-        """A request whose signed envelope travels in the ENVELOPE_HEADER header (its body, if any, is data)."""
-        header = request.headers.get(ENVELOPE_HEADER)
+    Envelope = Annotated[str | None, Header(alias=ENVELOPE_HEADER, max_length=8192,
+                                            description="The signed envelope of a request whose body is data.")]
+
+    def header_signed(header: str | None, kind: str, model: type[BaseModel], role: str | None) -> Signed:
+        """A request whose signed envelope travels in the ENVELOPE_HEADER header (its body, if any, is data),
+        authenticated and its nonce recorded (`Gate.admit_alone`: such requests store no answer)."""
         if header is None:
             raise Refused(401, f"missing {ENVELOPE_HEADER} header")
-        return svc.gate.open(header, kind, model, role)
-
-    def signed(kind: str, model: type[BaseModel], role: str | None) -> Any:
-        def authenticate(body: RawBody) -> Signed:
-            return svc.gate.open(body, kind, model, role)
-
-        return Depends(authenticate)
+        opened = svc.gate.open(header, kind, model, role)
+        svc.gate.admit_alone(opened)
+        return opened
 
     # -- public ---------------------------------------------------------------------------------------
 
-    @app.get("/v1/info")
+    Page = Annotated[int, Query(ge=0, le=m.MAX_PAGE)]
+
+    @app.get("/v1/info", response_model=m.RunInfo, responses=REFUSALS)
     def info() -> Response:
         return _json(svc.status.run_info())
 
-    @app.get("/v1/status")
-    def status() -> Response:
-        return _json(svc.status.snapshot())
+    @app.get("/v1/status", response_model=m.RunStatus, responses=REFUSALS)
+    def status(nodes: Page = 100, metrics: Page = 100) -> Response:
+        """Counters of the run, the first `nodes` nodes and the newest `metrics` trainer reports."""
+        return _json(svc.status.snapshot(nodes_limit=nodes, metrics_limit=metrics))
 
-    @app.get("/v1/manifest/latest")
+    @app.get("/v1/nodes", response_model=m.NodePage, responses=REFUSALS)
+    def nodes(after: Annotated[str, Query(max_length=64)] = "",
+              limit: Annotated[int, Query(ge=1, le=m.MAX_PAGE)] = 100) -> Response:
+        """Registered nodes in id order, `limit` after node id `after`."""
+        return _json(svc.status.nodes_page(after, limit))
+
+    @app.get("/v1/metrics/trainer", response_model=m.MetricsPage, responses=REFUSALS)
+    def trainer_reports(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,
+                        limit: Annotated[int, Query(ge=1, le=m.MAX_PAGE)] = 100) -> Response:
+        """Trainer metrics reports, oldest first, `limit` after report `after`."""
+        return _json(svc.status.metrics_page(after, limit))
+
+    @app.get("/v1/manifest/latest", response_model=SignedManifest, responses={**REFUSALS, 204: {}})
     def manifest_latest() -> Response:
         signed_manifest = svc.checkpoints.manifest()
         return Response(status_code=204) if signed_manifest is None else _json(signed_manifest)
 
-    @app.get("/v1/manifest/{version}")
+    @app.get("/v1/manifest/{version}", response_model=SignedManifest, responses=REFUSALS)
     def manifest_version(version: Annotated[int, Path(ge=0, lt=m.INT64_END)]) -> Response:
         signed_manifest = svc.checkpoints.manifest(version)
         if signed_manifest is None:
             raise Refused(404, f"no manifest for version {version}")
         return _json(signed_manifest)
 
-    @app.get("/v1/shards/{sha256}")
-    def shard(sha256: str) -> Response:
+    @app.get("/v1/shards/{sha256}", response_class=FileResponse, responses=REFUSALS)
+    def shard(sha256: Annotated[str, Path(max_length=64)]) -> Response:
         return FileResponse(svc.checkpoints.shard_path(sha256), media_type="application/octet-stream")
 
-    @app.get("/")
+    @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:
         return HTMLResponse(dashboard.PAGE)
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:
         return Response(metrics.render(prometheus_registry), media_type=metrics.CONTENT_TYPE)
 
-    @app.get("/v1/overview")
+    @app.get("/v1/overview", response_model=Overview, responses=REFUSALS)
     def overview() -> Response:
         return _json(svc.overviews.overview())
 
-    @app.get("/v1/ledger")
+    @app.get("/v1/ledger", response_model=LedgerPage, responses=REFUSALS)
     def ledger(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,
                limit: Annotated[int, Query(ge=1, le=MAX_LEDGER_PAGE)] = 100,
                node_id: Annotated[str | None, Query(pattern="^[0-9a-f]{40}$")] = None) -> Response:
         return _json(svc.ledger.page(after, limit, node_id))
 
-    @app.get("/v1/receipts")
-    def receipts(request: Request) -> Response:
+    @app.get("/v1/receipts", response_model=ReceiptPage, responses=REFUSALS)
+    def receipts(envelope: Envelope = None) -> Response:
         # A GET: the node's signed request travels in the envelope header. Any key may ask; it gets its own.
-        return _json(svc.ledger.receipts_page(header_signed(request, KIND_RECEIPTS, ReceiptsRequest, None)))
+        return _json(svc.ledger.receipts_page(header_signed(envelope, KIND_RECEIPTS, ReceiptsRequest, None)))
 
     # -- nodes ----------------------------------------------------------------------------------------
 
-    @app.post("/v1/register/challenge")
+    @app.post("/v1/register/challenge", response_model=m.Challenge, responses=REFUSALS)
     def register_challenge(req: m.ChallengeRequest) -> Response:
         return _json(svc.registry.challenge(req))
 
-    @app.post("/v1/register")
-    def register(req: Annotated[Signed, signed(m.KIND_REGISTER, m.RegisterRequest, None)]) -> Response:
-        return _json(svc.register(req))
-
-    @app.post("/v1/lease")
-    def lease(req: Annotated[Signed, signed(m.KIND_LEASE, m.LeaseRequest, "node")]) -> Response:
-        result = svc.leases.issue(req)
-        return Response(status_code=204) if result is None else _json(result)
-
-    @app.post("/v1/submit")
-    def submit(req: Annotated[Signed, signed(m.KIND_SUBMIT, m.RolloutSubmission, "node")]) -> Response:
-        return _json(svc.leases.submit(req))
-
-    @app.post("/v1/heartbeat")
-    def heartbeat(req: Annotated[Signed, signed(m.KIND_HEARTBEAT, m.Heartbeat, "node")]) -> Response:
-        svc.registry.heartbeat(req)
-        return Response(status_code=204)
+    signed.add("/v1/register", m.KIND_REGISTER, m.RegisterRequest, None, svc.register, answer=m.Registered)
+    signed.add("/v1/lease", m.KIND_LEASE, m.LeaseRequest, "node", svc.leases.issue, answer=m.Lease,
+               empty="No work now (no published version yet, or enough work in flight): ask again later.")
+    signed.add("/v1/submit", m.KIND_SUBMIT, m.RolloutSubmission, "node", svc.leases.submit, answer=m.SubmitResult)
+    signed.add("/v1/heartbeat", m.KIND_HEARTBEAT, m.Heartbeat, "node", svc.registry.heartbeat, idempotent=False)
 
     # -- verifier -------------------------------------------------------------------------------------
 
-    @app.post("/v1/verifier/pending")
-    def pending(req: Annotated[Signed, signed(m.KIND_VERIFIER_PENDING, m.PendingRequest, "operator")]) -> Response:
-        groups = svc.verification.claim(req)
-        body = '{"groups":[' + ",".join(g.model_dump_json() for g in groups) + "]}"
-        return Response(body, media_type="application/json")
-
-    @app.post("/v1/verifier/verdicts")
-    def verdicts(req: Annotated[Signed, signed(m.KIND_VERIFIER_VERDICTS, m.VerdictBatch, "operator")]) -> Response:
-        svc.verification.decide(req)
-        return Response(status_code=204)
+    signed.add("/v1/verifier/pending", m.KIND_VERIFIER_PENDING, m.PendingRequest, "operator",
+               svc.verification.claim, answer=m.PendingGroups)
+    signed.add("/v1/verifier/verdicts", m.KIND_VERIFIER_VERDICTS, m.VerdictBatch, "operator", svc.verification.decide)
 
     # -- trainer --------------------------------------------------------------------------------------
 
-    @app.post("/v1/trainer/batch")
-    def trainer_batch(req: Annotated[Signed, signed(m.KIND_TRAINER_BATCH, m.BatchRequest, "operator")]) -> Response:
-        return _json(svc.feed.batch(req))
+    signed.add("/v1/trainer/batch", m.KIND_TRAINER_BATCH, m.BatchRequest, "operator", svc.feed.batch,
+               answer=m.TrainingBatch, idempotent=False)
+    signed.add("/v1/trainer/ack", m.KIND_TRAINER_ACK, m.FeedAck, "operator", svc.feed.ack, answer=m.FeedAcked)
+    signed.add("/v1/trainer/publish", m.KIND_TRAINER_PUBLISH, m.PublishRequest, "operator", svc.checkpoints.publish,
+               answer=SignedManifest)
+    signed.add("/v1/trainer/metrics", m.KIND_TRAINER_METRICS, m.TrainerMetrics, "operator", svc.status.record_metrics)
 
-    @app.post("/v1/trainer/ack")
-    def trainer_ack(req: Annotated[Signed, signed(m.KIND_TRAINER_ACK, m.FeedAck, "operator")]) -> Response:
-        return _json(svc.feed.ack(req))
-
-    @app.put(SHARD_PUT_PREFIX + "{sha256}")
-    async def put_shard(sha256: str, request: Request) -> Response:
+    @app.put(SHARD_PUT_PREFIX + "{sha256}", status_code=204, responses=REFUSALS)
+    async def put_shard(sha256: Annotated[str, Path(max_length=64)], request: Request, envelope: Envelope = None
+                        ) -> Response:
+        """Upload one content-addressed shard (the body); the signed `trainer.shard` envelope is in the header."""
         # Authenticate from the header first, so that nobody but an operator makes us buffer a shard.
         if not is_sha256(sha256):
             raise Refused(400, "not a sha256")
-        opened = await run_in_threadpool(header_signed, request, m.KIND_TRAINER_SHARD, m.ShardUpload, "operator")
+        opened = await offload(header_signed, envelope, m.KIND_TRAINER_SHARD, m.ShardUpload, "operator")
         upload = svc.checkpoints.check_shard_upload(sha256, opened.payload)
         data = await request.body()
-        await run_in_threadpool(svc.checkpoints.put_shard, upload, data)
-        return Response(status_code=204)
-
-    @app.post("/v1/trainer/publish")
-    def publish(req: Annotated[Signed, signed(m.KIND_TRAINER_PUBLISH, m.PublishRequest, "operator")]) -> Response:
-        return _json(svc.checkpoints.publish(req))
-
-    @app.post("/v1/trainer/metrics")
-    def trainer_metrics(req: Annotated[Signed, signed(m.KIND_TRAINER_METRICS, m.TrainerMetrics, "operator")]
-                        ) -> Response:
-        svc.status.record_metrics(req)
+        await offload(svc.checkpoints.put_shard, upload, data)
         return Response(status_code=204)
 
     return app

@@ -8,13 +8,12 @@ does not fit its schema (422). Nothing here looks at the payload before the sign
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from swarmrl.coordinator.db.rows import NodeRow
-from swarmrl.protocol.signing import SignatureError, SignedEnvelope, verify
+from swarmrl.protocol.signing import SignatureError, SignedEnvelope, open_signed
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -22,23 +21,33 @@ T = TypeVar("T", bound=BaseModel)
 class Refused(Exception):
     """A request the coordinator refuses: `status` is the HTTP status, `reason` says why."""
 
-    def __init__(self, status: int, reason: str):
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None):
         super().__init__(f"{status}: {reason}")
         self.status = status
         self.reason = reason
+        self.headers = headers or {}
+
+
+class Replayed(Refused):
+    """A nonce this signer used before (409)."""
+
+    def __init__(self) -> None:
+        super().__init__(409, "replayed request")
 
 
 @dataclass(frozen=True)
 class Signed:
-    """An authenticated request: its envelope, typed payload and (for node endpoints) the node's row."""
+    """An authenticated request: its envelope, typed payload, and (when the client sent one for an endpoint that
+    stores answers) its Idempotency-Key with the digest that identifies the request across retries."""
 
     env: SignedEnvelope
     payload: Any
-    node: NodeRow | None = None
+    idempotency_key: str | None = None
+    digest: str = ""
+    signer: str = field(init=False)
 
-    @property
-    def signer(self) -> str:
-        return self.env.signer_id
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "signer", self.env.signer_id)  # a hash: computed once
 
 
 def describe_validation_error(e: ValidationError, limit: int = 5) -> str:
@@ -53,18 +62,13 @@ def describe_validation_error(e: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
-def parse_envelope(raw: bytes | str) -> SignedEnvelope:
-    """The envelope in `raw`, or Refused(422) saying why it is malformed."""
+def open_envelope(raw: bytes | str, kind: str, now: float, max_skew_s: float) -> tuple[SignedEnvelope, bytes]:
+    """The envelope in `raw` and the payload JSON it signs (`protocol.signing.open_signed`); Refused(422) saying why
+    it is malformed, Refused(401) unless it is a valid `kind` message signed within the clock window."""
     try:
-        return SignedEnvelope.model_validate_json(raw)
+        return open_signed(raw.encode() if isinstance(raw, str) else raw, kind=kind, now=now, max_skew_s=max_skew_s)
     except ValidationError as e:
         raise Refused(422, f"malformed envelope: {describe_validation_error(e)}") from None
-
-
-def check_signature(env: SignedEnvelope, kind: str, now: float, max_skew_s: float) -> None:
-    """Refused(401) unless `env` is a valid `kind` message signed within the clock window."""
-    try:
-        verify(env, kind=kind, now=now, max_skew_s=max_skew_s)
     except SignatureError as e:
         raise Refused(401, e.reason) from None
 

@@ -19,9 +19,12 @@ from swarmrl.coordinator import feed
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow
 from swarmrl.coordinator.db.schema import LEASE_COUNTER, lease_prompts, leases, rollout_groups
-from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, load
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.registry import require_node, touch
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.tasks import Task
@@ -30,47 +33,52 @@ from swarmrl.protocol.validation import group_problem, staleness_problem
 # -- queries ----------------------------------------------------------------------------------------------
 
 _l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
-_OPEN_LEASES = select(func.count()).select_from(leases).where(
-    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double))
+_OPEN_LEASES = Prepared(select(func.count()).select_from(leases).where(
+    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double)))
 _GET_LEASE = select(leases).where(_l.id == bindparam("b_lease"))
-_GET_LEASE_LOCKED = _GET_LEASE.with_for_update()
-_PROMPTS = select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position)
-_MARK = update(lease_prompts).where(_p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"),
-                                    _p.submitted.is_(False)).values(submitted=True)
+_GET_LEASE_LOCKED = Prepared(_GET_LEASE.with_for_update())
+_GET_LEASE = Prepared(_GET_LEASE)
+_PROMPTS = Prepared(select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position))
+_MARK = Prepared(update(lease_prompts).where(
+    _p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"), _p.submitted.is_(False)
+).values(submitted=True))
 _CLOSE = update(leases).where(_l.id == bindparam("b_lease")).values(state="done")
-_CLOSE_IF_COMPLETE = _CLOSE.where(_l.state == "open", ~exists().where(_p.lease_id == bindparam("b_lease"),
-                                                                      _p.submitted.is_(False)))
-_INSERT_GROUP = rollout_groups.insert().returning(_g.id)
+_CLOSE_IF_COMPLETE = Prepared(_CLOSE.where(_l.state == "open", ~exists().where(_p.lease_id == bindparam("b_lease"),
+                                                                               _p.submitted.is_(False))))
+_INSERT_LEASE = Prepared(leases.insert(), keys=["id", "node_id", "policy_version", "issued_at", "expires_at",
+                                                "sampling"])
+_INSERT_PROMPT = Prepared(lease_prompts.insert(), keys=["lease_id", "prompt_id", "position", "text", "answer", "seeds"])
+_INSERT_GROUP = Prepared(rollout_groups.insert().returning(_g.id),
+                         keys=["node_id", "lease_id", "prompt_id", "policy_version", "payload", "submitted_at"])
 
 
 def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
-    return tx.execute(_OPEN_LEASES, {"b_node": node_id, "b_now": now}).scalar_one()
+    return int(_OPEN_LEASES.scalar(tx, b_node=node_id, b_now=now))
 
 
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
                  sampling: dict[str, Any], prompts: list[tuple[str, str, str, list[int]]]) -> None:
     """Store a lease and its prompts, each (prompt_id, text, answer, seeds)."""
-    tx.execute(leases.insert(), {"id": lease_id, "node_id": node_id, "policy_version": policy_version,
-                                 "issued_at": issued_at, "expires_at": expires_at, "sampling": sampling})
+    _INSERT_LEASE.rowcount(tx, id=lease_id, node_id=node_id, policy_version=policy_version, issued_at=issued_at,
+                           expires_at=expires_at, sampling=sampling)
     if prompts:
-        tx.execute(lease_prompts.insert(), [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a,
-                                                 seeds=s) for i, (p, t, a, s) in enumerate(prompts)])
+        _INSERT_PROMPT.many(tx, [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a, seeds=s)
+                                 for i, (p, t, a, s) in enumerate(prompts)])
 
 
 def get_lease(tx: Tx, lease_id: str, *, lock: bool = False) -> LeaseRow | None:
     """The lease; with `lock`, locked until the transaction ends (submissions of one lease take turns)."""
-    row = tx.execute(_GET_LEASE_LOCKED if lock else _GET_LEASE, {"b_lease": lease_id}).first()
-    return load(LeaseRow, row) if row is not None else None
+    return (_GET_LEASE_LOCKED if lock else _GET_LEASE).first_as(LeaseRow, tx, b_lease=lease_id)
 
 
 def get_prompts(tx: Tx, lease_id: str) -> dict[str, LeasePromptRow]:
     """The lease's prompts by prompt id, in leased order, answers included (server side only)."""
-    return {r.prompt_id: load(LeasePromptRow, r) for r in tx.execute(_PROMPTS, {"b_lease": lease_id})}
+    return {r.prompt_id: r for r in _PROMPTS.all_as(LeasePromptRow, tx, b_lease=lease_id)}
 
 
 def mark_submitted(tx: Tx, lease_id: str, prompt_id: str) -> bool:
     """Flag a prompt submitted; False if it already was (so a racing duplicate cannot slip through)."""
-    return tx.execute(_MARK, {"b_lease": lease_id, "b_prompt": prompt_id}).rowcount == 1
+    return _MARK.rowcount(tx, b_lease=lease_id, b_prompt=prompt_id) == 1
 
 
 def close_lease(tx: Tx, lease_id: str) -> None:
@@ -78,15 +86,14 @@ def close_lease(tx: Tx, lease_id: str) -> None:
 
 
 def close_lease_if_complete(tx: Tx, lease_id: str) -> bool:
-    return tx.execute(_CLOSE_IF_COMPLETE, {"b_lease": lease_id}).rowcount == 1
+    return _CLOSE_IF_COMPLETE.rowcount(tx, b_lease=lease_id) == 1
 
 
 def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int, payload: dict[str, Any],
                  now: float) -> int:
     """A new pending group; its id."""
-    return tx.execute(_INSERT_GROUP, {"node_id": node_id, "lease_id": lease_id, "prompt_id": prompt_id,
-                                      "policy_version": policy_version, "payload": payload, "submitted_at": now}
-                      ).scalar_one()
+    return int(_INSERT_GROUP.scalar(tx, node_id=node_id, lease_id=lease_id, prompt_id=prompt_id,
+                                    policy_version=policy_version, payload=payload, submitted_at=now))
 
 
 def buffered_work(tx: Tx, min_version: int, now: float) -> int:
@@ -118,6 +125,7 @@ class Leases:
         cfg, run = self.config, self.config.run
 
         def lease(tx: Tx) -> m.Lease | None:
+            admit(tx, req)
             require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
             version = current_version(tx)
@@ -126,7 +134,7 @@ class Leases:
             if cfg.max_buffered_groups is not None and \
                     buffered_work(tx, version - run.max_staleness, now) >= cfg.max_buffered_groups:
                 # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
-                return None
+                return None  # not remembered: no work was handed out, and a retry may find some
             if count_open_leases(tx, req.signer, now) >= cfg.max_outstanding_leases:
                 raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
                                    "them expire first")
@@ -141,8 +149,10 @@ class Leases:
             expires_at = now + cfg.lease_ttl_s
             insert_lease(tx, lease_id, req.signer, version, now, expires_at, run.sampling.model_dump(mode="json"),
                          prompts)
-            return m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=run.sampling,
-                           prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+            answer = m.Lease(lease_id=lease_id, policy_version=version, expires_at=expires_at, sampling=run.sampling,
+                             prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+            remember(tx, req, answer, now)
+            return answer
 
         return self.store.write(lease)
 
@@ -157,6 +167,8 @@ class Leases:
         max_staleness = self.config.run.max_staleness
 
         def take(tx: Tx) -> m.SubmitResult:
+            admit(tx, req)
+            require_node(tx, req.signer)
             lease = get_lease(tx, sub.lease_id, lock=True)
             if lease is None:
                 raise Refused(404, "unknown lease")
@@ -187,9 +199,14 @@ class Leases:
                 insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
                              group.model_dump(mode="json"), now)
                 accepted.append(group.prompt_id)
-            close_lease_if_complete(tx, sub.lease_id)
+            if accepted and all(p.submitted or p.prompt_id in accepted for p in prompts.values()):
+                # Only a submission that took the lease's last prompts can complete it (the row lock on the lease
+                # keeps another one from taking some meanwhile); the statement checks again anyway.
+                close_lease_if_complete(tx, sub.lease_id)
             touch(tx, req.signer, now)
-            return m.SubmitResult(accepted=accepted, rejected=rejected)
+            answer = m.SubmitResult(accepted=accepted, rejected=rejected)
+            remember(tx, req, answer, now)
+            return answer
 
         try:
             return self.store.write(take, notify=True)

@@ -229,7 +229,7 @@ def watch(swarm: Swarm, client: CoordinatorClient, cfg: DemoConfig, t_start: flo
         while True:
             time.sleep(1.0)
             try:
-                status: RunStatus | None = client.status()
+                status: RunStatus | None = client.status(metrics=1000)
             except (CoordinatorError, httpx.TransportError):
                 status = None
             phase = "learning" if status and status.metrics else "starting"
@@ -290,7 +290,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             if swarm.procs[name].returncode not in (0, None):
                 console.print(f"[red]{name} exited with {swarm.procs[name].returncode}[/]; last log lines:\n"
                               f"{swarm.log_tail(name)}")
-        status = client.status()
+        status = client.status(metrics=1000)  # the whole run's reports, for the plot
         version, final_acc, final_reward = evaluate_published(
             client, keys["coordinator"].public_key_hex, run_dir / "eval", task, cfg)
     finally:

@@ -35,6 +35,8 @@ class NodeRow:
     busy_total: float
     counters_at: float | None
     """When the node last reported its counters; None before its first report."""
+    gone_since: float | None = None
+    """When the node was marked gone for missing its heartbeats; None while it is live."""
 
 
 @dataclass(frozen=True)
