@@ -95,17 +95,20 @@ class EvalWatcher(threading.Thread):
 
 def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Namespace) -> dict[str, Any]:
     """One demo run from the shared checkpoint; returns its report and timestamped evaluation points."""
-    from swarmrl.demo import DemoConfig, run_demo
+    from swarmrl.demo import DemoConfig, addition_run, run_demo
     from swarmrl.runtime.config import load_config
 
+    run = addition_run().model_dump(mode="json", exclude={"run_id"})  # each run gets its own demo-<time> id
+    run["max_staleness"] = max_staleness
+    run["sampling"]["group_size"] = args.group_size
     if run_dir.exists():
         shutil.rmtree(run_dir)
     shutil.copytree(init, run_dir / "init")  # run_demo skips its warm start when init/config.json exists
     cfg = load_config(
         DemoConfig, None, args.demo_set,
-        run_dir=run_dir, nodes=args.nodes, engine=args.engine, max_staleness=max_staleness,
+        run_dir=run_dir, nodes=args.nodes, engine=args.engine, run=run,
         target_accuracy=args.target, time_limit_s=args.time_limit, max_steps=args.max_steps,
-        batch_groups=args.batch_prompts, group_size=args.group_size, lr=args.lr, eval_every=args.eval_every,
+        batch_groups=args.batch_prompts, lr=args.lr, eval_every=args.eval_every,
         seed=args.seed,
     )
     watcher = EvalWatcher(run_dir)

@@ -1,27 +1,29 @@
 """The coordinator's HTTP API: the endpoints `runtime.client.CoordinatorClient` calls, the dashboard (`/`) and
 Prometheus metrics (`/metrics`).
 
-HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed
-endpoints are sync functions (FastAPI runs them in its thread pool) whose request is authenticated by two
-dependencies (`coordinator.gate`): on the event loop, the signature header is checked and only then is the body
-read; in the thread pool, the body's digest, the nonce and the payload. Every request passes the per-source rate
-limits first (`coordinator.ratelimit`), then the body-size limit. Every error is `{"detail": reason}` (a 429 with
-Retry-After); path parameters are bounded like payload fields (422 beyond them).
+HTTP plumbing only: each route hands its request to one part of `coordinator.service.Coordinator`. Signed endpoints
+go through `coordinator.pipeline` (the signature header checked before the body is read, one hop to a worker
+thread, the gate, the action, a stored answer for a retry). Every request passes the per-source rate limits first
+(`coordinator.ratelimit`; inside the HTTP metrics, so that 429s are counted), then the body-size limit. Every
+error is `{"detail": reason}`: refusals are 4xx (a 429 with Retry-After), failures of the coordinator's own
+storage 503/507 (`coordinator.failures`), anything else a 500 that keeps the connection (`coordinator.middleware`).
+Path and query parameters are bounded like payload fields (422 beyond them); every list is a page. The OpenAPI
+schema is served at /openapi.json.
 
-No `from __future__ import annotations` here: FastAPI must evaluate the endpoint annotations, some of
-which name dependencies local to `build_app`.
+No `from __future__ import annotations` here: FastAPI must evaluate the endpoint annotations.
 """
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi import FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
@@ -29,24 +31,29 @@ from swarmrl.coordinator import dashboard, metrics
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import is_sha256
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.failures import refusal_of
 from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware
-from swarmrl.coordinator.ratelimit import RateLimitMiddleware, retry_after_header, source_of
+from swarmrl.coordinator.pipeline import REFUSALS, Offload, SignedDispatch, SignedRoutes
+from swarmrl.coordinator.ratelimit import RateLimitMiddleware
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.ledger import MAX_LEDGER_PAGE
-from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptsRequest
-from swarmrl.protocol.signing import MAX_HEADER_CHARS, PAYLOAD_HEADER, SIGNATURE_HEADER, Signature
+from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, LedgerPage
+from swarmrl.protocol.manifest import SignedManifest
+from swarmrl.protocol.overview import Overview
+from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
+from swarmrl.protocol.signing import MAX_HEADER_CHARS, PAYLOAD_HEADER, SIGNATURE_HEADER
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
+log = logging.getLogger("swarmrl.coordinator")
 
 
 def _json(obj: BaseModel) -> Response:
     return Response(obj.model_dump_json(), media_type="application/json")
 
 
-def _error(status: int, reason: str) -> JSONResponse:
-    return JSONResponse({"detail": reason}, status_code=status)
+def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": reason}, status_code=status, headers=headers)
 
 
 def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -55,15 +62,20 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     The store opens now (so `app.state.coordinator` is usable at once) and closes on app shutdown.
     """
     svc = Coordinator(config, identity, clock=clock)
+    offload = Offload(config.store_pool_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # noqa: ANN202
         try:
             yield
         finally:
+            offload.close()
             svc.close()
 
-    app = FastAPI(title="swarmrl coordinator", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="swarmrl coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description=f"A signed request's body is the endpoint's message; its Ed25519 signature, over the "
+                              f"body's sha256 and this pool, travels in the {SIGNATURE_HEADER} header (see "
+                              "protocol.signing). Refusals are {\"detail\": reason}.")
     app.state.coordinator = svc
 
     def limit_for(scope: Scope) -> int:
@@ -71,18 +83,14 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
             return config.max_shard_bytes
         return config.max_body_bytes
 
+    signed = SignedRoutes(svc)
+    signed.install_openapi(app)
+    app.add_middleware(SignedDispatch, routes=signed, offload=offload, limits=config.rate_limits)
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
     app.add_middleware(RateLimitMiddleware, cfg=config.rate_limits)  # outside the body limit: before any body
     app.add_middleware(ErrorMiddleware)
     prometheus_registry = metrics.coordinator_registry(svc)
     app.add_middleware(metrics.HttpMetrics, registry=prometheus_registry)  # added last: the outermost, counts all
-
-    @app.exception_handler(Refused)
-    async def _refused(_: Request, e: Refused) -> JSONResponse:
-        resp = _error(e.status, e.reason)
-        if e.retry_after is not None:
-            resp.headers["retry-after"] = retry_after_header(e.retry_after).decode()
-        return resp
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> Response:
@@ -95,142 +103,136 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in e.errors()]
         return _error(422, "; ".join(parts[:5]) or "invalid request")
 
-    def signed(kind: str, model: type[BaseModel] | None, role: str | None) -> Any:
-        async def header_then_body(request: Request) -> tuple[Signature, bytes]:
-            # No body is read for a request whose header does not verify (microseconds, on the event loop).
-            sig = svc.gate.check_header(request.headers.get(SIGNATURE_HEADER), kind, role)
-            return sig, await request.body()
+    async def _refusal(request: Request, e: Exception) -> JSONResponse:
+        refusal = refusal_of(e, f"{request.method} {request.url.path}")
+        if refusal is None:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+            return _error(500, f"internal error ({type(e).__name__})")
+        return _error(*refusal)
 
-        def authenticate(checked: Annotated[tuple[Signature, bytes], Depends(header_then_body)]) -> Signed:
-            return svc.gate.admit(*checked, model, role)
+    for exc in (Refused, SQLAlchemyError, OSError):
+        app.add_exception_handler(exc, _refusal)
 
-        return Depends(authenticate)
+    Signature = Annotated[str | None, Header(alias=SIGNATURE_HEADER, max_length=MAX_HEADER_CHARS,
+                                             description="The Ed25519 signature of the request (protocol.signing).")]
+    Payload = Annotated[str, Header(alias=PAYLOAD_HEADER, max_length=MAX_HEADER_CHARS,
+                                    description="A signed GET's payload (JSON), signed as its body.")]
+
+    def header_signed(signature: str | None, payload: bytes, kind: str, model: type[BaseModel] | None,
+                      role: str | None) -> Signed:
+        """A request that is not a signed POST (a GET, whose payload travels in PAYLOAD_HEADER; a shard upload,
+        whose body is data), authenticated and its nonce recorded (`Gate.admit_alone`: such requests store no
+        answer)."""
+        opened = svc.gate.open(svc.gate.check_header(signature, kind, role), payload, model, role)
+        svc.gate.admit_alone(opened)
+        return opened
 
     # -- public ---------------------------------------------------------------------------------------
 
-    @app.get("/v1/info")
+    Page = Annotated[int, Query(ge=0, le=m.MAX_PAGE)]
+
+    @app.get("/v1/info", response_model=m.RunInfo, responses=REFUSALS)
     def info() -> Response:
         return _json(svc.status.run_info())
 
-    @app.get("/v1/status")
-    def status() -> Response:
-        return _json(svc.status.snapshot())
+    @app.get("/v1/status", response_model=m.RunStatus, responses=REFUSALS)
+    def status(nodes: Page = 100, metrics: Page = 100) -> Response:
+        """Counters of the run, the first `nodes` nodes and the newest `metrics` trainer reports."""
+        return _json(svc.status.snapshot(nodes_limit=nodes, metrics_limit=metrics))
 
-    @app.get("/v1/manifest/latest")
+    @app.get("/v1/nodes", response_model=m.NodePage, responses=REFUSALS)
+    def nodes(after: Annotated[str, Query(max_length=64)] = "",
+              limit: Annotated[int, Query(ge=1, le=m.MAX_PAGE)] = 100) -> Response:
+        """Registered nodes in id order, `limit` after node id `after`."""
+        return _json(svc.status.nodes_page(after, limit))
+
+    @app.get("/v1/metrics/trainer", response_model=m.MetricsPage, responses=REFUSALS)
+    def trainer_reports(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,
+                        limit: Annotated[int, Query(ge=1, le=m.MAX_PAGE)] = 100) -> Response:
+        """Trainer metrics reports, oldest first, `limit` after report `after`."""
+        return _json(svc.status.metrics_page(after, limit))
+
+    @app.get("/v1/manifest/latest", response_model=SignedManifest, responses={**REFUSALS, 204: {}})
     def manifest_latest() -> Response:
         signed_manifest = svc.checkpoints.manifest()
         return Response(status_code=204) if signed_manifest is None else _json(signed_manifest)
 
-    @app.get("/v1/manifest/{version}")
+    @app.get("/v1/manifest/{version}", response_model=SignedManifest, responses=REFUSALS)
     def manifest_version(version: Annotated[int, Path(ge=0, lt=m.INT64_END)]) -> Response:
         signed_manifest = svc.checkpoints.manifest(version)
         if signed_manifest is None:
             raise Refused(404, f"no manifest for version {version}")
         return _json(signed_manifest)
 
-    @app.get("/v1/shards/{sha256}")
-    def shard(sha256: str) -> Response:
+    @app.get("/v1/shards/{sha256}", response_class=FileResponse, responses=REFUSALS)
+    def shard(sha256: Annotated[str, Path(max_length=64)]) -> Response:
         return FileResponse(svc.checkpoints.shard_path(sha256), media_type="application/octet-stream")
 
-    @app.get("/")
+    @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:
         return HTMLResponse(dashboard.PAGE)
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:
         return Response(metrics.render(prometheus_registry), media_type=metrics.CONTENT_TYPE)
 
-    @app.get("/v1/overview")
+    @app.get("/v1/overview", response_model=Overview, responses=REFUSALS)
     def overview() -> Response:
         return _json(svc.overviews.overview())
 
-    @app.get("/v1/ledger")
+    @app.get("/v1/ledger", response_model=LedgerPage, responses=REFUSALS)
     def ledger(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,
                limit: Annotated[int, Query(ge=1, le=MAX_LEDGER_PAGE)] = 100,
                node_id: Annotated[str | None, Query(pattern="^[0-9a-f]{40}$")] = None) -> Response:
         return _json(svc.ledger.page(after, limit, node_id))
 
-    def header_signed(request: Request, kind: str, model: type[BaseModel], role: str | None) -> Signed:
-        """A signed request without a body (a GET): its payload travels in PAYLOAD_HEADER, signed as the body."""
-        payload = request.headers.get(PAYLOAD_HEADER, "")
-        if len(payload) > MAX_HEADER_CHARS:
-            raise Refused(400, f"the {PAYLOAD_HEADER} header is longer than {MAX_HEADER_CHARS} characters")
-        return svc.gate.open(request.headers.get(SIGNATURE_HEADER), payload.encode(), kind, model, role)
-
-    @app.get("/v1/receipts")
-    def receipts(request: Request) -> Response:
+    @app.get("/v1/receipts", response_model=ReceiptPage, responses=REFUSALS)
+    def receipts(signature: Signature = None, payload: Payload = "") -> Response:
         # A signed GET (payload and signature in headers). Any key may ask; it gets its own.
-        return _json(svc.ledger.receipts_page(header_signed(request, KIND_RECEIPTS, ReceiptsRequest, None)))
+        return _json(svc.ledger.receipts_page(header_signed(signature, payload.encode(), KIND_RECEIPTS,
+                                                            ReceiptsRequest, None)))
 
     # -- nodes ----------------------------------------------------------------------------------------
 
-    @app.post("/v1/register/challenge")
+    @app.post("/v1/register/challenge", response_model=m.Challenge, responses=REFUSALS)
     def register_challenge(req: m.ChallengeRequest) -> Response:
         return _json(svc.registry.challenge(req))
 
-    @app.post("/v1/register")
-    def register(request: Request, req: Annotated[Signed, signed(m.KIND_REGISTER, m.RegisterRequest, None)]
-                 ) -> Response:
-        return _json(svc.register(req, source_of(request.scope, config.rate_limits)))
-
-    @app.post("/v1/lease")
-    def lease(req: Annotated[Signed, signed(m.KIND_LEASE, m.LeaseRequest, "node")]) -> Response:
-        result = svc.leases.issue(req)
-        return Response(status_code=204) if result is None else _json(result)
-
-    @app.post("/v1/submit")
-    def submit(req: Annotated[Signed, signed(m.KIND_SUBMIT, m.RolloutSubmission, "node")]) -> Response:
-        return _json(svc.leases.submit(req))
-
-    @app.post("/v1/heartbeat")
-    def heartbeat(req: Annotated[Signed, signed(m.KIND_HEARTBEAT, m.Heartbeat, "node")]) -> Response:
-        svc.registry.heartbeat(req)
-        return Response(status_code=204)
+    signed.add("/v1/register", m.KIND_REGISTER, m.RegisterRequest, None, svc.register, answer=m.Registered)
+    signed.add("/v1/lease", m.KIND_LEASE, m.LeaseRequest, "node", svc.leases.issue, answer=m.Lease,
+               empty="No work now (no published version yet, or enough work in flight): ask again later.")
+    signed.add("/v1/submit", m.KIND_SUBMIT, m.RolloutSubmission, "node", svc.leases.submit, answer=m.SubmitResult)
+    signed.add("/v1/heartbeat", m.KIND_HEARTBEAT, m.Heartbeat, "node", svc.registry.heartbeat, idempotent=False)
 
     # -- verifier -------------------------------------------------------------------------------------
 
-    @app.post("/v1/verifier/pending")
-    def pending(req: Annotated[Signed, signed(m.KIND_VERIFIER_PENDING, m.PendingRequest, "operator")]) -> Response:
-        groups = svc.verification.claim(req)
-        body = '{"groups":[' + ",".join(g.model_dump_json() for g in groups) + "]}"
-        return Response(body, media_type="application/json")
-
-    @app.post("/v1/verifier/verdicts")
-    def verdicts(req: Annotated[Signed, signed(m.KIND_VERIFIER_VERDICTS, m.VerdictBatch, "operator")]) -> Response:
-        svc.verification.decide(req)
-        return Response(status_code=204)
+    signed.add("/v1/verifier/pending", m.KIND_VERIFIER_PENDING, m.PendingRequest, "operator",
+               svc.verification.claim, answer=m.PendingGroups)
+    signed.add("/v1/verifier/verdicts", m.KIND_VERIFIER_VERDICTS, m.VerdictBatch, "operator", svc.verification.decide)
 
     # -- trainer --------------------------------------------------------------------------------------
 
-    @app.post("/v1/trainer/batch")
-    def trainer_batch(req: Annotated[Signed, signed(m.KIND_TRAINER_BATCH, m.BatchRequest, "operator")]) -> Response:
-        return _json(svc.feed.batch(req))
+    signed.add("/v1/trainer/batch", m.KIND_TRAINER_BATCH, m.BatchRequest, "operator", svc.feed.batch,
+               answer=m.TrainingBatch, idempotent=False)
+    signed.add("/v1/trainer/ack", m.KIND_TRAINER_ACK, m.FeedAck, "operator", svc.feed.ack, answer=m.FeedAcked)
+    signed.add("/v1/trainer/publish", m.KIND_TRAINER_PUBLISH, m.PublishRequest, "operator", svc.checkpoints.publish,
+               answer=SignedManifest)
+    signed.add("/v1/trainer/metrics", m.KIND_TRAINER_METRICS, m.TrainerMetrics, "operator", svc.status.record_metrics)
 
-    @app.post("/v1/trainer/ack")
-    def trainer_ack(req: Annotated[Signed, signed(m.KIND_TRAINER_ACK, m.FeedAck, "operator")]) -> Response:
-        return _json(svc.feed.ack(req))
-
-    @app.put(SHARD_PUT_PREFIX + "{sha256}")
-    async def put_shard(sha256: str, request: Request) -> Response:
-        # The signed body digest is the shard's address: an operator's header for this shard is checked before a
-        # byte of the body is read, so that nobody else makes us buffer a shard.
+    @app.put(SHARD_PUT_PREFIX + "{sha256}", status_code=204, responses=REFUSALS)
+    async def put_shard(sha256: Annotated[str, Path(max_length=64)], request: Request, signature: Signature = None
+                        ) -> Response:
+        """Upload one content-addressed shard (the body), signed by an operator: the signed body digest is the
+        shard's address."""
+        # The header is checked before a byte of the body is read, so that nobody else makes us buffer a shard.
         if not is_sha256(sha256):
             raise Refused(400, "not a sha256")
-        sig = svc.gate.check_header(request.headers.get(SIGNATURE_HEADER), m.KIND_TRAINER_SHARD, "operator")
+        sig = svc.gate.check_header(signature, m.KIND_TRAINER_SHARD, "operator")
         if sig.body != sha256:
             raise Refused(422, "the signature is for another shard")
-        opened = await run_in_threadpool(svc.gate.admit, sig, await request.body(), None, "operator")
-        await run_in_threadpool(svc.checkpoints.put_shard, sha256, opened.payload)
-        return Response(status_code=204)
-
-    @app.post("/v1/trainer/publish")
-    def publish(req: Annotated[Signed, signed(m.KIND_TRAINER_PUBLISH, m.PublishRequest, "operator")]) -> Response:
-        return _json(svc.checkpoints.publish(req))
-
-    @app.post("/v1/trainer/metrics")
-    def trainer_metrics(req: Annotated[Signed, signed(m.KIND_TRAINER_METRICS, m.TrainerMetrics, "operator")]
-                        ) -> Response:
-        svc.status.record_metrics(req)
+        opened = await offload(svc.gate.open, sig, await request.body(), None, "operator")
+        await offload(svc.gate.admit_alone, opened)
+        await offload(svc.checkpoints.put_shard, sha256, opened.payload)
         return Response(status_code=204)
 
     return app

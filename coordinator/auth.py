@@ -2,47 +2,62 @@
 
 Checks run in a fixed order, each with its own status, so that a node operator can tell what went wrong: a
 missing, malformed or invalid signature (400/401: shape, kind, pool, key, clock window, then the signature over
-the header), a rate limit (429 with Retry-After), a body that is not the signed one (401), a replayed nonce (409),
-a role the signer does not have (403), a payload that does not fit its schema (422). Nothing parses a body before
-its signature, its digest and its signer's role have been checked.
+the header), a rate limit (429 with Retry-After), a body that is not the signed one (401), a role the signer does
+not have (403), a payload that does not fit its schema (422), a malformed Idempotency-Key (422); then, in the
+transaction of the request's effect, a replayed nonce (409). Nothing parses a body before its signature, its
+digest and its signer's role have been checked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from swarmrl.coordinator.db.rows import NodeRow
+from swarmrl.coordinator.ratelimit import retry_after_header
 from swarmrl.protocol.signing import Signature
 
 T = TypeVar("T", bound=BaseModel)
 
 
 class Refused(Exception):
-    """A request the coordinator refuses: `status` is the HTTP status, `reason` says why, and `retry_after` (for a
-    429) how many seconds to wait before trying again."""
+    """A request the coordinator refuses: `status` is the HTTP status, `reason` says why, `headers` go with the
+    answer; `retry_after` (seconds, for a 429 or a full lease book) adds a Retry-After header."""
 
-    def __init__(self, status: int, reason: str, retry_after: float | None = None):
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None,
+                 retry_after: float | None = None):
         super().__init__(f"{status}: {reason}")
         self.status = status
         self.reason = reason
-        self.retry_after = retry_after
+        self.headers = dict(headers or {})
+        if retry_after is not None:
+            self.headers["Retry-After"] = retry_after_header(retry_after).decode()
+
+
+class Replayed(Refused):
+    """A nonce this signer used before (409)."""
+
+    def __init__(self) -> None:
+        super().__init__(409, "replayed request")
 
 
 @dataclass(frozen=True)
 class Signed:
-    """An authenticated request: its signature header, typed payload (the raw body for byte endpoints) and, for
-    node endpoints, the node's row."""
+    """An authenticated request: its signature header, typed payload (the raw body for byte endpoints), and (when
+    the client sent one for an endpoint that stores answers) its Idempotency-Key with the digest that identifies
+    the request across retries, and its source."""
 
     sig: Signature
     payload: Any
-    node: NodeRow | None = None
+    idempotency_key: str | None = None
+    digest: str = ""
+    source: str = ""
+    """Where the request came from, as the rate limits see it (`coordinator.ratelimit.source_of`)."""
+    signer: str = field(init=False)
 
-    @property
-    def signer(self) -> str:
-        return self.sig.signer_id
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "signer", self.sig.signer_id)  # a hash: computed once
 
     @property
     def public_key(self) -> str:

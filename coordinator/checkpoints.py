@@ -17,8 +17,10 @@ from sqlalchemy import select
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.db.schema import CURRENT_VERSION, manifests
+from swarmrl.coordinator.db.schema import CURRENT_VERSION, manifests, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, counter, insert, raise_counter
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import Answered, previous_answer, remember
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
 from swarmrl.transfer.store import ShardStore
@@ -40,6 +42,19 @@ def latest_manifests(tx: Tx, n: int) -> list[SignedManifest]:
     """The `n` newest manifests, newest first."""
     rows = tx.execute(select(manifests.c.signed).order_by(manifests.c.version.desc()).limit(n))
     return [SignedManifest.model_validate(r.signed) for r in rows]
+
+
+def manifests_to_keep(tx: Tx, newest: int) -> list[SignedManifest]:
+    """The manifests whose shards must stay: the `newest` ones, and those of every version a pending group was
+    generated with, which its verifier must still load however far the trainer has moved on meanwhile (a group
+    submitted within the staleness bound is checked, whatever the verifiers' lag)."""
+    pending = select(rollout_groups.c.policy_version).where(rollout_groups.c.status == "pending").distinct()
+    rows = tx.execute(select(manifests.c.signed).where(manifests.c.version.in_(pending)))
+    keep = {s.manifest.version: s for s in latest_manifests(tx, newest)}
+    for r in rows:
+        signed = SignedManifest.model_validate(r.signed)
+        keep.setdefault(signed.manifest.version, signed)
+    return list(keep.values())
 
 
 def is_sha256(s: str) -> bool:
@@ -85,6 +100,9 @@ class Checkpoints:
     def publish(self, req: Signed) -> SignedManifest:
         """Sign and publish a manifest whose shards are all here; it becomes the current version."""
         manifest: CheckpointManifest = req.payload.manifest
+        earlier = self.store.read(lambda tx: previous_answer(tx, req))
+        if earlier is not None:  # a retry of a publish that was applied: before the checks, which it now fails
+            raise Answered(earlier)
         if manifest.run_id != self.config.run.run_id:
             raise Refused(409, f"manifest is for run {manifest.run_id!r}, this run is {self.config.run.run_id!r}")
         with self._publish_lock:  # one publish (and its shard collection) at a time in this process
@@ -102,12 +120,14 @@ class Checkpoints:
             signed = SignedManifest.sign(manifest.model_copy(update={"created_at": now}), self.identity)
 
             def commit(tx: Tx) -> list[SignedManifest]:
+                admit(tx, req)
                 # Locked: publishes through other coordinator processes wait, so versions only ever increase.
                 self._refuse_old(manifest.version, counter(tx, CURRENT_VERSION, lock=True))
                 tx.execute(insert(tx, manifests).values(version=manifest.version, signed=signed.model_dump(mode="json"),
                                                         published_at=now))
                 raise_counter(tx, CURRENT_VERSION, manifest.version)
-                return latest_manifests(tx, self.config.keep_versions)
+                remember(tx, req, signed, now)
+                return manifests_to_keep(tx, self.config.keep_versions)
 
             keep = self.store.write(commit)
             # Shards are collected only here, right after a publish: a single trainer uploads the shards of

@@ -41,6 +41,10 @@ class CoordinatorConfig(BaseModel):
     store_pool_size: int = Field(
         40, ge=1, le=1000, description="Database connections this process opens at most: the server's worker "
         "threads (40) each need one. On PostgreSQL, max_connections must cover every coordinator process's pool.")
+    store_group_commit: int = Field(
+        64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
+        "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "
+        "in progress, so a quiet coordinator never waits for one to fill.")
     run: RunSpec = Field(default_factory=RunSpec, description="The run description (task, sampling, staleness "
                          "bound, proofs): the one source of these facts; every role reads it from /v1/info.")
     lease_ttl_s: float = Field(60.0, gt=0, description="Seconds a node has to submit a lease's groups (then its "
@@ -87,6 +91,12 @@ class CoordinatorConfig(BaseModel):
     claim_ttl_s: float = Field(
         120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
     )
+    housekeeping_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between sweeps that mark silent nodes gone and forget expired nonces, "
+        "stored answers and challenges.")
+    idempotency_ttl_s: float = Field(
+        3600.0, gt=0, description="Seconds the answer to a request with an Idempotency-Key is kept, so that a "
+        "retry gets it again instead of applying the request twice; longer than any client retries one request.")
     release_passes: int = Field(
         quarantine.RELEASE_PASSES, ge=1, description="m: a held (unchecked) group reaches the trainer once this "
         "many vouching full checks of later groups of its node have passed (protocol.quarantine; docs/quarantine.md)."
@@ -96,8 +106,9 @@ class CoordinatorConfig(BaseModel):
     rate_limits: RateLimitConfig = Field(default_factory=RateLimitConfig, description="Requests per source and per "
                                          "identity (429 with Retry-After above them).")
     node_gone_after_s: float = Field(
-        60.0, gt=0, description="A node not heard from (no signed request) for this long is shown as gone on the "
-        "dashboard and in /metrics, and no longer counts towards checkpoint spread.")
+        60.0, gt=0, description="A node not heard from (no signed request) for this long is gone: shown so on the "
+        "dashboard and in /metrics, no longer counted in checkpoint spread, and its open leases are freed (its "
+        "slots and the backpressure buffer); its next request brings it back. Nodes heartbeat every few seconds.")
 
     @field_validator("operator_keys")
     @classmethod

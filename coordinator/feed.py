@@ -10,6 +10,8 @@ only moves forward, and backpressure counts accepted groups after it as still in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sqlalchemy import select
 
 from swarmrl.coordinator.auth import Refused, Signed
@@ -17,6 +19,8 @@ from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.db.rows import FeedRow
 from swarmrl.coordinator.db.schema import FEED_ACKED, FEED_HEAD, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, load, raise_counter
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.protocol import messages as m
 
@@ -56,13 +60,14 @@ def entries_after(tx: Tx, after: int, limit: int) -> list[FeedRow]:
 class Feed:
     """The trainer's side: read batches (long-polling when there is nothing new) and acknowledge."""
 
-    def __init__(self, store: Store, long_polls: LongPolls):
-        self.store, self.long_polls = store, long_polls
+    def __init__(self, store: Store, long_polls: LongPolls, clock: Callable[[], float]):
+        self.store, self.long_polls, self.clock = store, long_polls, clock
 
     def batch(self, req: Signed) -> m.TrainingBatch:
         """Accepted groups after `after_id`, in feed order; group_id is the feed position. With `wait_s`, waits up
         to that long for one when there is none yet. Changes nothing."""
         body: m.BatchRequest = req.payload
+        self.store.write(lambda tx: admit(tx, req), durable=False)  # the nonce: reading changes nothing else
         rows = self.long_polls.wait(lambda: self.store.read(lambda tx: entries_after(tx, body.after_id, body.limit)),
                                     body.wait_s)
         groups = [m.TrainingGroup(group_id=r.accepted_seq, policy_version=r.policy_version,
@@ -72,12 +77,16 @@ class Feed:
     def ack(self, req: Signed) -> m.FeedAcked:
         """Acknowledge every position up to `cursor`; an older acknowledgement than the last changes nothing."""
         cursor = req.payload.cursor
+        now = self.clock()
 
         def acknowledge(tx: Tx) -> m.FeedAcked:
+            admit(tx, req)
             top = head(tx)
             if cursor > top:
                 raise Refused(409, f"cursor {cursor} is beyond the last feed position handed out ({top})")
             raise_counter(tx, FEED_ACKED, cursor)
-            return m.FeedAcked(acked=acked(tx), head=top)
+            answer = m.FeedAcked(acked=acked(tx), head=top)
+            remember(tx, req, answer, now)
+            return answer
 
         return self.store.write(acknowledge)

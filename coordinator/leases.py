@@ -21,9 +21,12 @@ from swarmrl.coordinator import admission, feed
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow
 from swarmrl.coordinator.db.schema import LEASE_COUNTER, lease_prompts, leases, rollout_groups
-from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, load
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.registry import require_node, touch
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
@@ -36,20 +39,26 @@ SWEEP_EVERY_S = 1.0
 # -- queries ----------------------------------------------------------------------------------------------
 
 _l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
-_OPEN_LEASES = select(func.count()).select_from(leases).where(
-    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double))
+_OPEN_LEASES = Prepared(select(func.count()).select_from(leases).where(
+    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double)))
 _GET_LEASE = select(leases).where(_l.id == bindparam("b_lease"))
-_GET_LEASE_LOCKED = _GET_LEASE.with_for_update()
-_PROMPTS = select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position)
-_MARK = update(lease_prompts).where(_p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"),
-                                    _p.submitted.is_(False)).values(submitted=True)
-_INSERT_GROUP = rollout_groups.insert().returning(_g.id)
+_GET_LEASE_LOCKED = Prepared(_GET_LEASE.with_for_update())
+_GET_LEASE = Prepared(_GET_LEASE)
+_PROMPTS = Prepared(select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position))
+_MARK = Prepared(update(lease_prompts).where(
+    _p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"), _p.submitted.is_(False)
+).values(submitted=True))
+_INSERT_LEASE = Prepared(leases.insert(), keys=["id", "node_id", "policy_version", "issued_at", "expires_at",
+                                                "sampling", "signature", "digests"])
+_INSERT_PROMPT = Prepared(lease_prompts.insert(), keys=["lease_id", "prompt_id", "position", "text", "answer", "seeds"])
+_INSERT_GROUP = Prepared(rollout_groups.insert().returning(_g.id),
+                         keys=["node_id", "lease_id", "prompt_id", "policy_version", "payload", "submitted_at"])
 _EARLIEST = select(func.min(_l.expires_at)).where(_l.node_id == bindparam("b_node"), _l.state == "open",
                                                  _l.expires_at > bindparam("b_now", type_=Double))
 
 
 def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
-    return tx.execute(_OPEN_LEASES, {"b_node": node_id, "b_now": now}).scalar_one()
+    return int(_OPEN_LEASES.scalar(tx, b_node=node_id, b_now=now))
 
 
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
@@ -57,36 +66,33 @@ def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issue
                  signature: dict[str, Any] | None = None, digests: list[str] | None = None) -> None:
     """Store a lease (with its signature and its prompts' digests, as signed) and its prompts, each (prompt_id,
     text, answer, seeds)."""
-    tx.execute(leases.insert(), {"id": lease_id, "node_id": node_id, "policy_version": policy_version,
-                                 "issued_at": issued_at, "expires_at": expires_at, "sampling": sampling,
-                                 "signature": signature, "digests": digests})
+    _INSERT_LEASE.rowcount(tx, id=lease_id, node_id=node_id, policy_version=policy_version, issued_at=issued_at,
+                           expires_at=expires_at, sampling=sampling, signature=signature, digests=digests)
     if prompts:
-        tx.execute(lease_prompts.insert(), [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a,
-                                                 seeds=s) for i, (p, t, a, s) in enumerate(prompts)])
+        _INSERT_PROMPT.many(tx, [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a, seeds=s)
+                                 for i, (p, t, a, s) in enumerate(prompts)])
 
 
 def get_lease(tx: Tx, lease_id: str, *, lock: bool = False) -> LeaseRow | None:
     """The lease; with `lock`, locked until the transaction ends (submissions of one lease take turns)."""
-    row = tx.execute(_GET_LEASE_LOCKED if lock else _GET_LEASE, {"b_lease": lease_id}).first()
-    return load(LeaseRow, row) if row is not None else None
+    return (_GET_LEASE_LOCKED if lock else _GET_LEASE).first_as(LeaseRow, tx, b_lease=lease_id)
 
 
 def get_prompts(tx: Tx, lease_id: str) -> dict[str, LeasePromptRow]:
     """The lease's prompts by prompt id, in leased order, answers included (server side only)."""
-    return {r.prompt_id: load(LeasePromptRow, r) for r in tx.execute(_PROMPTS, {"b_lease": lease_id})}
+    return {r.prompt_id: r for r in _PROMPTS.all_as(LeasePromptRow, tx, b_lease=lease_id)}
 
 
 def mark_submitted(tx: Tx, lease_id: str, prompt_id: str) -> bool:
     """Flag a prompt submitted; False if it already was (so a racing duplicate cannot slip through)."""
-    return tx.execute(_MARK, {"b_lease": lease_id, "b_prompt": prompt_id}).rowcount == 1
+    return _MARK.rowcount(tx, b_lease=lease_id, b_prompt=prompt_id) == 1
 
 
 def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int, payload: dict[str, Any],
                  now: float) -> int:
     """A new pending group; its id."""
-    return tx.execute(_INSERT_GROUP, {"node_id": node_id, "lease_id": lease_id, "prompt_id": prompt_id,
-                                      "policy_version": policy_version, "payload": payload, "submitted_at": now}
-                      ).scalar_one()
+    return int(_INSERT_GROUP.scalar(tx, node_id=node_id, lease_id=lease_id, prompt_id=prompt_id,
+                                    policy_version=policy_version, payload=payload, submitted_at=now))
 
 
 def buffered_groups(tx: Tx, min_version: int) -> int:
@@ -144,6 +150,7 @@ class Leases:
         self._sweep(now)
 
         def lease(tx: Tx) -> m.Lease | None:
+            admit(tx, req)
             node = require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
             version = current_version(tx)
@@ -183,6 +190,7 @@ class Leases:
                          run.sampling.model_dump(mode="json"), prompts, signed.signature.model_dump(mode="json"),
                          signed.digests())
             admission.count_leased(tx, req.signer, n)
+            remember(tx, req, signed, now)
             return signed
 
         return self.store.write(lease)
@@ -200,15 +208,20 @@ class Leases:
         max_staleness = self.config.run.max_staleness
 
         def take(tx: Tx) -> m.SubmitResult:
+            admit(tx, req)
+            require_node(tx, req.signer)
             lease = get_lease(tx, sub.lease_id, lock=True)
             if lease is None:
                 raise Refused(404, "unknown lease")
             if lease.node_id != req.signer:
                 raise Refused(403, "lease belongs to another node")
-            if lease.state != "open":  # a late or repeated submission: each group says why, nothing changes
+            if lease.state != "open":  # a late or repeated submission: each group says why, nothing else changes
                 prompts = get_prompts(tx, sub.lease_id)
-                return m.SubmitResult(accepted=[], rejected={g.prompt_id: _too_late(prompts.get(g.prompt_id))
+                late = m.SubmitResult(accepted=[], rejected={g.prompt_id: _too_late(prompts.get(g.prompt_id))
                                                              for g in sub.groups})
+                touch(tx, req.signer, now)  # the node is heard from (live again, if it was gone)
+                remember(tx, req, late, now)
+                return late
             if lease.expires_at < now:
                 raise Refused(410, "lease expired")
             stale = staleness_problem(sub.policy_version, current_version(tx), max_staleness)
@@ -236,7 +249,9 @@ class Leases:
                 accepted.append(group.prompt_id)
             admission.settle_lease(tx, sub.lease_id, req.signer, now)
             touch(tx, req.signer, now)
-            return m.SubmitResult(accepted=accepted, rejected=rejected)
+            answer = m.SubmitResult(accepted=accepted, rejected=rejected)
+            remember(tx, req, answer, now)
+            return answer
 
         try:
             return self.store.write(take, notify=True)

@@ -2,22 +2,24 @@
 
 A (signer, nonce) pair is recorded once; recording it again is refused, in this process or any other sharing the
 database. A record is needed only while what it guards could still be accepted (a request's timestamp inside the
-clock window, a challenge before its expiry), so records older than that are pruned.
+clock window, a challenge before its expiry), so records older than that are pruned (`coordinator.liveness`).
 """
 
 from __future__ import annotations
 
 from sqlalchemy import delete
 
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.schema import nonces
 from swarmrl.coordinator.db.store import Tx, insert
 
-_RECORD = {d: insert(d, nonces).on_conflict_do_nothing().returning(nonces.c.signer) for d in ("sqlite", "postgresql")}
+_RECORD = {d: Prepared(insert(d, nonces).on_conflict_do_nothing().returning(nonces.c.signer),
+                       keys=["signer", "nonce", "ts"]) for d in ("sqlite", "postgresql")}
 
 
 def record_nonce(tx: Tx, signer: str, nonce: str, ts: float) -> bool:
     """Remember (signer, nonce) with time `ts`; False if it was already recorded (a replay)."""
-    return tx.execute(_RECORD[tx.dialect.name], {"signer": signer, "nonce": nonce, "ts": ts}).first() is not None
+    return _RECORD[tx.dialect.name].first(tx, signer=signer, nonce=nonce, ts=ts) is not None
 
 
 def prune_nonces(tx: Tx, older_than: float) -> int:

@@ -43,7 +43,7 @@ def record_fields(config: CoordinatorConfig, svc: Coordinator, listen_url: str,
     def fields() -> dict[str, Any]:
         info = svc.status.run_info()
         seen_after = clock() - pool.active_window_s
-        nodes = sum(1 for n in svc.store.read(registry.list_nodes) if not n.banned and n.last_seen >= seen_after)
+        nodes = svc.store.read(lambda tx: registry.node_counts(tx, gone_before=seen_after))["live"]
         return dict(name=name, description=pool.description, model=info.spec.model, task=info.spec.task.name,
                     coordinator_urls=pool.public_urls or [listen_url], current_version=info.current_version,
                     nodes=nodes, accepted_tokens=svc.store.read(ledger_totals)[1], status=pool.status)

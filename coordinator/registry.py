@@ -15,9 +15,12 @@ from sqlalchemy import BigInteger, Double, bindparam, func, select, update
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import nodes
 from swarmrl.coordinator.db.store import Store, Tx, insert, load
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.nonces import record_nonce
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
@@ -33,9 +36,12 @@ COUNTER_SLACK_S = 10.0
 
 _c = nodes.c
 _GET = select(nodes).where(_c.id == bindparam("b_id"))
-_GET_LOCKED = _GET.with_for_update()
-_TOUCH = update(nodes).where(_c.id == bindparam("b_id")).values(last_seen=bindparam("b_now", type_=Double))
-_TOUCH_HELD = _TOUCH.values(held_version=bindparam("b_held", type_=BigInteger))
+_GET_LOCKED = Prepared(_GET.with_for_update())
+_GET = Prepared(_GET)
+_TOUCH = update(nodes).where(_c.id == bindparam("b_id")).values(last_seen=bindparam("b_now", type_=Double),
+                                                               gone_since=None)
+_TOUCH_HELD = Prepared(_TOUCH.values(held_version=bindparam("b_held", type_=BigInteger)))
+_TOUCH = Prepared(_TOUCH)
 _acc, _rej = bindparam("b_acc", type_=BigInteger), bindparam("b_rej", type_=BigInteger)
 _COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
     groups_accepted=_c.groups_accepted + _acc, groups_rejected=_c.groups_rejected + _rej,
@@ -43,17 +49,16 @@ _COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
     # Reputation: the Laplace-smoothed acceptance rate.
     reputation=(_c.groups_accepted + _acc + 1.0) / (_c.groups_accepted + _c.groups_rejected + _acc + _rej + 2.0))
 
-_SET_COUNTERS = update(nodes).where(_c.id == bindparam("b_id")).values(
+_SET_COUNTERS = Prepared(update(nodes).where(_c.id == bindparam("b_id")).values(
     idle_s=bindparam("b_idle", type_=Double), busy_s=bindparam("b_busy", type_=Double),
     idle_total=_c.idle_total + bindparam("b_add_idle", type_=Double),
-    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=bindparam("b_now", type_=Double))
+    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=bindparam("b_now", type_=Double)))
 
 
 def get_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow | None:
     """The node's row; with `lock`, locked until the transaction ends (PostgreSQL), which serializes the
     requests of one node that read and then write it."""
-    row = tx.execute(_GET_LOCKED if lock else _GET, {"b_id": node_id}).first()
-    return load(NodeRow, row) if row is not None else None
+    return (_GET_LOCKED if lock else _GET).first_as(NodeRow, tx, b_id=node_id)
 
 
 def active(node: NodeRow | None) -> NodeRow:
@@ -70,8 +75,20 @@ def require_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow:
     return active(get_node(tx, node_id, lock=lock))
 
 
-def list_nodes(tx: Tx) -> list[NodeRow]:
-    return [load(NodeRow, r) for r in tx.execute(select(nodes).order_by(nodes.c.registered_at, nodes.c.id))]
+def list_nodes(tx: Tx, after: str = "", limit: int | None = None) -> list[NodeRow]:
+    """Nodes in id order: those with ids after `after`, at most `limit` (a page; None: all)."""
+    stmt = select(nodes).where(_c.id > after).order_by(_c.id)
+    return [load(NodeRow, r) for r in tx.execute(stmt if limit is None else stmt.limit(limit))]
+
+
+def node_counts(tx: Tx, gone_before: float) -> dict[str, int]:
+    """Registered nodes: `total`, `banned`, `gone` (not banned, not heard from since `gone_before`), `live`."""
+    live = _c.banned.is_(False) & (_c.last_seen >= gone_before)
+    row = tx.execute(select(func.count(), func.count().filter(_c.banned.is_(True)), func.count().filter(live))
+                     .select_from(nodes)).one()
+    counts = {"total": int(row[0]), "banned": int(row[1]), "live": int(row[2])}
+    counts["gone"] = counts["total"] - counts["banned"] - counts["live"]
+    return counts
 
 
 def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, now: float, source: str = "") -> None:
@@ -80,15 +97,15 @@ def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, n
                                     last_seen=now, source=source)
     tx.execute(stmt.on_conflict_do_update(index_elements=[nodes.c.id], set_={
         "name": stmt.excluded.name, "engine": stmt.excluded.engine, "last_seen": stmt.excluded.last_seen,
-        "source": stmt.excluded.source}))
+        "source": stmt.excluded.source, "gone_since": None}))
 
 
 def touch(tx: Tx, node_id: str, now: float, held_version: int | None = None) -> None:
-    """Note the node seen at `now` (holding `held_version`, if given)."""
+    """Note the node seen at `now` (holding `held_version`, if given): live again if it was gone."""
     if held_version is None:
-        tx.execute(_TOUCH, {"b_id": node_id, "b_now": now})
+        _TOUCH.rowcount(tx, b_id=node_id, b_now=now)
     else:
-        tx.execute(_TOUCH_HELD, {"b_id": node_id, "b_now": now, "b_held": held_version})
+        _TOUCH_HELD.rowcount(tx, b_id=node_id, b_now=now, b_held=held_version)
 
 
 def count_verdicts(tx: Tx, node_id: str, accepted: int = 0, rejected: int = 0, checks: int = 0) -> None:
@@ -105,8 +122,8 @@ def set_counters(tx: Tx, node_id: str, idle_s: float, busy_s: float, add_idle: f
                  now: float) -> None:
     """Store a node's latest self-reported counters (`idle_s`, `busy_s`, as reported) and add to its
     coordinator-side totals (`idle_total`, `busy_total`, which never decrease, whatever the node reports)."""
-    tx.execute(_SET_COUNTERS, {"b_id": node_id, "b_idle": idle_s, "b_busy": busy_s, "b_add_idle": add_idle,
-                               "b_add_busy": add_busy, "b_now": now})
+    _SET_COUNTERS.rowcount(tx, b_id=node_id, b_idle=idle_s, b_busy=busy_s, b_add_idle=add_idle,
+                           b_add_busy=add_busy, b_now=now)
 
 
 def time_totals(tx: Tx) -> tuple[float, float]:
@@ -167,22 +184,25 @@ class Registry:
         expires_at = self.clock() + self.config.challenge_ttl_s
         return m.Challenge(challenge=challenge_for(self.secret, key, expires_at), expires_at=expires_at)
 
-    def register(self, req: Signed, source: str = "") -> str:
-        """Upsert the signer as a node registered from `source`, redeeming a challenge issued to its key; its node
-        id."""
+    def register(self, req: Signed, run_info: Callable[[Tx], m.RunInfo]) -> m.Registered:
+        """Upsert the signer as a node registered from the request's source, redeeming a challenge issued to its
+        key; its node id and `run_info`."""
         body: m.RegisterRequest = req.payload
         now = self.clock()
 
-        def redeem(tx: Tx) -> None:
+        def redeem(tx: Tx) -> m.Registered:
+            admit(tx, req)
             node = get_node(tx, req.signer, lock=True)
             if node is not None and node.banned:
                 raise Refused(403, f"node is banned: {node.ban_reason}")
             if not take_challenge(tx, self.secret, body.challenge, req.public_key, now):
                 raise Refused(401, "unknown, expired or already used challenge for this key")
-            upsert_node(tx, req.signer, req.public_key, body.name, body.engine, now, source)
+            upsert_node(tx, req.signer, req.public_key, body.name, body.engine, now, req.source)
+            answer = m.Registered(node_id=req.signer, run=run_info(tx))
+            remember(tx, req, answer, now)
+            return answer
 
-        self.store.write(redeem)
-        return req.signer
+        return self.store.write(redeem)
 
     def heartbeat(self, req: Signed) -> None:
         """Note the node alive, its held version, and its self-reported idle and busy counters.
@@ -196,6 +216,7 @@ class Registry:
         now = self.clock()
 
         def beat(tx: Tx) -> None:
+            admit(tx, req)
             node = require_node(tx, req.signer, lock=True)  # locked: two heartbeats at once count once each
             d_idle, d_busy = hb.idle_s - node.idle_s, hb.busy_s - node.busy_s
             if d_idle < 0 or d_busy < 0:  # restarted: the counters began again from 0

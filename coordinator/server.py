@@ -45,6 +45,12 @@ def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
     return seed
 
 
+def uvicorn_config(app: FastAPI) -> uvicorn.Config:
+    # No access log and no proxy-header rewriting: per-request costs that nothing here uses (client addresses
+    # decide nothing; keys do).
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", proxy_headers=False)
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on (host, port); port 0 picks a free one. Bound here so the real port is known (and
     printed) before the server starts, with no race for it."""
@@ -78,7 +84,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
         print(f"  coordinator key {identity.public_key_hex}", flush=True)
         print(f"  data dir:       {config.data_dir.resolve()}", flush=True)
         print(f"  url:            {url}", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        server = uvicorn.Server(uvicorn_config(app))
         server.run(sockets=[sock])
     finally:
         if pool is not None:
@@ -101,7 +107,7 @@ def running_server(config: CoordinatorConfig, identity: Identity | None = None,
     seed = attach_seed(app, config)
     sock = _listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="coordinator", daemon=True)
     thread.start()
     pool = None

@@ -1,18 +1,21 @@
 """The coordinator: one object per run that builds the parts a rollout passes through and wires them together.
 
-    gate          every signed request: signature, rate limit, replay, payload bounds, role (coordinator.gate)
+    gate          every signed request: signature header, rate limit, body digest, role, payload bounds; then,
+                  first in the request's transaction, a retry's stored answer and the replay check
+                                                                                           (coordinator.gate)
     registry      nodes: challenges, registration, heartbeats, bans                        (coordinator.registry)
     leases        signed leases to admitted identities, submissions    (coordinator.leases, coordinator.admission)
     verification  the pending queue, claims, verdicts, quarantine                          (coordinator.verification)
     feed          the trainer feed and its acknowledgements                                (coordinator.feed)
     checkpoints   shards, manifests, publishing                                            (coordinator.checkpoints)
-    status        RunInfo, the status snapshot, trainer metrics                            (coordinator.status)
+    status        RunInfo, the status snapshot, pages of nodes and metrics                 (coordinator.status)
     ledger        receipts signed as groups are accepted, the contribution ledger          (coordinator.ledger)
     overviews     outcomes, reasons, node states, checkpoint spread (dashboard, metrics)   (coordinator.overview)
+    housekeeping  silent nodes marked gone (leases freed), old nonces and answers pruned  (coordinator.liveness)
 
-Every part either completes a request's whole effect or raises `Refused` having changed nothing (its store work
-runs in one transaction). The one deliberate exception: the nonce of a correctly signed request is recorded
-before anything else, so that even a refused request cannot be replayed.
+Every part either completes a request's whole effect, its nonce and (with an Idempotency-Key) its answer in one
+transaction, or raises `Refused` having changed nothing. The one deliberate exception: the nonce of a correctly
+signed request that was refused is recorded afterwards (`Gate.keep_nonce`), so that it cannot be replayed either.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from swarmrl.coordinator.feed import Feed
 from swarmrl.coordinator.gate import Gate
 from swarmrl.coordinator.leases import Leases
 from swarmrl.coordinator.ledger import Ledger
+from swarmrl.coordinator.liveness import Housekeeping
 from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.coordinator.overview import Overviews
-from swarmrl.coordinator.registry import Registry
+from swarmrl.coordinator.registry import Registry, require_node
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.status import Status
 from swarmrl.coordinator.verification import Verification
@@ -47,26 +51,30 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time):
         self.config, self.identity, self.clock = config, identity, clock
         config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = Store(config.resolved_store_url, pool_size=config.store_pool_size)
-        self.shards = ShardStore(config.data_dir / "shards")
+        self.store = Store(config.resolved_store_url, pool_size=config.store_pool_size,
+                           group_commit=config.store_group_commit)
+        self.shards = ShardStore(config.data_dir / "shards", durable=True)  # a published manifest refers to them
         self.secret = RunSecret(config.data_dir)
         self.pool = pool_id(config.run.run_id, identity.public_key_hex)
         long_polls = LongPolls(self.store, config.max_long_polls)
-        self.gate = Gate(self.store, config, clock, self.pool)
+        self.gate = Gate(self.store, config, clock, self.pool,
+                         lambda node_id: self.store.read(lambda tx: require_node(tx, node_id)))
         self.registry = Registry(self.store, config, clock, self.secret)
         self.leases = Leases(self.store, config, clock, load_task(config.run.task), identity, self.pool, self.secret)
         self.verification = Verification(self.store, config, clock, long_polls)
-        self.feed = Feed(self.store, long_polls)
+        self.feed = Feed(self.store, long_polls, clock)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)
         self.status = Status(self.store, config, identity, clock)
         self.ledger = Ledger(self.store, config, identity, clock)
         self.verification.accept_hooks.append(self.ledger.issue)
         self.ledger.backfill()  # groups accepted before the ledger existed get their receipts now
         self.overviews = Overviews(self.store, config, clock)
+        self.housekeeping = Housekeeping(self.store, config, clock).start()
 
     def close(self) -> None:
+        self.housekeeping.close()
         self.store.close()
 
-    def register(self, req: Signed, source: str = "") -> m.Registered:
-        """Register the signer from `source` (`Registry.register`) and tell it about the run."""
-        return m.Registered(node_id=self.registry.register(req, source), run=self.status.run_info())
+    def register(self, req: Signed) -> m.Registered:
+        """Register the signer from the request's source (`Registry.register`) and tell it about the run."""
+        return self.registry.register(req, self.status.run_info_in)

@@ -33,6 +33,8 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import ClaimedGroup, GroupRow
 from swarmrl.coordinator.db.schema import FEED_HEAD, lease_prompts, leases, nodes, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, counter, load
+from swarmrl.coordinator.gate import admit
+from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.protocol import messages as m
 from swarmrl.protocol import quarantine
@@ -171,20 +173,33 @@ class Verification:
         """Called with the ids of the groups a verdict batch accepted (released ones included), inside the batch's
         transaction, before it commits (the ledger signs their receipts there)."""
 
-    def claim(self, req: Signed) -> list[m.PendingGroup]:
+    def claim(self, req: Signed) -> m.PendingGroups:
         """Claim up to `limit` unclaimed pending groups for the signer for claim_ttl_s (waiting up to `wait_s`
         for one when there is none)."""
+        admitted = False
 
-        def fetch() -> list[ClaimedGroup]:
+        def fetch() -> list[m.PendingGroup]:
+            nonlocal admitted
             now = self.clock()
-            # Not durable: a claim lost with a power cut only makes its groups claimable again.
-            return self.store.write(lambda tx: claim_pending(tx, req.signer, req.payload.limit, now,
-                                                             now + self.config.claim_ttl_s), durable=False)
 
-        return [m.PendingGroup(group_id=r.id, node_id=r.node_id, answer=r.answer, lease=lease_excerpt(r),
-                               policy_version=r.policy_version, group=m.RolloutGroup.model_validate(r.payload),
-                               node_checks_passed=r.node_checks_passed, node_held=r.node_held)
-                for r in self.long_polls.wait(fetch, req.payload.wait_s)]
+            def take(tx: Tx) -> list[m.PendingGroup]:
+                if not admitted:  # the first try of a long poll: the nonce (and a retry's stored answer)
+                    admit(tx, req)
+                rows = claim_pending(tx, req.signer, req.payload.limit, now, now + self.config.claim_ttl_s)
+                groups = [m.PendingGroup(
+                    group_id=r.id, node_id=r.node_id, answer=r.answer, lease=lease_excerpt(r),
+                    policy_version=r.policy_version, group=m.RolloutGroup.model_validate(r.payload),
+                    node_checks_passed=r.node_checks_passed, node_held=r.node_held) for r in rows]
+                if groups:  # an empty answer claimed nothing: a retry may as well look again
+                    remember(tx, req, m.PendingGroups(groups=groups), now)
+                return groups
+
+            # Not durable: a claim lost with a power cut only makes its groups claimable again.
+            groups = self.store.write(take, durable=False)
+            admitted = True
+            return groups
+
+        return m.PendingGroups(groups=self.long_polls.wait(fetch, req.payload.wait_s))
 
     def decide(self, req: Signed) -> None:
         """Apply a batch of verdicts (see the module docstring for what each does)."""
@@ -192,6 +207,7 @@ class Verification:
         now = self.clock()
 
         def apply(tx: Tx) -> None:
+            admit(tx, req)
             # Verdict batches take turns on the feed's counter row first (PostgreSQL): each then locks the rows it
             # changes in peace, and feed positions follow the order batches commit in.
             counter(tx, FEED_HEAD, lock=True)
@@ -219,6 +235,7 @@ class Verification:
                 registry.count_verdicts(tx, node_id, accepted=n_accepted, rejected=n_rejected, checks=checks)
             for hook in self.accept_hooks:
                 hook(tx, accepted, now)
+            remember(tx, req, None, now)
 
         self.store.write(apply, notify=True)
 

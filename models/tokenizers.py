@@ -3,15 +3,16 @@
 - `build_char_tokenizer`: one token per character of the addition task's alphabet, `<s>` prepended, `</s>` ends
   a completion. No chat template: prompts are encoded as they are (the addition demo's format).
 - `build_bpe_tokenizer`: a byte-level BPE (the GPT-2 / Qwen kind) trained with `tokenizers` on a corpus this
-  module generates from a seed, with ChatML special tokens, a Jinja chat template, and two stop tokens
-  (`<|im_end|>`, the tokenizer's eos, and `<|endoftext|>`, also its pad token), as Qwen's instruct models have.
+  module generates from a seed (or on given texts, e.g. a task's problems), with ChatML special tokens, a Jinja
+  chat template, and two stop tokens (`<|im_end|>`, the tokenizer's eos, and `<|endoftext|>`, also its pad
+  token), as Qwen's instruct models have.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -84,20 +85,25 @@ def generate_corpus(lines: int = 20_000, seed: int = 0) -> Iterator[str]:
             yield f"{IM_START}user\n{sentence()}{IM_END}\n{IM_START}assistant\n{sentence()}{IM_END}"
 
 
-def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0, corpus_lines: int = 20_000) -> PreTrainedTokenizerFast:
-    """A byte-level BPE of (up to) `vocab_size` tokens, trained on `generate_corpus(corpus_lines, seed)`: every
-    byte is a token, so any text encodes, and decode(encode(text)) == text. Special tokens `<|endoftext|>`
-    (id 0, pad), `<|im_start|>`, `<|im_end|>` (eos); the chat template is `CHATML_TEMPLATE`."""
+def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0, corpus_lines: int = 20_000,
+                        texts: Iterable[str] | None = None, individual_digits: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of (up to) `vocab_size` tokens, trained on `texts` (e.g. a task's problems) or else on
+    `generate_corpus(corpus_lines, seed)`: every byte is a token, so any text encodes, and decode(encode(text)) ==
+    text. `individual_digits`: every digit is a token of its own (as Qwen's tokenizers do), which helps small
+    models learn arithmetic. Special tokens `<|endoftext|>` (id 0, pad), `<|im_start|>`, `<|im_end|>` (eos); the
+    chat template is `CHATML_TEMPLATE`."""
     specials = [END_OF_TEXT, IM_START, IM_END]
     if vocab_size < 256 + len(specials):
         raise ValueError(f"a byte-level BPE needs vocab_size >= {256 + len(specials)}, got {vocab_size}")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if individual_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(generate_corpus(corpus_lines, seed), trainer=trainer)
+    tok.train_from_iterator(texts if texts is not None else generate_corpus(corpus_lines, seed), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=IM_END, pad_token=END_OF_TEXT, padding_side="left",
         clean_up_tokenization_spaces=False, chat_template=CHATML_TEMPLATE,

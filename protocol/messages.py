@@ -170,6 +170,12 @@ class PendingGroup(Strict):
         return self.lease.policy_version
 
 
+class PendingGroups(Strict):
+    """The groups a verifier's claim took (empty when there were none)."""
+
+    groups: list[PendingGroup]
+
+
 class Verdict(Strict):
     group_id: Index64
     accepted: bool
@@ -271,16 +277,55 @@ class NodeStatus(BaseModel):
                                                   "submission, or refused at submission): they were leased again.")
     lease_allowance: int = Field(0, description="Prompts the node may hold in flight now (earned by verified work, "
                                                 "lowered by abandoned prompts).")
+    gone_since: float | None = Field(None, description="When the coordinator marked the node gone for missing its "
+                                                       "heartbeats (its leases were freed); None while it is live.")
+
+
+MAX_PAGE = 1000
+"""The most items one page of a list endpoint holds."""
+
+
+class NodePage(BaseModel):
+    """One page of the registered nodes, in node id order (GET /v1/nodes)."""
+
+    nodes: list[NodeStatus]
+    next_after: str | None = Field(None, description="Pass as `after` for the next page; None: this was the last.")
+
+
+class MetricsReport(BaseModel):
+    """A stored trainer metrics report with its position in the coordinator's list of reports."""
+
+    id: int = Field(description="Position of the report (increasing); pages continue after it.")
+    step: int
+    version: int
+    metrics: dict[str, float]
+    ts: float = Field(description="When the coordinator recorded it (its clock, unix seconds).")
+
+
+class MetricsPage(BaseModel):
+    """One page of trainer metrics reports, oldest first (GET /v1/metrics/trainer)."""
+
+    reports: list[MetricsReport]
+    next_after: int | None = Field(None, description="Pass as `after` for the next page; None: this was the last.")
 
 
 class RunStatus(BaseModel):
+    """The run at a glance (GET /v1/status): counters of the whole run, the first page of nodes and the newest
+    trainer reports. Every node and every report can be paged through with /v1/nodes and /v1/metrics/trainer."""
+
     run: RunInfo
-    nodes: list[NodeStatus]
+    nodes: list[NodeStatus] = Field(description="The first page of nodes, in node id order (`nodes` query).")
     groups_pending: int
     groups_accepted: int
     groups_rejected: int
-    metrics: list[TrainerMetrics]
+    metrics: list[TrainerMetrics] = Field(description="The newest trainer reports, oldest first (`metrics` query).")
     groups_held: int = Field(0, description="Accepted by cheap checks, waiting for a later full check of the node.")
+    nodes_total: int = Field(0, description="Registered nodes, banned and gone ones included.")
+    nodes_live: int = Field(0, description="Nodes neither banned nor gone.")
+    nodes_gone: int = Field(0, description="Nodes marked gone for missing their heartbeats (not banned).")
+    nodes_banned: int = 0
+    nodes_next_after: str | None = Field(None, description="`after` for /v1/nodes to continue after `nodes`; None: "
+                                                           "`nodes` holds every node.")
 
 
 __all__ = [name for name in dir() if not name.startswith("_")] + [

@@ -94,6 +94,9 @@ class Problem:
 
     prompt: str
     answer: str
+    solution: str | None = None
+    """A completion that earns full reward (the answer itself, a reference program), for supervised warm starts
+    (`trainer.warmup`); None when the task has none. Never used for rewards, and never sent to a node."""
 
 
 class EvalSettings(BaseModel):

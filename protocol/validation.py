@@ -42,7 +42,8 @@ def group_problem(group: RolloutGroup, seeds: Sequence[int], sampling: SamplingS
         return f"expected {sampling.group_size} rollouts, got {len(group.rollouts)}"
     if Counter(r.seed for r in group.rollouts) != Counter(seeds):
         return "rollout seeds do not match the leased seeds"
-    if any(t < 0 for t in group.prompt_ids):
+    # Builtins over whole lists (min, max, map): a coordinator checks every token of every submission.
+    if group.prompt_ids and min(group.prompt_ids) < 0:
         return "negative token id in the prompt"
     for i, r in enumerate(group.rollouts):
         if not r.completion_ids:
@@ -51,8 +52,8 @@ def group_problem(group: RolloutGroup, seeds: Sequence[int], sampling: SamplingS
             return f"rollout {i}: {len(r.logprobs)} logprobs for {len(r.completion_ids)} tokens"
         if len(r.completion_ids) > sampling.max_tokens:
             return f"rollout {i}: {len(r.completion_ids)} tokens exceed max_tokens {sampling.max_tokens}"
-        if any(t < 0 for t in r.completion_ids):
+        if min(r.completion_ids) < 0:
             return f"rollout {i}: negative token id"
-        if not all(math.isfinite(lp) and lp <= 0.0 for lp in r.logprobs):
+        if not all(map(math.isfinite, r.logprobs)) or max(r.logprobs) > 0.0:
             return f"rollout {i}: logprobs must be finite and <= 0"
     return None

@@ -21,7 +21,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -214,8 +214,29 @@ class CoordinatorClient:
             return run
         return self.trust(run)
 
-    def status(self) -> m.RunStatus:
-        return m.RunStatus.model_validate_json(self._request("GET", "/v1/status").content)
+    def status(self, nodes: int = 100, metrics: int = 100) -> m.RunStatus:
+        """Counters of the run, the first `nodes` nodes and the newest `metrics` trainer reports (at most
+        `messages.MAX_PAGE` each; `nodes()` and `trainer_reports()` page through all of them)."""
+        resp = self._request("GET", "/v1/status", params={"nodes": nodes, "metrics": metrics})
+        return m.RunStatus.model_validate_json(resp.content)
+
+    def nodes(self, page: int = m.MAX_PAGE) -> Iterator[m.NodeStatus]:
+        """Every registered node, in node id order, fetched a page at a time."""
+        after: str | None = ""
+        while after is not None:
+            got = m.NodePage.model_validate_json(
+                self._request("GET", "/v1/nodes", params={"after": after, "limit": page}).content)
+            yield from got.nodes
+            after = got.next_after
+
+    def trainer_reports(self, after: int = 0, page: int = m.MAX_PAGE) -> Iterator[m.MetricsReport]:
+        """Every trainer metrics report recorded after report `after`, oldest first, a page at a time."""
+        cursor: int | None = after
+        while cursor is not None:
+            got = m.MetricsPage.model_validate_json(
+                self._request("GET", "/v1/metrics/trainer", params={"after": cursor, "limit": page}).content)
+            yield from got.reports
+            cursor = got.next_after
 
     def latest_manifest(self) -> SignedManifest | None:
         resp = self._request("GET", "/v1/manifest/latest")
@@ -312,7 +333,7 @@ class CoordinatorClient:
     def pending(self, limit: int = 64, wait_s: float = 0.0) -> list[m.PendingGroup]:
         """Claim up to `limit` pending groups; with `wait_s`, the coordinator waits that long for one to arrive."""
         resp = self._signed("/v1/verifier/pending", m.KIND_VERIFIER_PENDING,
-                            m.PendingRequest(limit=limit, wait_s=wait_s), _PendingList)
+                            m.PendingRequest(limit=limit, wait_s=wait_s), m.PendingGroups)
         return resp.groups if resp else []
 
     def verdicts(self, verdicts: list[m.Verdict]) -> None:
@@ -345,10 +366,6 @@ class CoordinatorClient:
     def metrics(self, step: int, version: int, metrics: dict[str, float]) -> None:
         self._signed("/v1/trainer/metrics", m.KIND_TRAINER_METRICS,
                      m.TrainerMetrics(step=step, version=version, metrics=metrics), None)
-
-
-class _PendingList(BaseModel):
-    groups: list[m.PendingGroup]
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("swarmrl.client")
 
-# 502/503/504: a proxy in front of a coordinator that is down or restarting, or the coordinator shedding load.
-UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+# 502/503/504: a proxy in front of a coordinator that is down or restarting, or the coordinator shedding load; 507:
+# its disk is full (nothing was stored, and its operator is told): waited out like an outage, the work kept.
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504, 507})
 # An internal error may be this request's own (the same request fails every time): retried a few times only.
 INTERNAL_ERROR_RETRIES = 2
 

@@ -5,6 +5,9 @@
 #   export SWARMRL_TEST_PG_URL="$(scripts/test-postgres.sh)"
 # Safe to run again. Everything it says besides the URL goes to stderr.
 set -euo pipefail
+# Only the URL goes to stdout: whatever the tools print (pg_ctlcluster says "Removed stale pid file." after an
+# unclean stop) goes to stderr, so a caller's $(...) holds the URL alone.
+exec 3>&1 1>&2
 user="${SWARMRL_TEST_PG_USER:-swarmrl_test}"
 password="${SWARMRL_TEST_PG_PASSWORD:-swarmrl_test}"
 db="${SWARMRL_TEST_PG_DB:-swarmrl_test}"
@@ -20,7 +23,7 @@ fi
 read -r version cluster port status _ < <(pg_lsclusters -h | head -n 1)
 if [ "$status" != online ]; then
     echo "starting PostgreSQL $version/$cluster on port $port" >&2
-    pg_ctlcluster "$version" "$cluster" start
+    pg_ctlcluster "$version" "$cluster" start 3>&-  # the server must not hold the caller's pipe open
 fi
 # The server runs as (and trusts over its socket) the postgres user, not root.
 psql_admin() { su postgres -c "psql -X -q -p $port -v ON_ERROR_STOP=1 $*"; }
@@ -30,4 +33,4 @@ fi
 if [ -z "$(psql_admin "-tAc \"SELECT 1 FROM pg_database WHERE datname = '$db'\"")" ]; then
     psql_admin "-c \"CREATE DATABASE $db OWNER $user\""
 fi
-echo "postgresql+psycopg://$user:$password@127.0.0.1:$port/$db"
+echo "postgresql+psycopg://$user:$password@127.0.0.1:$port/$db" >&3

@@ -7,6 +7,7 @@
     swarmrl ledger --url http://pool.example:8470 --csv
     swarmrl ledger --verify node-data/receipts.jsonl --coordinator-key HEX
     swarmrl demo --report report.json
+    swarmrl demo --config examples/math-qwen2/swarm.toml --set data_dir=examples/math-qwen2
 
 Every role takes `--config FILE.toml` and any number of `--set dotted.key=value` overrides, and
 `--print-config` shows the resolved config without running.
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         ("trainer", cmd_trainer, "run the GRPO trainer that publishes checkpoints"),
         ("verifier", cmd_verifier, "run the verifier that checks every submitted group"),
         ("node", cmd_node, "join a pool as a worker node"),
-        ("demo", cmd_demo, "a local swarm learning 3-digit addition, end to end"),
+        ("demo", cmd_demo, "a whole swarm on this machine, end to end: 3-digit addition by default, or the run, "
+                           "model and task of a run config (--config)"),
     ]:
         p = sub.add_parser(name, help=help_)
         _role_args(p)

@@ -1,58 +1,93 @@
-"""`swarmrl demo`: a whole swarm on this machine, learning 3-digit addition by RL, watched live.
+"""`swarmrl demo`: a whole swarm on this machine, learning a task by RL, watched live.
 
-It builds and warms up the tiny model, then starts the coordinator, verifier, trainer and worker nodes as
-separate processes talking over loopback exactly as they would across the internet (signed requests,
-signed manifests, hash-checked shards). It shows progress live, and at the end checks the newest
-published checkpoint itself on the held-out set, draws a plot and (with --report) writes a JSON report.
+With no arguments it builds and warms up the tiny adder and improves it on 3-digit addition. Given a run config it
+runs any pool's run description (`[run]`: task and options, sampling, staleness) on any model: a checkpoint
+directory (`[model] path`, e.g. an instruct model downloaded beforehand) or a `swarmrl model` recipe
+(`[model.build]`), optionally warmed up first on the task's reference solutions (`[warmup]`), with per-role
+settings (`[roles.trainer]`, ...). It starts the coordinator, verifier(s), trainer and worker nodes as separate
+processes (`swarmrl.localswarm`) talking over loopback exactly as they would across the internet (signed
+requests, signed manifests, hash-checked shards), shows progress live, and at the end checks the newest published
+checkpoint itself on the held-out problems (greedy accuracy and mean trusted reward, before and after), draws a
+plot and writes a JSON report.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Console, Group
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from rich.console import Console
 from rich.live import Live
 from rich.panel import Panel
-from rich.table import Table
 
+from swarmrl.demoview import metric_series, plot, render
+from swarmrl.localswarm import LOOPBACK_MADDRS, Swarm, free_port, wait_until_up
+from swarmrl.modelcmd import ModelRecipe
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import RunStatus
+from swarmrl.protocol.run import RunSpec, SamplingSpec
+from swarmrl.protocol.tasks import Task, TaskSpec, task_options
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from swarmrl.runtime.config import deep_update, dump_toml
+from swarmrl.trainer.warmup import WarmupConfig
+
+ADDITION_MODEL = "tiny Llama (0.86M), character tokenizer"
+
+
+def addition_run() -> RunSpec:
+    """The zero-argument demo's run: 3-digit addition, 8 rollouts of at most 6 tokens at T = 1, k = 2."""
+    return RunSpec(model=ADDITION_MODEL, task=TaskSpec(name="addition"), max_staleness=2,
+                   sampling=SamplingSpec(temperature=1.0, max_tokens=6, group_size=8))
+
+
+class ModelSource(BaseModel):
+    """Where the swarm's initial policy comes from: a checkpoint directory, or a recipe to build one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path | None = Field(None, description="A Hugging Face causal LM directory (safetensors, config, tokenizer) "
+                              "to start from, e.g. an instruct model downloaded beforehand; None: build one.")
+    build: ModelRecipe = Field(default_factory=ModelRecipe, description="The `swarmrl model` recipe used when "
+                               "`path` is None (its weights are seeded by the demo's `seed`).")
 
 
 class DemoConfig(BaseModel):
-    """The local swarm's shape. Every field can be set with `--set name=value`."""
+    """A local swarm's run config. Every field can be set with `--set name=value`. Relative paths are relative to the
+    working directory; the task's own data paths resolve against `data_dir`."""
 
     model_config = ConfigDict(extra="forbid")
 
     run_dir: Path | None = Field(None, description="Where keys, data, logs and results go (default runs/demo-<time>).")
+    data_dir: Path = Field(Path("."), description="Where the task's relative data paths resolve: every role runs in "
+                           "this directory, and the demo loads the task from it.")
+    run: RunSpec = Field(default_factory=addition_run, description="The pool's run description (task and options, "
+                         "sampling, max_staleness, proofs), as in a coordinator's [run] table: a [run] given replaces "
+                         "the whole default (its fields not given take RunSpec's defaults). run_id not given: "
+                         "demo-<time>; model not given: described from [model].")
+    model: ModelSource = Field(default_factory=ModelSource, description="The initial policy.")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="Supervised warm start on the task's "
+                                 "training split before RL. target_accuracy = 0: none; the default, 0.25, is the "
+                                 "adder's: set 0 for a model that needs none (an instruct model, say).")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="cpu: every role in float32 on the CPU; cuda: the trainer, the verifier (bf16 "
+        "recomputation), the nodes' engines (bf16) and the demo's evaluations on the GPU. [roles] settings win.")
     nodes: int = Field(2, ge=1, description="Worker nodes to start.")
     verifiers: int = Field(1, ge=1, description="Verifier processes (each claims its own share of the pending groups).")
     engine: str = Field("auto", description="Node inference engine: auto (vLLM if installed), vllm or torch.")
-    warmup_accuracy: float = Field(0.25, description="The supervised warm start stops at this greedy accuracy.")
     max_steps: int = Field(150, description="Trainer steps at most.")
     target_accuracy: float = Field(0.65, description="Stop early once the trainer's held-out accuracy reaches this.")
     time_limit_s: float = Field(900, description="Stop the RL phase after this many seconds.")
     batch_groups: int = Field(32, description="Groups (prompts) per trainer step.")
-    group_size: int = Field(8, description="Rollouts per prompt.")
     prompts_per_lease: int = Field(8, description="Prompts a node leases at once.")
-    max_staleness: int = Field(2, description="Groups more than this many versions old are refused (0 = synchronous).")
     lr: float = Field(3e-4, description="Trainer learning rate.")
-    eval_every: int = Field(10, description="Trainer evaluates held-out accuracy every this many steps.")
-    seed: int = Field(0, description="Seed of the model's initial weights and warm start.")
+    eval_every: int = Field(10, description="Trainer evaluates held-out accuracy every this many steps (0: never).")
+    eval_size: int = Field(500, ge=1, description="Held-out problems evaluated (the first of the task's held-out set): "
+                           "by the trainer, and by the demo before and after RL.")
+    seed: int = Field(0, description="Seed of the model's initial weights (and its BPE) and of the warm start.")
     node_nice: int = Field(
         10, ge=0, le=19, description="CPU niceness of the node processes. On one machine every role shares the "
         "cores and the trainer's step is the pipeline's critical path: nodes take the cycles it leaves.")
@@ -63,133 +98,59 @@ class DemoConfig(BaseModel):
         "over the ones the demo writes, e.g. --set roles.trainer.threads=4.")
 
 
-LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
+    @field_validator("run")
+    @classmethod
+    def _known_task(cls, run: RunSpec) -> RunSpec:
+        task_options(run.task)  # the task is registered and takes these options (its data is read at the start)
+        return run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Swarm:
-    """The demo's child processes, each with its own config file and log."""
-
-    def __init__(self, run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None):
-        self.run_dir = run_dir
-        self.overrides = overrides or {}
-        self.procs: dict[str, subprocess.Popen] = {}
-        (run_dir / "config").mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, role: str, cfg: dict[str, Any], model: type[BaseModel], nice: int = 0) -> None:
-        """Launch one role process; `nice` > 0 lowers its CPU priority."""
-        path = self.run_dir / "config" / f"{name}.toml"
-        path.write_text(dump_toml(model.model_validate(deep_update(cfg, copy.deepcopy(self.overrides.get(role, {}))))))
-        log = open(self.run_dir / "logs" / f"{name}.log", "w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "COLUMNS": "160"}
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "swarmrl.cli", role, "--config", str(path)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-        if nice > 0:
-            os.setpriority(os.PRIO_PROCESS, self.procs[name].pid, nice)
-
-    def dead(self) -> list[str]:
-        return [n for n, p in self.procs.items() if p.poll() is not None]
-
-    def log_tail(self, name: str, lines: int = 20) -> str:
-        text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self, timeout: float = 15.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.time() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
-def _wait_until_up(client: CoordinatorClient, swarm: Swarm, timeout_s: float = 120.0) -> None:
-    """Block until the coordinator answers (it starts its DHT seed before serving)."""
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            client.info()
-            return
-        except (CoordinatorError, httpx.TransportError) as e:
-            if "coordinator" in swarm.dead() or time.time() > deadline:
-                raise RuntimeError(f"the coordinator did not come up: {e}\n{swarm.log_tail('coordinator')}") from e
-            time.sleep(0.3)
-
-
-def _metric_series(status: RunStatus, key: str) -> list[tuple[int, float]]:
-    return [(m.step, m.metrics[key]) for m in status.metrics if key in m.metrics]
-
-
-def render(status: RunStatus | None, elapsed: float, cfg: DemoConfig, phase: str) -> Group:
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="bold")
-    head.add_column()
-    head.add_row(phase, f"{elapsed:.0f} s")
-    if status is None:
-        return Group(head)
-    acc = _metric_series(status, "eval_accuracy")
-    rew = _metric_series(status, "reward_mean")
-    step = status.metrics[-1].step if status.metrics else 0
-    head.add_row("step", f"{step}/{cfg.max_steps}  (policy v{status.run.current_version})")
-    head.add_row("held-out accuracy", " ".join(f"{a:.2f}" for _, a in acc[-8:]) or "-")
-    head.add_row("rollout reward", f"{rew[-1][1]:.3f}" if rew else "-")
-    head.add_row("groups", f"accepted [green]{status.groups_accepted}[/]  rejected [red]{status.groups_rejected}[/]  "
-                           f"pending {status.groups_pending}")
-    nodes = Table("node", "engine", "version", "accepted", "rejected", "banned", box=None)
-    for n in status.nodes:
-        nodes.add_row(n.name, n.engine, str(n.held_version), str(n.groups_accepted), str(n.groups_rejected),
-                      "yes" if n.banned else "")
-    return Group(head, nodes)
-
-
-def plot(status: RunStatus, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    acc = _metric_series(status, "eval_accuracy")
-    rew = _metric_series(status, "reward_mean")
-    train_acc = _metric_series(status, "accuracy")
-    if acc:
-        ax1.plot(*zip(*acc, strict=True), marker="o", label="held-out greedy accuracy")
-    if train_acc:
-        ax1.plot(*zip(*train_acc, strict=True), alpha=0.5, label="rollout exact-match rate")
-    ax1.set_xlabel("trainer step")
-    ax1.set_ylabel("accuracy")
-    ax1.set_ylim(0, 1)
-    ax1.grid(alpha=0.3)
-    ax1.legend()
-    if rew:
-        ax2.plot(*zip(*rew, strict=True), color="tab:orange")
-    ax2.set_xlabel("trainer step")
-    ax2.set_ylabel("mean reward of rollouts")
-    ax2.grid(alpha=0.3)
-    fig.suptitle("swarmrl demo: 3-digit addition, GRPO through a local swarm")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Path) -> tuple[int, float]:
-    """Fetch the newest published checkpoint like a node would and measure its held-out accuracy."""
+def _load_task(spec: TaskSpec, data_dir: Path) -> Task:
     from swarmrl.protocol.tasks import load_task
-    from swarmrl.trainer.evaluate import accuracy
-    from swarmrl.trainer.model import load_checkpoint
+
+    return load_task(spec, data_dir)
+
+
+def _scores(model: Any, tok: Any, task: Task, cfg: DemoConfig) -> tuple[float, float]:
+    from swarmrl.trainer.evaluate import held_out_scores
+
+    return held_out_scores(model.to(cfg.device), tok, list(task.eval_set())[: cfg.eval_size], task)
+
+
+def prepare_model(cfg: DemoConfig, task: Task, init_dir: Path, console: Console) -> tuple[Path, dict[str, Any]]:
+    """The initial checkpoint (built or loaded, warmed up when asked) and its held-out scores before RL. An
+    `init_dir` that already holds a checkpoint is used as it is (a rerun, or a benchmark's shared start)."""
+    from swarmrl.modelcmd import build_from_recipe, warm_and_save
+    from swarmrl.models.build import count_parameters, load_checkpoint
+
+    if (init_dir / "config.json").exists():
+        ckpt, (model, tok) = init_dir, load_checkpoint(init_dir)
+        meta = json.loads((init_dir / "swarmrl.json").read_text()) if (init_dir / "swarmrl.json").exists() else {}
+    else:
+        if cfg.model.path is not None:
+            model, tok = load_checkpoint(cfg.model.path)
+            meta = {"source": str(cfg.model.path), "parameters": count_parameters(model)}
+        else:
+            model, tok, meta = build_from_recipe(cfg.model.build, cfg.seed, task)
+            console.print(f"[bold]model[/] {type(model).__name__}, {meta['parameters'] / 1e6:.2f}M parameters, "
+                          f"{meta['tokenizer']} tokenizer of {meta['vocab']} tokens")
+        if cfg.model.path is not None and cfg.warmup.target_accuracy <= 0:
+            ckpt = cfg.model.path  # used in place: no copy of a large model
+        else:
+            meta = warm_and_save(model, tok, init_dir, {**meta, "task": cfg.run.task.model_dump()}, task, cfg.warmup,
+                                 console, seed=cfg.seed)
+            ckpt = init_dir
+    t0 = time.time()
+    accuracy, reward = _scores(model, tok, task, cfg)
+    console.print(f"[bold]model[/] before RL: held-out accuracy {accuracy:.3f}, mean reward {reward:.3f} "
+                  f"({time.time() - t0:.0f} s)")
+    return ckpt, {**meta, "accuracy": accuracy, "reward": reward}
+
+
+def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Path, task: Task, cfg: DemoConfig
+                       ) -> tuple[int, float, float]:
+    """Fetch the newest published checkpoint like a node would; (its version, held-out accuracy, mean reward)."""
+    from swarmrl.models.build import load_checkpoint
     from swarmrl.transfer.fetcher import CheckpointFetcher
     from swarmrl.transfer.sources import HttpOrigin
 
@@ -197,121 +158,157 @@ def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Pa
     assert signed is not None, "nothing was published"
     manifest, out = CheckpointFetcher(work, coordinator_key, [HttpOrigin(client)]).fetch(signed)
     model, tok = load_checkpoint(out)
-    task = load_task(client.info().spec.task)
-    return manifest.version, accuracy(model, tok, task.eval_set(), task)
+    return (manifest.version, *_scores(model, tok, task, cfg))
+
+
+def describe_model(source: ModelSource) -> str:
+    """The run's model description when the config gives none: the directory's name, or the recipe."""
+    if source.path is not None:
+        return source.path.resolve().name
+    b = source.build
+    return f"{b.arch} {b.size}, {b.tokenizer} tokenizer, random init"
+
+
+def buffered_groups(cfg: DemoConfig, run: RunSpec) -> int:
+    """The coordinator's backpressure bound: enough groups in flight to keep the nodes busy, few enough that they do
+    not go stale. The coordinator counts a group as in flight until the trainer acknowledges the step that consumed
+    it; a trainer that fills each batch with informative groups (`fill_with_informative`) reads past the
+    zero-advantage ones first, so it gets three times the room: a batch stalls only when fewer than a sixth of the
+    groups in flight are informative (then the trainer waits for groups that the coordinator no longer leases).
+    More room would let the nodes and the verifier work on groups that go stale before the trainer reads them."""
+    base = cfg.batch_groups * max(run.max_staleness, 1)
+    return base * 3 if cfg.roles.get("trainer", {}).get("fill_with_informative") else base
+
+
+def start_roles(swarm: Swarm, cfg: DemoConfig, run: RunSpec, url: str, port: int, keys: dict[str, Identity]) -> None:
+    """Start the coordinator (and wait for it), the nodes and the verifiers; the trainer comes once the model is."""
+    from swarmrl.coordinator.config import CoordinatorConfig
+    from swarmrl.node.config import NodeConfig
+    from swarmrl.verifier.config import VerifierConfig
+
+    run_dir, cuda = swarm.run_dir, cfg.device == "cuda"
+    verifier_names = [n for n in keys if n.startswith("verifier")]
+    swarm.start("coordinator", "coordinator", {
+        "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"),
+        "key_path": str(run_dir / "keys" / "coordinator.key"), "run": run.model_dump(mode="json"),
+        "max_buffered_groups": buffered_groups(cfg, run),
+        "keep_versions": run.max_staleness + 3,  # what the verifiers keep (below): they can fetch each again
+        # Every node of the demo runs on this machine, so from one address: give them all a newcomer's allowance.
+        "admission": {"unproven_per_source": cfg.prompts_per_lease * (cfg.nodes + 1)},
+        "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
+        "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
+    }, CoordinatorConfig)
+    wait_until_up(CoordinatorClient(url, retries=0), swarm)
+    # Nodes start now: importing vLLM and registering overlaps building and warming up the model.
+    for i in range(cfg.nodes):
+        swarm.start(f"node{i}", "node", {
+            "coordinator_url": url, "coordinator_key": keys["coordinator"].public_key_hex,
+            "key_path": str(run_dir / "keys" / f"node{i}.key"), "name": f"node{i}",
+            "work_dir": str(run_dir / f"node{i}"), "max_prompts": cfg.prompts_per_lease, "progress": False,
+            "engine": {"kind": cfg.engine, **({"dtype": "bfloat16", "device": "cuda"} if cuda else {})},
+            "p2p": {"enabled": cfg.p2p, "host_maddrs": LOOPBACK_MADDRS},
+            # On loopback a poll costs next to nothing, and a node held back by backpressure should start
+            # again as soon as the trainer takes a batch (at the default 0.5 s, the trainer waited for it).
+            "poll_interval_s": 0.1,
+        }, NodeConfig, nice=cfg.node_nice)
+    for name in verifier_names:
+        swarm.start(name, "verifier", {
+            "coordinator_url": url, "coordinator_key": keys["coordinator"].public_key_hex,
+            "key_path": str(run_dir / "keys" / f"{name}.key"), "work_dir": str(run_dir / name),
+            "sample_rate": 1.0,  # a local swarm checks every group: its runs are what the verifier is measured on
+            # One claimed batch can span more versions than k + 1 (groups pending while the trainer steps fast), and
+            # the verifier loads them all before it checks any: with only k + 1 kept, an evicted version whose shards
+            # the coordinator has pruned since cannot be loaded again, and the verifier stopped (VersionUnavailable).
+            "keep_versions": run.max_staleness + 3,
+            **({"dtype": "bfloat16", "device": "cuda"} if cuda else {}),
+        }, VerifierConfig)
+
+
+def watch(swarm: Swarm, client: CoordinatorClient, cfg: DemoConfig, t_start: float, console: Console) -> str:
+    """Show the run live until it ends; returns why it ended."""
+    with Live(render(None, 0, cfg.max_steps, "starting"), console=console, refresh_per_second=2) as live:
+        t_rl = time.time()
+        while True:
+            time.sleep(1.0)
+            try:
+                status: RunStatus | None = client.status(metrics=1000)
+            except (CoordinatorError, httpx.TransportError):
+                status = None
+            phase = "learning" if status and status.metrics else "starting"
+            live.update(Panel(render(status, time.time() - t_start, cfg.max_steps, phase), title="swarmrl demo"))
+            dead = swarm.dead()
+            if "trainer" in dead:
+                return "trainer finished" if swarm.procs["trainer"].returncode == 0 else "trainer died"
+            # A node may die or be banned; the swarm goes on while any node lives, as a real pool would.
+            essential = [n for n in dead if n == "coordinator" or n.startswith("verifier")]
+            nodes_alive = [n for n in swarm.procs if n.startswith("node") and n not in dead]
+            if essential or not nodes_alive:
+                return f"{essential[0]} died" if essential else "every node died"
+            acc = metric_series(status, "eval_accuracy") if status else []
+            if acc and acc[-1][1] >= cfg.target_accuracy:
+                return "target accuracy reached"
+            if time.time() - t_rl > cfg.time_limit_s:
+                return "time limit"
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    from swarmrl.coordinator.config import CoordinatorConfig
-    from swarmrl.modelcmd import build_and_warm
-    from swarmrl.node.config import NodeConfig
+    """Run the local swarm `cfg` describes to its end; returns the report (also written to run_dir/report.json)."""
     from swarmrl.trainer.config import TrainerConfig
-    from swarmrl.verifier.config import VerifierConfig
 
     console = Console()
     t_start = time.time()
     run_dir = (cfg.run_dir or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = cfg.data_dir.resolve()
     console.print(f"[bold]swarmrl demo[/] in {run_dir}")
+    task = _load_task(cfg.run.task, data_dir)  # a bad task or data file stops us before anything starts
     verifier_names = ["verifier"] + [f"verifier{i}" for i in range(1, cfg.verifiers)]
     keys = {name: Identity.load_or_create(run_dir / "keys" / f"{name}.key")
             for name in ["coordinator", "trainer", *verifier_names]}
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    run_id = f"demo-{int(t_start)}"
-    unknown = set(cfg.roles) - {"coordinator", "node", "verifier", "trainer"}
-    if unknown:
-        raise ValueError(f"roles: unknown role(s) {sorted(unknown)}")
-    swarm = Swarm(run_dir, cfg.roles)
+    update: dict[str, Any] = {}
+    if "run_id" not in cfg.run.model_fields_set:
+        update["run_id"] = f"demo-{int(t_start)}"
+    if "model" not in cfg.run.model_fields_set:
+        update["model"] = describe_model(cfg.model)
+    run = cfg.run.model_copy(update=update)
+    swarm = Swarm(run_dir, cfg.roles, cwd=data_dir)
     try:
-        swarm.start("coordinator", "coordinator", {
-            "host": "127.0.0.1", "port": port, "data_dir": str(run_dir / "coordinator"),
-            "key_path": str(run_dir / "keys" / "coordinator.key"),
-            "run": {"run_id": run_id, "model": "tiny Llama (0.86M), character tokenizer",
-                    "task": {"name": "addition"}, "max_staleness": cfg.max_staleness,
-                    "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": cfg.group_size}},
-            "max_buffered_groups": cfg.batch_groups * max(cfg.max_staleness, 1),
-            # Every node of the demo runs on this machine, so from one address: give them all a newcomer's allowance.
-            "admission": {"unproven_per_source": cfg.prompts_per_lease * (cfg.nodes + 1)},
-            "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
-            "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
-        }, CoordinatorConfig)
-        _wait_until_up(CoordinatorClient(url, retries=0), swarm)
-        # Nodes start now: importing vLLM and registering overlaps the warm start below.
-        for i in range(cfg.nodes):
-            swarm.start(f"node{i}", "node", {
-                "coordinator_url": url, "coordinator_key": keys["coordinator"].public_key_hex,
-                "key_path": str(run_dir / "keys" / f"node{i}.key"), "name": f"node{i}",
-                "work_dir": str(run_dir / f"node{i}"), "max_prompts": cfg.prompts_per_lease, "progress": False,
-                "engine": {"kind": cfg.engine},
-                "p2p": {"enabled": cfg.p2p, "host_maddrs": LOOPBACK_MADDRS},
-                # On loopback a poll costs next to nothing, and a node held back by backpressure should start
-                # again as soon as the trainer takes a batch (at the default 0.5 s, the trainer waited for it).
-                "poll_interval_s": 0.1,
-            }, NodeConfig, nice=cfg.node_nice)
-        for name in verifier_names:
-            swarm.start(name, "verifier", {
-                "coordinator_url": url, "coordinator_key": keys["coordinator"].public_key_hex,
-                "key_path": str(run_dir / "keys" / f"{name}.key"),
-                "work_dir": str(run_dir / name),
-            }, VerifierConfig)
-
-        init_dir = run_dir / "init"
-        if not (init_dir / "config.json").exists():
-            build_and_warm(init_dir, target_accuracy=cfg.warmup_accuracy, seed=cfg.seed, console=console)
-        initial = json.loads((init_dir / "swarmrl.json").read_text())["warmup_accuracy"]
-
+        start_roles(swarm, cfg, run, url, port, keys)
+        ckpt, before = prepare_model(cfg, task, run_dir / "init", console)
         swarm.start("trainer", "trainer", {
             "coordinator_url": url, "key_path": str(run_dir / "keys" / "trainer.key"),
-            "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(init_dir),
+            "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(Path(ckpt).resolve()),
             "lr": cfg.lr, "batch_groups": cfg.batch_groups, "max_steps": cfg.max_steps,
-            "eval_every": cfg.eval_every, "progress": False,
+            "eval_every": cfg.eval_every, "eval_size": cfg.eval_size, "progress": False,
+            **({"device": "cuda"} if cfg.device == "cuda" else {}),
         }, TrainerConfig)
-
         client = CoordinatorClient(url)
         t_rl = time.time()
-        status: RunStatus | None = None
-        stop_reason = "max_steps"
-        with Live(render(None, 0, cfg, "starting"), console=console, refresh_per_second=2) as live:
-            while True:
-                time.sleep(1.0)
-                try:
-                    status = client.status()
-                except (CoordinatorError, httpx.TransportError):
-                    status = None
-                phase = "learning" if status and status.metrics else "starting"
-                live.update(Panel(render(status, time.time() - t_start, cfg, phase), title="swarmrl demo"))
-                dead = swarm.dead()
-                if "trainer" in dead:
-                    stop_reason = "trainer finished" if swarm.procs["trainer"].returncode == 0 else "trainer died"
-                    break
-                # A node may die or be banned; the swarm goes on while any node lives, as a real pool would.
-                essential = [n for n in dead if n == "coordinator" or n.startswith("verifier")]
-                nodes_alive = [n for n in swarm.procs if n.startswith("node") and n not in dead]
-                if essential or not nodes_alive:
-                    stop_reason = f"{essential[0]} died" if essential else "every node died"
-                    break
-                acc = _metric_series(status, "eval_accuracy") if status else []
-                if acc and acc[-1][1] >= cfg.target_accuracy:
-                    stop_reason = "target accuracy reached"
-                    break
-                if time.time() - t_rl > cfg.time_limit_s:
-                    stop_reason = "time limit"
-                    break
+        stop_reason = watch(swarm, client, cfg, t_start, console)
         rl_seconds = time.time() - t_rl
         for name in swarm.dead():
             if swarm.procs[name].returncode not in (0, None):
                 console.print(f"[red]{name} exited with {swarm.procs[name].returncode}[/]; last log lines:\n"
                               f"{swarm.log_tail(name)}")
-        status = client.status()
-        version, final = evaluate_published(client, keys["coordinator"].public_key_hex, run_dir / "eval")
+        status = client.status(metrics=1000)  # the whole run's reports, for the plot
+        version, final_acc, final_reward = evaluate_published(
+            client, keys["coordinator"].public_key_hex, run_dir / "eval", task, cfg)
     finally:
         swarm.stop()
-    plot(status, run_dir / "progress.png")
+        task.close()
+    plot(status, run_dir / "progress.png", f"swarmrl demo: {cfg.run.task.name}, GRPO through a local swarm")
     engines = sorted({n.engine for n in status.nodes})
     report = {
-        "initial_accuracy": initial,
-        "final_accuracy": final,
+        "task": cfg.run.task.name,
+        "model": run.model,
+        "parameters": before.get("parameters"),
+        "initial_accuracy": before["accuracy"],
+        "final_accuracy": final_acc,
+        "initial_reward": before["reward"],
+        "final_reward": final_reward,
+        "eval_problems": min(cfg.eval_size, len(task.eval_set())),
         "final_version": version,
         "steps": status.metrics[-1].step if status.metrics else 0,
         "wall_seconds": round(time.time() - t_start, 1),
@@ -324,7 +321,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "plot": str(run_dir / "progress.png"),
     }
     console.print(Panel(
-        f"held-out accuracy [bold]{initial:.3f} -> {final:.3f}[/] in {report['steps']} steps, "
+        f"held-out accuracy [bold]{report['initial_accuracy']:.3f} -> {final_acc:.3f}[/], mean reward "
+        f"{report['initial_reward']:.3f} -> {final_reward:.3f} in {report['steps']} steps, "
         f"{report['wall_seconds']:.0f} s ({stop_reason}); groups accepted {report['groups_accepted']}, "
         f"rejected {report['groups_rejected']}; engine {report['engine']}\nplot: {report['plot']}",
         title="result"))

@@ -38,7 +38,7 @@ class AdditionTask(Task):
     def _draw(self, rng: random.Random) -> Problem:
         lo, hi = 10 ** (self.options.digits - 1), 10**self.options.digits - 1
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        return Problem(prompt=f"{a}+{b}=", answer=str(a + b))
+        return Problem(prompt=f"{a}+{b}=", answer=str(a + b), solution=str(a + b))
 
     @cached_property
     def _eval(self) -> tuple[Problem, ...]:

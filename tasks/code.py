@@ -2,7 +2,9 @@
 
 Each line is `{"prompt": "...", "tests": [{"input": "1 2\\n", "output": "3\\n"}, ...]}`: the completion is a
 Python program that reads a case's `input` on stdin and must print its `output` (compared line by line,
-trailing whitespace ignored). The tests are the problem's answer: they stay on the trusted side.
+trailing whitespace ignored). The tests are the problem's answer: they stay on the trusted side. An optional
+`"solution"` (a reference completion, e.g. a fenced program) is what a supervised warm start teaches; rewards
+never read it.
 
 Why input/output cases and not asserts run next to the program: a program shares its interpreter with
 whatever runs in it, so it could forge an assert harness's verdict (exit 0 early, patch `AssertionError`,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from swarmrl.tasks.data import FileTaskOptions, load_split
 from swarmrl.tasks.sandbox import Sandbox, SandboxConfig
 
 MAX_CASES = 64
+SCORE_CACHE = 4096  # distinct (program, tests) scores kept
 _FENCE = re.compile(r"```[A-Za-z0-9_+-]*[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -74,6 +78,8 @@ class CodeTask(Task):
     def __init__(self, options: CodeOptions, data_dir: Path):
         super().__init__(options, data_dir)
         self.sandbox = Sandbox(options.sandbox)  # refuses to load where code cannot be sandboxed
+        self._cache: dict[tuple[str, str], float] = {}  # (program, tests) -> score, oldest first
+        self._cache_lock = threading.Lock()
         self._train, self._eval = load_split(options, data_dir, self._parse)
 
     @staticmethod
@@ -82,7 +88,11 @@ class CodeTask(Task):
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("empty prompt")
         tests = parse_tests(record["tests"])
-        return Problem(prompt=prompt, answer=json.dumps(tests, sort_keys=True, separators=(",", ":")))
+        solution = record.get("solution")
+        if solution is not None and (not isinstance(solution, str) or not solution.strip()):
+            raise ValueError("solution must be non-empty text")
+        return Problem(prompt=prompt, answer=json.dumps(tests, sort_keys=True, separators=(",", ":")),
+                       solution=solution)
 
     def sample(self, rng: random.Random) -> Problem:
         return self._train[rng.randrange(len(self._train))]
@@ -91,10 +101,28 @@ class CodeTask(Task):
         return list(self._eval)
 
     def reward(self, completion: str, answer: str) -> float:
-        tests = parse_tests(json.loads(answer))
         program = extract_program(completion)
         if not program.strip():
             return 0.0
+        return self._score(program, answer)
+
+    def _score(self, program: str, answer: str) -> float:
+        # The rollouts of a group often write the same program (more so as the policy sharpens), and each run is a
+        # fresh sandbox (tens of ms): score each distinct (program, tests) once. The score is a function of both
+        # alone, so a cached one is the score.
+        with self._cache_lock:
+            cached = self._cache.get((program, answer))
+        if cached is not None:
+            return cached
+        score = self._run_tests(program, answer)
+        with self._cache_lock:
+            self._cache[(program, answer)] = score
+            while len(self._cache) > SCORE_CACHE:
+                self._cache.pop(next(iter(self._cache)))
+        return score
+
+    def _run_tests(self, program: str, answer: str) -> float:
+        tests = parse_tests(json.loads(answer))
         passed = 0
         for case in tests:
             run = self.sandbox.run(program, case["input"].encode())

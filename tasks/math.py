@@ -2,7 +2,8 @@
 
 Each line is `{"question": ..., "answer": ...}` (`"problem"` is accepted for `"question"`). An answer in
 GSM8K's form, worked solution then `#### 42`, counts as the text after the last `####`. Answers may be
-numbers or LaTeX (`\\frac{1}{2}`, `\\sqrt{2}`, `x^2+1`).
+numbers or LaTeX (`\\frac{1}{2}`, `\\sqrt{2}`, `x^2+1`). An optional `"solution"` is the completion a
+supervised warm start teaches (default: the final answer); rewards never read it.
 
 Reward: 1 when the completion's final answer equals the reference mathematically, else 0. math-verify
 (sympy underneath) extracts the final answer, the last `\\boxed{...}` first, else the last expression or
@@ -33,7 +34,12 @@ class MathOptions(FileTaskOptions):
     @field_validator("template")
     @classmethod
     def _has_question(cls, template: str) -> str:
-        if template.format(question="Q") == template:
+        try:
+            filled = template.format(question="Q")
+        except (IndexError, KeyError, ValueError) as e:
+            raise ValueError(f"template must have {{question}} as its only field (write a literal brace twice, "
+                             f"e.g. \\boxed{{{{}}}}): {e!r}") from None
+        if filled == template:
             raise ValueError("template must contain {question}")
         return template
 
@@ -62,7 +68,10 @@ class MathTask(Task):
         answer = gsm8k_answer(str(record["answer"]))
         if not isinstance(question, str) or not question.strip() or not answer:
             raise ValueError("empty question or answer")
-        return Problem(prompt=self.options.template.format(question=question), answer=answer)
+        solution = record.get("solution", answer)
+        if not isinstance(solution, str) or not solution.strip():
+            raise ValueError("solution must be non-empty text")
+        return Problem(prompt=self.options.template.format(question=question), answer=answer, solution=solution)
 
     def sample(self, rng: random.Random) -> Problem:
         return self._train[rng.randrange(len(self._train))]

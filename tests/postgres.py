@@ -4,16 +4,12 @@ may create databases. Each test gets a database of its own, dropped afterwards."
 from __future__ import annotations
 
 import os
-import secrets
-import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError
+
+from swarmrl.testing import postgres as testing_postgres
 
 PG_URL = os.environ.get("SWARMRL_TEST_PG_URL")
 SKIP_REASON = "SWARMRL_TEST_PG_URL is not set: export SWARMRL_TEST_PG_URL=\"$(scripts/test-postgres.sh)\" (CI does)"
@@ -25,31 +21,8 @@ def fresh_database() -> Iterator[str]:
     """The URL of a new, empty database on the test server; it is dropped on exit."""
     if not PG_URL:
         pytest.skip(SKIP_REASON)
-    name = f"swarmrl_t_{secrets.token_hex(6)}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            # From template0, which nobody can connect to: copying template1 fails while anyone else is on it.
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}" TEMPLATE template0')
-        yield make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        _drop(admin, name)
-        admin.dispose()
-
-
-def _drop(admin: Engine, name: str, attempts: int = 10) -> None:
-    """Drop the database, ending whatever is still connected to it. A backend this role may not end (e.g. the
-    server's autovacuum working on the fresh tables) makes DROP fail until it is done: try again a few times."""
-    for attempt in range(attempts):
-        try:
-            with admin.connect() as conn:
-                conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            return
-        except DBAPIError as e:
-            if attempt == attempts - 1:
-                warnings.warn(f"could not drop test database {name}: {e}", stacklevel=2)
-                return
-            time.sleep(0.5 * (attempt + 1))
+    with testing_postgres.fresh_database(PG_URL) as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=needs_pg)])

@@ -752,6 +752,23 @@ def test_publish_rules_and_shard_serving(run_factory) -> None:
             assert anon.shard(ref.sha256)
 
 
+def test_a_pending_groups_weights_are_kept_however_far_the_trainer_moves_on(run_factory) -> None:
+    """A group submitted within the staleness bound is verified with its own version's weights, even when the
+    trainer publishes faster than the verifiers check: that version's shards are kept while it has pending groups."""
+    run = run_factory(keep_versions=3)
+    v0 = run.publish(0, tag="0").verify(run.op.info().coordinator_key)
+    node = run.node()
+    node.submit(submission(node.lease(1, 0)))
+    for v in (1, 2, 3, 4):
+        run.publish(v, tag=str(v))
+    for ref in v0.shards():  # still pending: still served
+        assert httpx.get(f"{run.url}/v1/shards/{ref.sha256}").status_code == 200
+    (pending,) = run.op.pending(limit=8)
+    run.op.verdicts([m.Verdict(group_id=pending.group_id, accepted=True, rewards=[1.0] * GROUP)])
+    run.publish(5, tag="5")  # the next collection drops them
+    assert all(httpx.get(f"{run.url}/v1/shards/{ref.sha256}").status_code == 404 for ref in v0.shards())
+
+
 def test_shard_upload_checks(run_factory) -> None:
     run = run_factory()
     data = secrets.token_bytes(2048)
@@ -782,7 +799,8 @@ def test_shard_upload_checks(run_factory) -> None:
 
 def test_metrics_status_and_dashboard(run: Run) -> None:
     run.op.metrics(step=1, version=0, metrics={"reward_mean": 0.25, "eval/accuracy": 0.1})
-    run.op.metrics(step=2, version=1, metrics={"reward_mean": 0.5, "eval/accuracy": 0.2})
+    run.op.metrics(step=2, version=1, metrics={"reward_mean": 0.5, "eval/accuracy": 0.2, "eval_accuracy": 0.3,
+                                               "step": 7.0})
     st = run.op.status()
     assert [(x.step, x.metrics["reward_mean"]) for x in st.metrics] == [(1, 0.25), (2, 0.5)]
     page = httpx.get(run.url + "/")
@@ -796,6 +814,10 @@ def test_metrics_status_and_dashboard(run: Run) -> None:
     assert prom[("swarmrl_coordinator_info", (("key", run.key.public_key_hex), ("run", "test-run")))] == 1
     assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "reward_mean"),))] == 0.5
     assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "eval/accuracy"),))] == 0.2
+    # Keys are label values: keys that would sanitize alike, or match another family's name, stay apart.
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "eval_accuracy"),))] == 0.3
+    assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "step"),))] == 7
+    assert prom[("swarmrl_coordinator_trainer_step", ())] == 2
 
 
 def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
@@ -52,6 +52,8 @@ class Collected:
     """Every fresh group seen, trainable or not (for reward metrics)."""
     cursor: int
     """The largest group id seen; the next pull starts after it."""
+    consumed: list[int] = field(default_factory=list)
+    """Every group id passed over, trained on or not (stale, filtered), in feed order."""
     stale: int = 0
     filtered: int = 0
     idle_s: float = 0.0
@@ -101,6 +103,7 @@ def collect_groups(
             if g.group_id <= out.cursor:  # a coordinator bug must not make us train twice on a group
                 continue
             out.cursor = g.group_id
+            out.consumed.append(g.group_id)
             if not is_fresh(g.policy_version, version, max_staleness):
                 out.stale += 1
                 continue

@@ -80,3 +80,24 @@ def accuracy(
 ) -> float:
     """Fraction of `problems` whose greedy completion is right. `max_new_tokens`: default the task's."""
     return correct_count(model, tokenizer, problems, task, max_new_tokens, batch_size) / max(len(problems), 1)
+
+
+def held_out_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: tuple[Problem, ...] | list[Problem],
+    task: Task,
+    max_new_tokens: int | None = None,
+    batch_size: int = 500,
+) -> tuple[float, float]:
+    """(accuracy, mean reward) of the greedy completions of `problems`: the share `Task.is_correct` accepts, and
+    the mean of `Task.reward` (the trusted reward, partial credit included)."""
+    max_new_tokens = max_new_tokens or task.eval_settings.max_new_tokens
+    correct, reward = 0, 0.0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        texts = greedy_complete(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
+        correct += sum(task.is_correct(t, p.answer) for t, p in zip(texts, chunk, strict=True))
+        reward += sum(task.reward(t, p.answer) for t, p in zip(texts, chunk, strict=True))
+    n = max(len(problems), 1)
+    return correct / n, reward / n

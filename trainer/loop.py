@@ -9,9 +9,9 @@ One step:
      `max_staleness` versions behind the trainer's is dropped (counted as stale); a zero-advantage group is
      skipped (counted as filtered); the cursor moves past both. The time spent here is `trainer_idle_s`.
   2. one optimizer step (FSDP: every rank its slice);
-  3. version += 1; save the state (weights in HF layout, optimizer, version, cursor) atomically, then acknowledge
-     the cursor to the coordinator (reading the feed moves nothing there; the acknowledgement frees the
-     backpressure buffer);
+  3. version += 1; save the state (weights in HF layout, optimizer, version, cursor, the group ids trained on and
+     passed over) atomically, log the step (`steps.jsonl`), then acknowledge the cursor to the coordinator
+     (reading the feed moves nothing there; the acknowledgement frees the backpressure buffer);
   4. hand the new weights to the background publisher, which uploads and publishes them while training
      goes on: the trainer never waits for a broadcast;
   5. post metrics (and every `eval_every` steps the held-out greedy accuracy).
@@ -60,7 +60,17 @@ from swarmrl.trainer.grpo import build_batch, make_optimizer
 from swarmrl.trainer.metrics import StepDisplay, elapsed_s, rollout_metrics, staleness_histogram
 from swarmrl.trainer.model import load_checkpoint
 from swarmrl.trainer.publisher import Publisher
-from swarmrl.trainer.state import TrainerState, clean_temp, latest, load_state, prune_states, restore_rng, save_state
+from swarmrl.trainer.state import (
+    TrainerState,
+    append_step_log,
+    clean_temp,
+    latest,
+    load_state,
+    prune_states,
+    reconcile_step_log,
+    restore_rng,
+    save_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +147,9 @@ class _Run:
             clean_temp(self.state_dir)
         path: Path | None = broadcast_object(latest(self.state_dir) if env.is_main else None, env)
         loaded = load_state(path) if path is not None else None
+        if env.is_main:
+            reconcile_step_log(self.state_dir, loaded.state if loaded is not None else None)
+        self.skipped_since_save: list[int] = []  # consumed without a step (zero advantage): logged with the next
         if loaded is not None:
             if loaded.state.run_id and loaded.state.run_id != self.run_id:
                 raise ValueError(f"the state in {path} belongs to run {loaded.state.run_id!r}, the coordinator runs "
@@ -292,6 +305,7 @@ class _Run:
             ts.cursor = broadcast_object(collected.cursor if collected else None, env)
             if env.is_main:
                 assert collected is not None
+                self.skipped_since_save += collected.consumed
                 # Nothing to save: the saved state (the same weights) would skip these groups again after a restart,
                 # so they are consumed. Acknowledging them now keeps a run of such groups from filling the buffer.
                 self.acknowledge(ts.cursor)
@@ -309,11 +323,18 @@ class _Run:
         ts.step += 1
         ts.version += 1
         ts.cursor = broadcast_object(collected.cursor if collected else None, env)
+        if env.is_main:
+            assert collected is not None
+            ts.trained = [g.group_id for g in groups]
+            trained = set(ts.trained)
+            ts.skipped = self.skipped_since_save + [i for i in collected.consumed if i not in trained]
         t1 = time.monotonic()
         path = self.save()
         save_s = time.monotonic() - t1
         if env.is_main:
             assert path is not None and self.publisher is not None
+            append_step_log(self.state_dir, ts)  # after the state: a kill in between is mended at start
+            self.skipped_since_save = []
             self.state_path = path
             self.acknowledge(ts.cursor)  # the state that consumed the feed up to the cursor is on disk
             self.publisher.submit(path / "model", ts.version)  # returns at once: training goes on

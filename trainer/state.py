@@ -4,10 +4,15 @@
         model/          HF checkpoint (model.safetensors, config, tokenizer): also what gets published
         optimizer.pt    AdamW state, keyed by parameter name (portable between 1 process and FSDP)
         rng.pt          torch and Python RNG states
-        trainer.json    step, version (policy version of these weights), cursor (last group id consumed)
+        trainer.json    step, version (policy version of these weights), cursor (last group id consumed), and
+                        the group ids the step that made this state trained on and passed over
+    state_dir/steps.jsonl   one line per step ever taken, the same facts: which groups trained which version
 
-A state is written into a temporary sibling directory and renamed into place, so a state directory either
-is complete or does not exist; `latest` only ever sees complete ones.
+A state is written into a temporary sibling directory, fsynced, and renamed into place (the rename fsynced with
+its directory), so a state directory either is complete or does not exist, also after a power cut; `latest`
+only ever sees complete ones. The step log is appended after the rename; a line lost to a kill between the two
+is written again from the state's trainer.json when the trainer starts (`reconcile_step_log`), so the log holds
+exactly one line per step of every state saved.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from swarmrl.trainer.model import load_checkpoint, save_checkpoint
 
 STATE_PREFIX = "state-"
+STEP_LOG = "steps.jsonl"
 
 
 @dataclass
@@ -40,6 +46,10 @@ class TrainerState:
     cursor: int = 0
     """The largest TrainingGroup.group_id consumed; the next pull asks for ids above it."""
     run_id: str = ""
+    trained: list[int] = field(default_factory=list)
+    """Group ids (feed positions) the step that made this state trained on."""
+    skipped: list[int] = field(default_factory=list)
+    """Group ids consumed since the previous state without being trained on (stale, zero advantage)."""
 
 
 @dataclass
@@ -113,13 +123,64 @@ def save_state(
         torch.save(rng if rng is not None else capture_rng(), tmp / "rng.pt")
         # trainer.json last: `list_states` takes its presence as "complete" (belt and braces with the rename).
         (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=1, sort_keys=True))
+        _fsync_tree(tmp)  # the files' contents are on disk before the rename can be
         if final.exists():  # only when re-saving a step after an odd restart; the new one wins
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync_path(path)
+    _fsync_path(root)
+
+
+def step_line(state: TrainerState) -> dict[str, Any]:
+    """The step log's line for the step that made `state`."""
+    return {"step": state.step, "version": state.version, "cursor": state.cursor, "trained": state.trained,
+            "skipped": state.skipped}
+
+
+def append_step_log(state_dir: str | Path, state: TrainerState) -> None:
+    """Append (and fsync) the line of the step that made `state`, saved just before."""
+    with open(Path(state_dir) / STEP_LOG, "a") as f:
+        f.write(json.dumps(step_line(state)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_step_log(state_dir: str | Path) -> list[dict[str, Any]]:
+    """Every whole line of the step log (a line cut short by a kill is left out)."""
+    path = Path(state_dir) / STEP_LOG
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+
+
+def reconcile_step_log(state_dir: str | Path, latest_state: TrainerState | None) -> None:
+    """At start: cut a line a kill left half written, and write the newest state's line if a kill came between
+    saving that state and logging it."""
+    path = Path(state_dir) / STEP_LOG
+    if path.exists():
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            path.write_text(text[: text.rfind("\n") + 1])
+    lines = read_step_log(state_dir)
+    if latest_state is not None and latest_state.step > 0 and (not lines or lines[-1]["step"] < latest_state.step):
+        append_step_log(state_dir, latest_state)
 
 
 def read_state(path: str | Path) -> TrainerState:

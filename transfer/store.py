@@ -43,14 +43,26 @@ def _iter_chunks(path: Path, size: int) -> Iterator[bytes]:
             yield block
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ShardStore:
     """A directory of shards named by their sha256. `put` refuses bytes that do not match their name.
 
     One process owns a store's directory. Opening it removes the partial files (`.part-*`) a killed process left
-    behind: `put` writes a shard under such a name and renames it into place, so they are never whole shards."""
+    behind: `put` writes a shard under such a name and renames it into place, so they are never whole shards; a
+    `put` that fails (a full disk) removes its own. `durable`: a shard is fsynced before it is renamed into place
+    and the rename is fsynced with its directory, so a shard that a later commit refers to (a published manifest)
+    survives a power cut whole (the coordinator's store is durable; a node's, which can fetch again, is not)."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, durable: bool = False):
         self.root = Path(root)
+        self.durable = durable
         self.root.mkdir(parents=True, exist_ok=True)
         for partial in self.root.glob("??/.part-*"):
             partial.unlink(missing_ok=True)
@@ -76,9 +88,18 @@ class ShardStore:
             return
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".part-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, dest)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        if self.durable:
+            _fsync_dir(dest.parent)
 
     def missing(self, manifest: CheckpointManifest) -> list[ShardRef]:
         return [s for s in manifest.shards() if not self.has(s.sha256)]

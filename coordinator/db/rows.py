@@ -42,6 +42,8 @@ class NodeRow:
     at submission (`coordinator.admission`)."""
     source: str
     """The address it last registered from (`coordinator.ratelimit.source_of`)."""
+    gone_since: float | None = None
+    """When the node was marked gone for missing its heartbeats; None while it is live."""
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ This is what the code queries. What a database actually looks like is made by th
 a new migration. The table and column names are those of the hand-written store this replaced, so that its
 databases are adopted in place (migration 0001).
 
+A node is gone (`gone_since` set) once it has not been heard from for node_gone_after_s; its open leases were freed
+then (`coordinator.liveness`), and any request of it brings it back.
+
 A submitted group's life is in `rollout_groups`: `status` pending -> accepted | rejected, with `held` set while a
 pending group waits for a later full check of its node (`coordinator.verification` holds the rules), and
 `accepted_seq` its position in the trainer feed once accepted (`coordinator.feed`).
@@ -58,6 +61,8 @@ nodes = Table(
     Column("prompts_leased", BigInteger, nullable=False, server_default="0"),
     Column("prompts_abandoned", BigInteger, nullable=False, server_default="0"),
     Column("source", Text, nullable=False, server_default=""),
+    Column("gone_since", Double),
+    Index("nodes_last_seen", "last_seen"),
 )
 
 nonces = Table(
@@ -152,6 +157,18 @@ metrics = Table(
     sqlite_autoincrement=True,
 )
 
+idempotency_keys = Table(
+    "idempotency_keys", metadata,
+    Column("signer", Text, primary_key=True),
+    Column("key", Text, primary_key=True),
+    Column("digest", Text, nullable=False),
+    Column("status", Integer, nullable=False),
+    Column("body", Text, nullable=False),
+    Column("created_at", Double, nullable=False),
+    Index("idempotency_keys_created", "created_at"),
+)
+"""The answer to each request that carried an Idempotency-Key, stored in the transaction of the request's effect
+(`coordinator.idempotency`): a retry of it is answered from here instead of being applied again."""
 # The contribution ledger (`coordinator.ledger`): one signed receipt per accepted group, numbered by the
 # RECEIPT_SEQ counter, and per node and policy version the accepted groups and tokens, both written in the
 # transaction that accepts the groups.

@@ -8,8 +8,8 @@
 - prompt_queue: prompts leased and not used, leased again to other identities;
 - challenges: dropped; a registration challenge is a MAC under the run's secret now, and nothing is stored.
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-03
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,30 @@
+"""bench/coordinator_load.py runs end to end at a toy size: a real coordinator process, load processes of signed
+nodes, the coordinator killed with SIGKILL, its database read; its last line is the JSON object the lead records,
+and nothing answered was lost. (What it measures is the bench's business; no speed is asserted here.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(600)
+def test_the_load_bench_runs_and_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "coordinator_load.py"), "--stores", "sqlite",
+                           "--nodes", "20", "--duration", "2", "--warmup", "1", "--workers", "1", "--concurrency", "4",
+                           "--out", str(out)], capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"submissions_per_s", "p99_ms", "errors", "lost", "nodes", "store"} <= set(last)
+    assert (last["nodes"], last["store"], last["lost"]) == (20, "sqlite", 0)
+    runs = last["runs"]
+    assert [(r["nodes"], r["group_commit"]) for r in runs] == [(20, True), (20, False)]  # beside its baseline
+    assert all(r["lost"] == 0 and r["accepted_total"] > 0 for r in runs), runs
+    assert json.loads(out.read_text()) == last

@@ -1,0 +1,112 @@
+"""Group commit on SQLite (`coordinator.db.groupcommit`): writes that queue behind a commit share the next one; each
+write still behaves as if alone (a failing one is rolled back by itself, later ones see earlier ones), and no
+write returns before the commit holding it succeeded: when that commit fails, every write of the batch fails and
+none of it is stored. Batches are made deterministic by holding the first write until the others have queued."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from swarmrl.coordinator.auth import Refused
+from swarmrl.coordinator.db.schema import kv, leases
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
+from swarmrl.testing.waiting import wait_for
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(f"sqlite:///{tmp_path / 'c.sqlite'}", group_commit=64)
+    yield s
+    s.close()
+
+
+def _queued(store: Store, n: int) -> None:
+    """Wait until `n` writes wait in the queue behind the running commit."""
+    group = store._group
+    assert group is not None
+    wait_for(lambda: group.queued >= n, f"{n} queued writes")
+
+
+def _behind_a_held_write(store: Store, writes: list) -> list:
+    """Run `writes` from threads of their own while a first write holds the commit; their outcomes (result or
+    exception), in order."""
+    release = threading.Event()
+    holder = threading.Thread(target=lambda: store.write(lambda tx: release.wait(30)))
+    holder.start()
+    wait_for(lambda: store._group is not None and store._group.committing, "the held write to lead")
+    outcomes: list = [None] * len(writes)
+
+    def run(i: int) -> None:
+        try:
+            outcomes[i] = store.write(writes[i])
+        except Exception as e:  # the outcome under test
+            outcomes[i] = e
+
+    threads = []
+    for i in range(len(writes)):  # one at a time, so that the queue order is the list order
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        _queued(store, i + 1)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(timeout=60)
+    return outcomes
+
+
+def test_queued_writes_share_one_commit_and_fail_alone(store: Store) -> None:
+    def refuse(tx: Tx) -> None:
+        add_to_counter(tx, "lease_counter", 100)  # rolled back with its savepoint
+        raise Refused(409, "no")
+
+    group = store._group
+    assert group is not None
+    before = group.batches
+    writes = [lambda tx: add_to_counter(tx, "lease_counter", 1) for _ in range(5)]
+    outcomes = _behind_a_held_write(store, writes[:2] + [refuse] + writes[2:])
+    assert outcomes[:2] == [1, 2] and outcomes[3:] == [3, 4, 5]  # in queue order, each seeing the earlier ones
+    assert isinstance(outcomes[2], Refused)
+    assert store.read(lambda tx: counter(tx, "lease_counter")) == 5
+    assert group.batches - before == 2  # the held write alone, then the six queued behind it together
+
+
+def test_a_failed_commit_fails_every_write_of_its_batch(store: Store) -> None:
+    def dangling_lease(tx: Tx) -> str:
+        # Checked at COMMIT, not at the statement: the whole batch's commit fails.
+        tx.exec_driver_sql("PRAGMA defer_foreign_keys = ON")
+        tx.execute(leases.insert().values(id="l1", node_id="no such node", policy_version=0, issued_at=0.0,
+                                          expires_at=1.0, sampling={}))
+        return "inserted"
+
+    outcomes = _behind_a_held_write(store, [lambda tx: add_to_counter(tx, "lease_counter", 7), dangling_lease])
+    assert all(isinstance(o, IntegrityError) for o in outcomes), outcomes
+    assert store.read(lambda tx: counter(tx, "lease_counter")) == 0  # the first write's change was not stored
+    assert store.read(lambda tx: tx.execute(select(func.count()).select_from(leases)).scalar_one()) == 0
+    assert store.write(lambda tx: add_to_counter(tx, "lease_counter", 1)) == 1  # and the store goes on
+
+
+def test_many_threads_lose_nothing(store: Store) -> None:
+    def bump(tx: Tx) -> int:
+        return add_to_counter(tx, "accepted_seq", 1)
+
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(25):
+            value = store.write(bump)
+            with lock:
+                got.append(value)
+
+    threads = [threading.Thread(target=worker) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(1, 301))  # every write applied once, each answered with its own value
+    assert store.read(lambda tx: tx.execute(select(kv.c.value).where(kv.c.key == "accepted_seq")).scalar_one()) == 300
