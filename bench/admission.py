@@ -35,6 +35,7 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.gate import Gate
 from swarmrl.coordinator.ratelimit import RateLimitConfig
+from swarmrl.coordinator.registry import require_node
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity, verify_signature
 from swarmrl.protocol.signing import pool_id, sign
@@ -97,7 +98,7 @@ def main() -> None:
         cfg = CoordinatorConfig(data_dir=Path(tmp), rate_limits=RateLimitConfig.off())
         store = Store(cfg.resolved_store_url)
         pool = pool_id(cfg.run.run_id, coordinator.public_key_hex)
-        gate = Gate(store, cfg, time.time, pool)
+        gate = Gate(store, cfg, time.time, pool, lambda node_id: store.read(lambda tx: require_node(tx, node_id)))
 
         raw = (b'{"kind":"submit","public_key":"' + node.public_key_hex.encode() + b'","nonce":"' + b"0" * 32 +
                b'","timestamp":0.0,"payload":' + body + b',"signature":"' + b"0" * 128 + b'"}')
@@ -108,8 +109,8 @@ def main() -> None:
 
         good = sign(node, m.KIND_SUBMIT, pool, body)
         forged = good.model_copy(update={"sig": "0" * 128}).header()
-        fresh = lambda: gate.admit(gate.check_header(sign(node, m.KIND_SUBMIT, pool, b"{}").header(),  # noqa: E731
-                                                     m.KIND_SUBMIT, "node"), body, m.RolloutSubmission, "node")
+        fresh = lambda: gate.open(gate.check_header(sign(node, m.KIND_SUBMIT, pool, b"{}").header(),  # noqa: E731
+                                                    m.KIND_SUBMIT, "node"), body, m.RolloutSubmission, "node")
         res = {
             "body_mib": round(len(body) / 2**20, 2),
             "envelope_parse_s": timed(envelope_parse, max(3, args.repeats // 5)),

@@ -17,7 +17,7 @@ from swarmrl.protocol.leases import MAX_PROMPTS_PER_LEASE, Lease, LeasedPrompt, 
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.run import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, RunInfo, SamplingSpec
 
-# Envelope kinds: the receiver refuses an envelope whose kind does not match the endpoint.
+# Message kinds: the receiver refuses a signature whose kind does not match the endpoint.
 KIND_REGISTER = "register"
 KIND_LEASE = "lease"
 KIND_SUBMIT = "submit"

@@ -301,6 +301,44 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         s.close()
 
 
+def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noqa: F811
+    """A coordinator's database from before admission (revision 0005: idempotency keys and liveness) upgrades to
+    head (0006): its rows stay, nodes get zero lease counters and the source '', the stored challenges go."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine, inspect
+
+    from swarmrl.coordinator.db.store import MIGRATIONS
+
+    engine = create_engine(store_url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0005")
+        conn.execute(text("INSERT INTO nodes (id, public_key, registered_at, last_seen, gone_since) "
+                          "VALUES ('n1', 'k1', 1.0, 2.0, 3.0)"))
+        conn.execute(text("INSERT INTO leases (id, node_id, policy_version, issued_at, expires_at, sampling) "
+                          "VALUES ('L1', 'n1', 0, 1.0, 99.0, '{}')"))
+        conn.execute(text("INSERT INTO idempotency_keys VALUES ('n1', 'key-1', 'd', 200, '{}', 1.0)"))
+        conn.execute(text("INSERT INTO challenges VALUES ('c', 'k1', 9.0)"))
+    assert "challenges" in inspect(engine).get_table_names()
+    engine.dispose()
+
+    s = Store(store_url)
+    try:
+        node = _get_node(s)
+        assert node is not None and node.gone_since == 3.0
+        assert (node.prompts_leased, node.prompts_abandoned, node.source) == (0, 0, "")
+        assert s.read(lambda tx: leases.get_lease(tx, "L1")).signature is None
+        assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
+        assert s.read(admission.queued) == 0
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0006"
+        assert "challenges" not in inspect(s.engine).get_table_names()
+    finally:
+        s.close()
+
+
 def test_the_migrations_make_what_the_schema_says(store: Store) -> None:
     """The tables the code queries (db/schema.py) are the ones the migrations build: no column, type, index,
     constraint (or, on PostgreSQL, server default) differs. A change to one without the other fails here."""
