@@ -3,9 +3,10 @@
 A receipt exists from the moment the verifier's verdict accepting the group is applied (or the group is released
 from quarantine): the coordinator signs it then and keeps it in its receipt book. Nodes collect theirs later with
 a signed `ReceiptsRequest` (GET /v1/receipts, the payload and its signature in the `x-swarmrl-payload` and
-`x-swarmrl-signature` headers), page by page after the last `seq` they hold. The signature covers `RECEIPT_DOMAIN` + the canonical JSON of every field but the
-signature, so anyone who knows the coordinator's public key can check a receipt offline (`verify_receipt`), and a
-contribution can be proven without trusting the operator's database.
+`x-swarmrl-signature` headers), page by page after the last `seq` they hold. The signature covers
+`RECEIPT_DOMAIN` + the canonical JSON of every field but the signature, so anyone who knows the coordinator's
+public key can check a receipt offline (`verify_receipt`), and a contribution can be proven without trusting the
+operator's database.
 """
 
 from __future__ import annotations
