@@ -103,3 +103,23 @@ def test_a_role_never_imports_another_role(role):
 def test_no_module_is_too_long_to_hold_in_mind():
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_no_file_holds_merge_conflict_markers():
+    import subprocess
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    markers = ("<<<<<<< ", ">>>>>>> ")
+    found = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".txt", ".ini", ".cfg", ""}:
+            continue
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        found += [f"{name}:{i}" for i, line in enumerate(lines, 1) if line.startswith(markers)]
+    assert not found, f"merge conflict markers left in: {found}"
