@@ -1,6 +1,7 @@
 """bench/coordinator_load.py runs end to end at a toy size: a real coordinator process, load processes of signed
-nodes, the coordinator killed with SIGKILL, its database read; its last line is the JSON object that bench/RESULTS.md records,
-and nothing answered was lost. (What it measures is the bench's business; no speed is asserted here.)"""
+nodes, the coordinator killed with SIGKILL, its database read; its last line is the JSON object that
+bench/RESULTS.md records, and nothing answered was lost. (What it measures is the bench's business; no speed is
+asserted here.)"""
 
 from __future__ import annotations
 
