@@ -125,8 +125,8 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     assert mark("L1.0")
     assert not mark("L1.0")
     # Settling a lease queues what was not submitted, counted against its node; a settled lease stays settled.
-    assert store.write(lambda tx: admission.settle_lease(tx, "L1", "n1", now=110.0)) == 1
-    assert store.write(lambda tx: admission.settle_lease(tx, "L1", "n1", now=110.0)) == 0
+    assert store.write(lambda tx: admission.settle_lease(tx, "L1", now=110.0)) == 1
+    assert store.write(lambda tx: admission.settle_lease(tx, "L1", now=110.0)) == 0
     assert open_at(110.0) == 1
     node = _get_node(store)
     assert node.prompts_abandoned == 1
@@ -296,7 +296,7 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
         assert s.write(feed.next_position) == 2  # the feed continues, never reuses a position
         assert s.read(lambda tx: counter(tx, "feed_acked")) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0006"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
     finally:
         s.close()
 
@@ -333,7 +333,7 @@ def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noq
         assert s.read(lambda tx: leases.get_lease(tx, "L1")).signature is None
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
         assert s.read(admission.queued) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0006"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
         assert "challenges" not in inspect(s.engine).get_table_names()
     finally:
         s.close()
