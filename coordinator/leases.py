@@ -169,6 +169,14 @@ class Leases:
         self._sweep(now)
 
         def lease(tx: Tx) -> m.Lease | None:
+            # The counter moves of the leases this request settles and grants, applied in one ordered pass at the
+            # end, whether it grants a lease or not (a refusal rolls everything back).
+            deltas: dict[inflight.Key, int] = {}
+            granted = grant(tx, deltas)
+            inflight.apply(tx, deltas)
+            return granted
+
+        def grant(tx: Tx, deltas: dict[inflight.Key, int]) -> m.Lease | None:
             admit(tx, req)
             node = require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
@@ -177,8 +185,7 @@ class Leases:
                 return None
             min_version = version - run.max_staleness
             # Its own expired leases are settled now, so that what it holds is exact when it asks (others' are the
-            # sweep's); their counter moves are applied with the new lease's, in one ordered pass.
-            deltas: dict[inflight.Key, int] = {}
+            # sweep's).
             if admission.settle_own_expired(tx, req.signer, now, adm.sweep_batch, deltas):
                 node = require_node(tx, req.signer)
             flight = admission.in_flight(tx, node, min_version)
@@ -217,7 +224,6 @@ class Leases:
             admission.count_leased(tx, req.signer, n)
             for key, d in counted.items():
                 deltas[key] = deltas.get(key, 0) + d
-            inflight.apply(tx, deltas)
             remember(tx, req, signed, now)
             return signed
 

@@ -258,3 +258,25 @@ def test_a_lease_counts_as_granted_until_it_closes(run_factory) -> None:
         assert store.read(lambda tx: tx.execute(select(func.count()).select_from(in_flight)).scalar_one()) == 0
     finally:
         store.close()
+
+
+def test_a_request_that_settles_its_own_expired_lease_and_gets_none_still_takes_it_back(run_factory) -> None:
+    """A node's expired lease, not yet swept, is settled by its next lease request; when that request is then told
+    to wait (backpressure), the settled lease still stops counting (in its own figure and everyone's)."""
+    clock = FrozenClock()
+    run = run_factory(clock=clock, clock_skew_s=1e6, lease_ttl_s=TTL, max_buffered_groups=4,
+                      admission={"proven_after_groups": 0})
+    run.publish(0)
+    a, b = run.node("a"), run.node("b")
+    assert len(a.lease(1, 0).prompts) == 1
+    clock.advance(TTL - 0.5)
+    assert len(b.lease(8, 0).prompts) == 8  # its request ran the sweep: nothing had expired yet
+    clock.advance(0.7)  # a's lease has expired; the next sweep is not due for another 0.3 s
+    assert a.lease(1, 0) is None  # b's 8 fill the buffer
+    store = Store(run.cfg.resolved_store_url)
+    try:
+        row = store.read(lambda tx: registry.get_node(tx, a.identity.node_id))
+        assert row.prompts_abandoned == 1
+        assert store.read(lambda tx: admission.in_flight(tx, row, 0)) == InFlight(0, 8, 0, 0, 0)
+    finally:
+        store.close()
