@@ -9,15 +9,16 @@ during a test, so nothing here depends on how fast the machine is."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, refused, signed, submission
+from tests.support.coordinator import Run, post, refused, signed, submission
 
-run_factory = api.run_factory  # the coordinator fixture, shared with the API tests
+pytestmark = pytest.mark.both_stores  # each test on SQLite and on PostgreSQL (conftest.py)
+
 NEW = 8  # admission.new_identity_prompts, the default
 
 
@@ -213,9 +214,9 @@ def test_an_identity_over_its_rate_is_refused_and_nobody_else_pays(run_factory) 
     run.publish(0)
     node, other = run.node("busy"), run.node("other")  # registering cost each one request
     replay = signed(node.identity, m.KIND_HEARTBEAT, run.pool, m.Heartbeat())
-    assert api.post(run.url, "/v1/heartbeat", replay)[0] == 204
+    assert post(run.url, "/v1/heartbeat", replay)[0] == 204
     for _ in range(5):  # replays are refused without spending the signer's requests
-        assert api.post(run.url, "/v1/heartbeat", replay) == (409, "replayed request")
+        assert post(run.url, "/v1/heartbeat", replay) == (409, "replayed request")
     node.heartbeat(0)
     node.heartbeat(0)
     err = refused(lambda: node.heartbeat(0), 429, "identity")

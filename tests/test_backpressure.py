@@ -5,10 +5,8 @@ tested here; how unproven identities share it is tests/test_admission.py's."""
 
 from __future__ import annotations
 
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, submission
+from tests.support.coordinator import Run, submission
 
-run_factory = api.run_factory  # the coordinator fixture, shared with the API tests
 PROVEN = {"proven_after_groups": 0}
 
 

@@ -1,5 +1,5 @@
-"""The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite (and the same tests
-on PostgreSQL in test_coordinator_api_postgres.py).
+"""The coordinator's HTTP API, end to end: real uvicorn on loopback, real Ed25519, real SQLite (each test on
+PostgreSQL too: `both_stores`, conftest.py).
 
 Requests go through `runtime.client.CoordinatorClient` (the client the other roles use) or, for
 requests the client would never make (forged, tampered, replayed, malformed), raw httpx. Time-dependent
@@ -12,170 +12,20 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel
 
-from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.ratelimit import RateLimitConfig
-from swarmrl.coordinator.server import running_server
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.signing import SIGNATURE_HEADER, pool_id, sign
-from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
+from tests.support.coordinator import GROUP, MAX_TOKENS, Run, post, refused, signed, submission
 
-GROUP = 3
-MAX_TOKENS = 4
-
-
-class Clock:
-    """The coordinator's clock: real time plus an offset a test can advance."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.time() + self.offset
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
-
-
-@dataclass
-class Run:
-    url: str
-    cfg: CoordinatorConfig
-    key: Identity  # the coordinator's
-    op: CoordinatorClient  # operator (verifier + trainer) client
-    clock: Clock
-    tmp: Path
-
-    @property
-    def pool(self) -> str:
-        return pool_id(self.cfg.run.run_id, self.key.public_key_hex)
-
-    def node(self, name: str = "node") -> CoordinatorClient:
-        """A freshly registered node."""
-        client = CoordinatorClient(self.url, Identity.generate(), retries=0, coordinator_key=self.key.public_key_hex)
-        client.register(name=name, engine="torch")
-        return client
-
-    def publish(self, version: int, tag: str = "") -> m.SignedManifest:
-        """Cut a tiny checkpoint (a few files, several shards), upload its shards and publish it."""
-        ckpt = self.tmp / f"ckpt-{version}-{tag}"
-        ckpt.mkdir()
-        (ckpt / "config.json").write_text(json.dumps({"version": version, "tag": tag}))
-        (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(2500))
-        return self.publish_checkpoint(ckpt, version)
-
-    def publish_checkpoint(self, ckpt: Path, version: int, shard_size: int = 1024) -> m.SignedManifest:
-        """Cut the checkpoint directory `ckpt`, upload its shards and publish it as `version`."""
-        local = ShardStore(self.tmp / "trainer-shards")
-        manifest = cut_checkpoint(ckpt, run_id=self.cfg.run.run_id, version=version, store=local,
-                                  shard_size=shard_size)
-        for ref in manifest.shards():
-            self.op.upload_shard(ref.sha256, local.get(ref.sha256))
-        return self.op.publish(manifest)
-
-    def accepted_state(self) -> tuple:
-        """What a refused request must never change: group counters, node counters, the trainer's feed."""
-        st = self.op.status()
-        nodes = sorted((n.node_id, n.groups_accepted, n.groups_rejected, n.banned) for n in st.nodes)
-        feed = self.op.training_batch(after_id=0, limit=4096)
-        return (st.groups_pending, st.groups_accepted, st.groups_rejected, st.run.current_version, tuple(nodes),
-                feed.model_dump_json())
-
-
-@pytest.fixture
-def run_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
-    """Start a coordinator with config overrides; servers are stopped at the end of the test.
-
-    Its store is the default SQLite file in its data_dir, unless the test's module has a `store_url_for` fixture
-    (data_dir -> store_url): test_coordinator_api_postgres.py runs these tests on PostgreSQL that way."""
-    try:
-        store_url_for = request.getfixturevalue("store_url_for")
-    except pytest.FixtureLookupError:
-        store_url_for = lambda data_dir: None  # noqa: E731
-    stack = []
-
-    def start(data_dir: Path | None = None, clock: Clock | None = None, **overrides) -> Run:
-        op_key = overrides.pop("op_key", None) or Identity.generate()
-        run = dict(run_id="test-run", sampling=m.SamplingSpec(group_size=GROUP, max_tokens=MAX_TOKENS))
-        run.update({k: overrides.pop(k) for k in ("max_staleness", "task", "proofs") if k in overrides})
-        settings = dict(data_dir=data_dir or tmp_path / "coord", run=RunSpec(**run),
-                        operator_keys=[op_key.public_key_hex],
-                        max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024, claim_ttl_s=30.0,
-                        rate_limits=RateLimitConfig.off())
-        settings.update(overrides)
-        settings.setdefault("store_url", store_url_for(settings["data_dir"]))
-        cfg = CoordinatorConfig(**settings)
-        clock = clock or Clock()
-        key = cfg.load_identity()
-        cm = running_server(cfg, key, clock=clock)
-        url = cm.__enter__()
-        stack.append(cm)
-        return Run(url, cfg, key, CoordinatorClient(url, op_key, retries=0), clock, tmp_path)
-
-    def stop_last() -> None:
-        stack.pop().__exit__(None, None, None)
-
-    start.stop_last = stop_last  # type: ignore[attr-defined]
-    yield start
-    while stack:
-        stack.pop().__exit__(None, None, None)
-
-
-@pytest.fixture
-def run(run_factory) -> Run:
-    r = run_factory()
-    r.publish(0)
-    return r
-
-
-def submission(lease: m.Lease, policy_version: int | None = None, prompts: list[m.LeasedPrompt] | None = None
-               ) -> m.RolloutSubmission:
-    """A well-formed submission for `prompts` (default: all) of `lease`, seeds in reverse leased order."""
-    groups = []
-    for p in prompts if prompts is not None else lease.prompts:
-        rollouts = [m.Rollout(seed=s, completion_ids=[1, 2], logprobs=[-0.5, -1.25], finish_reason="stop")
-                    for s in reversed(p.seeds)]
-        groups.append(m.RolloutGroup(prompt_id=p.prompt_id, prompt_ids=[7, 8, 9], rollouts=rollouts))
-    version = lease.policy_version if policy_version is None else policy_version
-    return m.RolloutSubmission(lease_id=lease.lease_id, policy_version=version, groups=groups)
-
-
-def signed(identity: Identity, kind: str, pool: str, payload: BaseModel | dict | bytes, ts: float | None = None
-           ) -> tuple[bytes, dict[str, str]]:
-    """A request (body, headers) correctly signed by `identity` for `pool` (at time `ts`, default now)."""
-    if isinstance(payload, BaseModel):
-        body = payload.model_dump_json().encode()
-    else:
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    return body, {SIGNATURE_HEADER: sign(identity, kind, pool, body, ts=ts).header()}
-
-
-def post(url: str, path: str, body: str | bytes | tuple[bytes, dict[str, str]]) -> tuple[int, str]:
-    content, headers = body if isinstance(body, tuple) else (body, {})
-    resp = httpx.post(url + path, content=content, headers=headers)
-    is_json = resp.headers.get("content-type", "").startswith("application/json")
-    detail = resp.json().get("detail", "") if is_json else ""
-    return resp.status_code, detail
-
-
-def refused(call, status: int, contains: str = "") -> CoordinatorError:
-    with pytest.raises(CoordinatorError) as info:
-        call()
-    assert info.value.status == status, info.value.reason
-    assert contains in info.value.reason
-    return info.value
-
+pytestmark = pytest.mark.both_stores  # each test on SQLite and on PostgreSQL (conftest.py)
 
 # -- registration -------------------------------------------------------------------------------------
 

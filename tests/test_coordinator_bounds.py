@@ -17,10 +17,7 @@ from swarmrl.coordinator.status import Status
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import SIGNATURE_HEADER, sign
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, signed, submission
-
-run_factory, run = api.run_factory, api.run  # the coordinator fixtures, shared with the API tests
+from tests.support.coordinator import Run, signed, submission
 
 TOO_BIG = (2**63, 2**64)
 LARGEST = 2**63 - 1

@@ -24,7 +24,7 @@ from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, rai
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
-from tests.postgres import fresh_database, needs_pg, store_url  # noqa: F401 (store_url is a fixture)
+from tests.support.postgres import fresh_database, needs_pg
 
 
 @pytest.fixture

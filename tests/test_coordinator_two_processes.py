@@ -24,8 +24,8 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import pool_id
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-from tests.postgres import fresh_database, needs_pg
-from tests.test_coordinator_api import signed, submission
+from tests.support.coordinator import signed, submission
+from tests.support.postgres import fresh_database, needs_pg
 
 GROUP = 3
 NODES, ROUNDS, PROMPTS = 4, 4, 2

@@ -15,7 +15,7 @@ import pytest
 from swarmrl.testing.audit import assert_clean, describe
 from swarmrl.testing.faults import FaultRun
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
-from tests.postgres import fresh_database, needs_pg
+from tests.support.postgres import fresh_database, needs_pg
 
 
 @pytest.fixture(scope="module")

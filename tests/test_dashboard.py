@@ -16,11 +16,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import GROUP
-from tests.test_metrics import busy_pool
+from tests.support.coordinator import GROUP, busy_pool
 
-run_factory = api.run_factory
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here: apt-get install -y chromium (.ci/run does)")
 SECTIONS = ("summary", "training", "spread", "verification", "nodes", "ledger")

@@ -20,10 +20,8 @@ import pytest
 from swarmrl.protocol.manifest import sha256_bytes
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.runtime.retry import RetryPolicy
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, submission
+from tests.support.coordinator import Run, submission
 
-run_factory = api.run_factory
 DISK_BYTES = 4 * 1024 * 1024
 
 

@@ -3,7 +3,7 @@
 Idempotency-Key and a fresh signature, gets the original answer, and is applied once: registration, lease,
 submission, claim, verdicts, publish, acknowledgement, metrics. Counted in the database itself. Also: a key
 reused for another request is a 422, the exact same bytes sent twice get the stored answer, and two tries of one
-request at once apply it once. Real uvicorn, Ed25519, SQLite (and PostgreSQL in test_exactly_once_postgres.py)."""
+request at once apply it once. Real uvicorn, Ed25519, SQLite (and the same tests on PostgreSQL: `both_stores`)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from swarmrl.runtime.client import IDEMPOTENCY_HEADER, CoordinatorClient
 from swarmrl.runtime.retry import RetryPolicy
 from swarmrl.testing.proxy import LossyProxy, first_try_of
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import GROUP, Run, signed, submission
+from tests.support.coordinator import GROUP, Run, signed, submission
 
-run_factory = api.run_factory
+pytestmark = pytest.mark.both_stores  # each test on SQLite and on PostgreSQL (conftest.py)
+
 
 RETRY = RetryPolicy(attempts=4, base_s=0.001, cap_s=0.01)
 STATE_CHANGING = {"/v1/register", "/v1/lease", "/v1/submit", "/v1/verifier/pending", "/v1/verifier/verdicts",

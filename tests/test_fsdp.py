@@ -162,7 +162,7 @@ def _trainer_worker(rank: int, world: int, init_file: str, tmp: str, init: str) 
     import torch.distributed as dist
 
     from swarmrl.trainer.loop import run_trainer
-    from tests.test_trainer_resume import FakeCoordinator, trainer_cfg
+    from tests.support.trainer import FakeCoordinator, trainer_cfg
 
     # torchrun would set RANK/WORLD_SIZE/MASTER_* and let run_trainer join by env://; a file rendezvous
     # needs no free port. run_trainer then joins the existing group.
@@ -184,7 +184,7 @@ def test_run_trainer_under_fsdp_matches_one_process(tmp_path):
     from swarmrl.trainer.loop import run_trainer
     from swarmrl.trainer.model import load_checkpoint, save_checkpoint
     from swarmrl.trainer.state import latest, load_state
-    from tests.test_trainer_resume import FakeCoordinator, trainer_cfg
+    from tests.support.trainer import FakeCoordinator, trainer_cfg
 
     torch.set_num_threads(1)
     tok = build_tokenizer()

@@ -33,7 +33,7 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.signing import SIGNATURE_HEADER, canonical_json, sign
 from swarmrl.runtime.client import CoordinatorClient
-from tests.test_coordinator_api import GROUP, MAX_TOKENS, Run
+from tests.support.coordinator import GROUP, MAX_TOKENS, Run
 
 EXAMPLES = 30
 SIGNED = {"/v1/register": (m.KIND_REGISTER, None), "/v1/lease": (m.KIND_LEASE, "node"),

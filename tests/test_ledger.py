@@ -1,7 +1,7 @@
 """The contribution ledger and its receipts, through the coordinator's HTTP API: a receipt is signed when (and only
 when) a group is accepted, by a verdict or by a release from quarantine; nodes collect theirs with a signed GET,
 page by page; the ledger adds up to the receipts; refused requests change nothing. Real uvicorn on loopback, real
-Ed25519, real SQLite (and PostgreSQL in test_ledger_postgres.py), the API tests' fixtures."""
+Ed25519, real SQLite (and the same tests on PostgreSQL: `both_stores`)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.receipts import KIND_RECEIPTS, Receipt, ReceiptsRequest, verify_receipt
 from swarmrl.protocol.signing import PAYLOAD_HEADER, SIGNATURE_HEADER, sign
 from swarmrl.runtime.client import CoordinatorClient
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import GROUP, Run, refused, submission
+from tests.support.coordinator import GROUP, Run, refused, submission
 
-run_factory, run = api.run_factory, api.run  # the coordinator fixtures, shared with the API tests
+pytestmark = pytest.mark.both_stores  # each test on SQLite and on PostgreSQL (conftest.py)
+
 TOKENS_PER_GROUP = GROUP * 2  # `submission` gives every rollout two completion tokens
 
 

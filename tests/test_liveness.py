@@ -14,10 +14,7 @@ from swarmrl.coordinator.leases import SETTLED
 from swarmrl.protocol import messages as m
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.testing.waiting import wait_for
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, refused, submission
-
-run_factory, run = api.run_factory, api.run
+from tests.support.coordinator import Run, refused, submission
 
 
 def test_silent_nodes_are_marked_gone_their_leases_freed_and_they_come_back(run_factory, caplog) -> None:

@@ -20,10 +20,7 @@ from swarmrl.runtime.retry import Outage
 from swarmrl.trainer.exporter import TrainerExporter
 from swarmrl.transfer.download import FetchStats
 from swarmrl.verifier.metrics import VerifierStats, serve_verifier_metrics, verifier_families
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import GROUP, Run, submission
-
-run_factory, run = api.run_factory, api.run
+from tests.support.coordinator import GROUP, Run, busy_pool, submission
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -34,31 +31,6 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 def names(text: str) -> list[str]:
     return [f.name for f in text_string_to_metric_families(text)]
-
-
-def busy_pool(run_factory) -> Run:
-    """Version 1 current; alpha holds it, bravo holds 0, ghost was last heard from long ago, cheater is banned."""
-    run = run_factory(clock_skew_s=3600.0)
-    run.publish(0)
-    ghost = run.node("ghost")
-    ghost.heartbeat(0)
-    run.clock.advance(600)  # ghost is not heard from again: gone after node_gone_after_s (60 s)
-    alpha, bravo, cheater = run.node("alpha"), run.node("bravo"), run.node("cheater")
-    for node, n in ((alpha, 3), (bravo, 2), (cheater, 2)):
-        node.submit(submission(node.lease(n, 0)))
-    pending = {p.group_id: p.node_id for p in run.op.pending(1024)}
-    bad = [g for g, nid in pending.items() if nid == cheater.identity.node_id]
-    run.op.verdicts([m.Verdict(group_id=g, accepted=True, rewards=[1.0, 0.5, 0.0][:GROUP])
-                     for g, nid in pending.items() if nid != cheater.identity.node_id]
-                    + [m.Verdict(group_id=bad[0], accepted=False, reason="rollout 2: tokens after a stop token",
-                                 ban=True)])
-    run.publish(1)
-    alpha.heartbeat(1)
-    bravo.heartbeat(0)
-    for step, (reward, acc) in enumerate([(0.2, 0.25), (0.35, 0.3), (0.5, 0.42)], 1):
-        run.op.metrics(step=step, version=step - 1, metrics={"reward_mean": reward, "eval_accuracy": acc})
-    return run
-
 
 
 def test_coordinator_metrics_say_what_the_store_says(run_factory) -> None:

@@ -21,10 +21,7 @@ from swarmrl.node.config import NodeConfig
 from swarmrl.protocol import messages as m
 from swarmrl.testing.byzantine.harness import make_checkpoint
 from swarmrl.testing.waiting import wait_for
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, post, signed
-
-run_factory = api.run_factory  # the coordinator fixture, shared with the API tests
+from tests.support.coordinator import Run, post, signed
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig
 from swarmrl.transfer.p2p.sources import SwarmSource
 from swarmrl.transfer.sources import SourceBusy
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-from tests.transfer_fixtures import SHARD, GatedStore, LyingStore, StoreSource, make_checkpoint, publish
+from tests.support.transfer import SHARD, GatedStore, LyingStore, StoreSource, make_checkpoint, publish
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -123,3 +123,20 @@ def test_no_file_holds_merge_conflict_markers():
             continue
         found += [f"{name}:{i}" for i, line in enumerate(lines, 1) if line.startswith(markers)]
     assert not found, f"merge conflict markers left in: {found}"
+
+
+def test_no_test_module_imports_another_and_bench_imports_no_test_code():
+    """Shared fixtures live in tests/conftest.py and tests/support/; benchmarks use swarmrl.testing, never tests/."""
+    offenders = []
+    files = [*sorted((ROOT / "tests").glob("test_*.py")), *sorted((ROOT / "bench").glob("*.py"))]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if path.parent.name == "bench" and (name == "tests" or name.startswith("tests.")):
+                    offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+                if name.startswith("tests.test_") or (isinstance(node, ast.ImportFrom) and name == "tests"
+                                                      and any(a.name.startswith("test_") for a in node.names)):
+                    offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, offenders

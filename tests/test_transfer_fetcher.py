@@ -22,7 +22,7 @@ from swarmrl.testing.waiting import wait_for
 from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig, ShardUnavailable
 from swarmrl.transfer.sources import WAIT, ShardNotHeld
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
-from tests.transfer_fixtures import SHARD, FakePeer, StoreSource, make_checkpoint, publish
+from tests.support.transfer import SHARD, FakePeer, StoreSource, make_checkpoint, publish
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -23,13 +23,3 @@ def fresh_database() -> Iterator[str]:
         pytest.skip(SKIP_REASON)
     with testing_postgres.fresh_database(PG_URL) as url:
         yield url
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=needs_pg)])
-def store_url(request, tmp_path) -> Iterator[str]:
-    """A fresh store URL: an SQLite file, and (when the server is there) a PostgreSQL database."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'coordinator.sqlite'}"
-    else:
-        with fresh_database() as url:
-            yield url

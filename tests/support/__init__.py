@@ -1,0 +1,3 @@
+"""What tests share: the coordinator harness (`coordinator`), checkpoint-transfer fixtures (`transfer`), the
+PostgreSQL test server (`postgres`) and an in-process stand-in for the trainer's coordinator API (`trainer`).
+Fixtures built on them live in tests/conftest.py; no test module imports another."""
