@@ -1,7 +1,7 @@
 """The in-flight counters (`coordinator.inflight`) against a recount: random sequences of registrations (from two
 sources, and again from the other), leases, submissions (whole, partial, stale), expiries (the clock advanced, the
 sweep run by the next lease request), verdicts (acceptances that make nodes proven, bans), new policy versions and
-nodes marked gone, all through a real coordinator's HTTP API; after each step the figures a lease request reads
+nodes marked gone, all through a real coordinator's HTTP API (SQLite and PostgreSQL); after each step the figures a lease request reads
 equal a recount over every open lease, for every node.
 
 The recount is the query the coordinator ran per lease request before the counters (lease_prompts x leases x
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import func, select
 
 from swarmrl.coordinator import admission, registry
@@ -29,10 +30,10 @@ from swarmrl.coordinator.liveness import Housekeeping
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from tests import test_coordinator_api as api
-from tests.test_coordinator_api import Run, submission
+from tests.support.coordinator import Clock, Run, submission
 
-run_factory = api.run_factory
+pytestmark = pytest.mark.both_stores  # each test on SQLite and on PostgreSQL (conftest.py)
+
 PROVEN_AFTER = 2
 STALENESS = 1
 TTL = 30.0
@@ -48,7 +49,7 @@ _OPEN_PROMPTS = (select(_l.id, _l.node_id, _l.policy_version, _n.groups_accepted
                  .group_by(_l.id, _l.node_id, _l.policy_version, _n.groups_accepted, _n.source))
 
 
-class FrozenClock(api.Clock):
+class FrozenClock(Clock):
     """A clock that moves only when the test advances it: which leases expire is the same on a busy machine."""
 
     def __init__(self) -> None:
