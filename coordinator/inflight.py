@@ -4,7 +4,8 @@ What backpressure and the unproven share are judged on (`coordinator.admission`)
 flight: leased, in a lease still open, not submitted. It is kept as counters, moved in the transaction of every
 change that moves it:
 
-- a lease granted adds its prompts (`add`, with `admission.count_leased` adding them to the node's `in_flight`);
+- a lease granted adds its prompts (`leases.insert_lease` records what it counts as, `add_to` and `apply` move the
+  counter rows, `admission.count_leased` the node's own `in_flight`);
 - a lease closed takes them back (`admission.settle_leases`): a submission settling it (the prompts it delivered
   and those it left out alike), a stale submission, the expiry sweep, the node's own next lease request after the
   lease expired, or the liveness sweep marking its node gone. A lease is closed exactly once (a conditional update
@@ -24,11 +25,13 @@ policy versions. A lease records what it was counted as (`leases.flight_class`, 
 How this differs from counting the open leases at each request (what the coordinator did before):
 - a lease counts in the class and source its node had when it was granted: a node that becomes proven (or
   registers again from another address) while holding a lease has that lease counted as before until it closes
-  (one lease_ttl_s at most);
+  (lease_ttl_s at most, and the sweep after it). Its prompts are counted all the same, in the unproven share
+  (or the old source's) instead of the proven one: for one lease's life the proven figure reads a little lower
+  and the unproven one higher than a recount would;
 - an expired lease counts until it is settled: by its node's next lease request (so a node's own figure is exact
-  when it asks), or by the expiry sweep for everyone else's figures (`admission.sweep_expired`, which runs again on
-  the next request for as long as it finds a full batch). This only ever counts more in flight, never less: a
-  lease may wait for room a little longer, nobody gets more than the rules allow;
+  when it asks), or by the expiry sweep for everyone else's figures (`Leases._sweep` in `coordinator.leases`:
+  once a second, and on every lease request while it finds a full batch). This only ever counts more in flight,
+  never less: a lease may wait for room a little longer, nobody gets more than the rules allow;
 - the leases of a banned node count until they expire and are swept, as they did before.
 Rows at zero are deleted as they reach it, so the table holds only what is in flight.
 """

@@ -1,8 +1,8 @@
 """The in-flight counters (`coordinator.inflight`) against a recount: random sequences of registrations (from two
 sources, and again from the other), leases, submissions (whole, partial, stale), expiries (the clock advanced, the
 sweep run by the next lease request), verdicts (acceptances that make nodes proven, bans), new policy versions and
-nodes marked gone, all through a real coordinator's HTTP API (SQLite and PostgreSQL); after each step the figures a lease request reads
-equal a recount over every open lease, for every node.
+nodes marked gone, all through a real coordinator's HTTP API (SQLite and PostgreSQL); after each step the figures
+a lease request reads equal a recount over every open lease, for every node.
 
 The recount is the query the coordinator ran per lease request before the counters (lease_prompts x leases x
 nodes), kept here as the oracle, with the counters' rule for a lease's class and source: those its node had when
