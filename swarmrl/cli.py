@@ -25,6 +25,8 @@ from typing import Any
 from rich.console import Console
 from rich.logging import RichHandler
 
+from swarmrl.runtime.lifetime import die_with_parent_if_asked
+
 
 def _role_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML config file")
@@ -173,6 +175,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="swarmrl", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)

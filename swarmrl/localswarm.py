@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.runtime.config import deep_update, dump_toml
+from swarmrl.runtime.lifetime import PARENT_PID_ENV
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
 ROLES = ("coordinator", "node", "verifier", "trainer")
@@ -71,7 +72,8 @@ class Swarm:
         log = open(self.run_dir / "logs" / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "swarmrl.cli", role, "--config", str(path)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **CHILD_ENV}, cwd=self.cwd,
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
+            env={**os.environ, **CHILD_ENV, PARENT_PID_ENV: str(os.getpid())},  # ends with this process
             start_new_session=True,
         )
         log.close()  # the child holds its own copy

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from swarmrl.runtime.lifetime import PARENT_PID_ENV
+
 ROLE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
@@ -46,8 +48,9 @@ class RoleProcess:
             self.starts += 1
             self._first_line = len(self.lines)
         self.proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", self.role, "--config", str(self.config)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
-                                     start_new_session=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**self.env, PARENT_PID_ENV: str(os.getpid())},
+                                     start_new_session=True)  # ends with this process too
         self._reader = threading.Thread(target=self._drain, args=(self.proc,), daemon=True)
         self._reader.start()
         return self
