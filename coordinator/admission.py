@@ -18,20 +18,24 @@ done `proven_after_groups` of verified work count at most `unproven_share` of `m
 more than `max_unproven_prompts`), and while that share is taken only unproven identities wait; the unproven
 identities registered from one source hold at most `unproven_per_source` of it together. One identity, or any
 number of fresh ones, cannot fill the buffer that proven nodes' leases are judged against, and one machine making
-identities cannot take the newcomers' share from the others.
+identities cannot take the newcomers' share from the others. What is in flight is counted as leases open and
+close (`coordinator.inflight`, which says how that differs from a recount): a lease request reads a few counter
+rows, however many leases are open.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import Double, bindparam, case, delete, func, select, update
+from sqlalchemy import BigInteger, Double, bindparam, delete, func, select, update
 
+from swarmrl.coordinator import inflight
+from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import lease_prompts, leases, nodes, prompt_queue
 from swarmrl.coordinator.db.store import Tx
+from swarmrl.coordinator.inflight import InFlight
 
 
 class AdmissionConfig(BaseModel):
@@ -56,8 +60,8 @@ class AdmissionConfig(BaseModel):
     unproven_per_source: int = Field(16, ge=1, description="Prompts in flight the unproven identities registered "
                                      "from one source (address, IPv6 /64) may hold together: identities made on one "
                                      "machine share this, so one source cannot take the whole unproven share.")
-    sweep_batch: int = Field(64, ge=1, description="Expired leases settled (their prompts queued again) per lease "
-                             "request.")
+    sweep_batch: int = Field(64, ge=1, description="Expired leases settled (their prompts queued again) per sweep: "
+                             "once a second while none are left, and on every lease request while some are.")
 
 
 def allowance(node: NodeRow, cfg: AdmissionConfig) -> int:
@@ -79,48 +83,10 @@ def unproven_cap(cfg: AdmissionConfig, max_buffered: int | None) -> int:
     return max(1, min(cfg.max_unproven_prompts, math.ceil(cfg.unproven_share * max_buffered)))
 
 
-@dataclass(frozen=True)
-class InFlight:
-    """Prompts leased and not submitted, in open unexpired leases."""
-
-    own: int
-    """The requesting identity's (any version)."""
-    proven: int
-    """Proven identities' (the requester's included), of a usable policy version."""
-    unproven: int
-    """Unproven identities' (the requester's included), any version."""
-    unproven_usable: int
-    """Unproven identities', of a usable policy version."""
-    unproven_same_source: int
-    """Unproven identities' registered from the requester's source (any version)."""
-
-
-_p, _l, _n, _q = lease_prompts.c, leases.c, nodes.c, prompt_queue.c
-_now = bindparam("b_now", type_=Double)
-_proven = (_n.groups_accepted >= bindparam("b_proven")).label("proven")
-_usable = (_l.policy_version >= bindparam("b_min")).label("usable")
-_same = (_n.source == bindparam("b_source")).label("same")
-_IN_FLIGHT = (select(case((_l.node_id == bindparam("b_me"), 1), else_=0).label("mine"), _proven, _usable, _same,
-                     func.count().label("n"))
-              .select_from(lease_prompts.join(leases, _l.id == _p.lease_id).join(nodes, _n.id == _l.node_id))
-              .where(_p.submitted.is_(False), _l.state == "open", _l.expires_at > _now)
-              .group_by("mine", "proven", "usable", "same"))
-
-
-def in_flight(tx: Tx, node: NodeRow, now: float, min_version: int, cfg: AdmissionConfig) -> InFlight:
-    """What is in flight, as seen by `node` asking for a lease."""
-    own = proven = unproven = unproven_usable = same_source = 0
-    for mine, prv, usable, same, n in tx.execute(_IN_FLIGHT, {
-            "b_me": node.id, "b_now": now, "b_min": min_version, "b_proven": cfg.proven_after_groups,
-            "b_source": node.source}):
-        own += n if mine else 0
-        if prv:
-            proven += n if usable else 0
-        else:
-            unproven += n
-            unproven_usable += n if usable else 0
-            same_source += n if same else 0
-    return InFlight(own, proven, unproven, unproven_usable, same_source)
+def in_flight(tx: Tx, node: NodeRow, min_version: int) -> InFlight:
+    """What is in flight, as seen by `node` (its row, read in this transaction) asking for a lease
+    (`coordinator.inflight`: a few counter rows, whatever the number of open leases)."""
+    return inflight.read(tx, node, min_version)
 
 
 def counted_in_flight(flight: InFlight, cap: int) -> int:
@@ -130,56 +96,88 @@ def counted_in_flight(flight: InFlight, cap: int) -> int:
 
 # -- abandoned prompts ------------------------------------------------------------------------------------
 
-_EXPIRED = (select(_l.id, _l.node_id).where(_l.state == "open", _l.expires_at <= _now).order_by(_l.expires_at)
+_p, _l, _n, _q = lease_prompts.c, leases.c, nodes.c, prompt_queue.c
+_now = bindparam("b_now", type_=Double)
+_EXPIRED = (select(_l.id).where(_l.state == "open", _l.expires_at <= _now).order_by(_l.expires_at)
             .limit(bindparam("b_limit")).with_for_update(skip_locked=True))
-_UNUSED = select(_p.text, _p.answer).where(_p.lease_id == bindparam("b_lease"), _p.submitted.is_(False))
-_SETTLE = update(leases).where(_l.id == bindparam("b_lease"), _l.state == "open").values(state="done")
-_ABANDONED = update(nodes).where(_n.id == bindparam("b_node")).values(
-    prompts_abandoned=_n.prompts_abandoned + bindparam("b_n"))
-_LEASED = update(nodes).where(_n.id == bindparam("b_node")).values(prompts_leased=_n.prompts_leased + bindparam("b_n"))
+_OWN_EXPIRED = Prepared(select(_l.id).where(_l.node_id == bindparam("b_node"), _l.state == "open",
+                                            _l.expires_at <= _now)
+                        .order_by(_l.expires_at).limit(bindparam("b_limit")).with_for_update(skip_locked=True))
+_UNUSED = Prepared(select(_p.text, _p.answer).where(_p.lease_id == bindparam("b_lease"), _p.submitted.is_(False)))
+_CLOSE = Prepared(update(leases).where(_l.id == bindparam("b_lease"), _l.state == "open").values(state="done")
+                  .returning(_l.node_id, _l.policy_version, _l.flight_class, _l.flight_source, _l.flight_stripe,
+                             _l.flight_n))
+_SETTLED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
+    prompts_abandoned=_n.prompts_abandoned + bindparam("b_abandoned", type_=BigInteger),
+    in_flight=_n.in_flight - bindparam("b_flight", type_=BigInteger)))
+_LEASED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
+    prompts_leased=_n.prompts_leased + bindparam("b_n", type_=BigInteger),
+    in_flight=_n.in_flight + bindparam("b_n", type_=BigInteger)))
 _QUEUED = (select(_q.id, _q.text, _q.answer).where(_q.abandoned_by != bindparam("b_node")).order_by(_q.id)
            .limit(bindparam("b_limit")).with_for_update(skip_locked=True))
 
 
 def count_leased(tx: Tx, node_id: str, n: int) -> None:
-    tx.execute(_LEASED, {"b_node": node_id, "b_n": n})
+    """`n` prompts leased to `node_id`: in its record, and in its own count in flight (`inflight.add_to` counts the
+    lease in the shared counters)."""
+    _LEASED.rowcount(tx, b_node=node_id, b_n=n)
 
 
-def _requeue(tx: Tx, lease_id: str, node_id: str, now: float) -> int:
-    """Close an open lease and queue its prompts not submitted; how many (0, nothing changed, if it is not open)."""
-    if tx.execute(_SETTLE, {"b_lease": lease_id}).rowcount != 1:
-        return 0
-    unused = [(r.text, r.answer) for r in tx.execute(_UNUSED, {"b_lease": lease_id})]
-    if unused:
-        tx.execute(prompt_queue.insert(), [{"text": t, "answer": a, "abandoned_by": node_id, "queued_at": now}
-                                           for t, a in unused])
-    return len(unused)
+def settle_leases(tx: Tx, lease_ids: list[str], now: float, *, penalise: bool = True,
+                  deltas: dict[inflight.Key, int] | None = None) -> int:
+    """Close the open leases among `lease_ids`: their prompts not submitted go to the queue, counted as abandoned by
+    their node unless `penalise` is False, and they stop counting in flight; how many prompts were queued (a lease
+    not open changes nothing). Nodes' rows are moved in node-id order and the counter rows after them, in key order
+    (`inflight.apply`; into `deltas` instead when given, for the caller to apply), so that two settlements never
+    wait on each other's rows in opposite orders."""
+    per_node: dict[str, list[int]] = {}
+    moved: dict[inflight.Key, int] = {} if deltas is None else deltas
+    queued = 0
+    for lease_id in lease_ids:
+        closed = _CLOSE.first(tx, b_lease=lease_id)
+        if closed is None:
+            continue
+        node_id, version, cls, source, stripe, n = closed
+        unused = _UNUSED.all(tx, b_lease=lease_id)
+        if unused:
+            tx.execute(prompt_queue.insert(), [{"text": t, "answer": a, "abandoned_by": node_id, "queued_at": now}
+                                               for t, a in unused])
+        counts = per_node.setdefault(node_id, [0, 0])
+        counts[0] += len(unused) if penalise else 0
+        counts[1] += n
+        inflight.add_to(moved, cls, source, version, stripe, -n)
+        queued += len(unused)
+    for node_id in sorted(per_node):
+        abandoned, flight = per_node[node_id]
+        if abandoned or flight:
+            _SETTLED.rowcount(tx, b_node=node_id, b_abandoned=abandoned, b_flight=flight)
+    if deltas is None:
+        inflight.apply(tx, moved)
+    return queued
 
 
-def count_abandoned(tx: Tx, node_id: str, n: int) -> None:
-    if n:
-        tx.execute(_ABANDONED, {"b_node": node_id, "b_n": n})
+def settle_lease(tx: Tx, lease_id: str, now: float, *, penalise: bool = True) -> int:
+    """`settle_leases` of one lease."""
+    return settle_leases(tx, [lease_id], now, penalise=penalise)
 
 
-def settle_lease(tx: Tx, lease_id: str, node_id: str, now: float, *, penalise: bool = True) -> int:
-    """Close an open lease: its prompts not submitted go to the queue, counted as abandoned by `node_id` unless
-    `penalise` is False; how many. 0 (and nothing changed) if the lease is not open."""
-    n = _requeue(tx, lease_id, node_id, now)
-    if penalise:
-        count_abandoned(tx, node_id, n)
-    return n
+def expired_leases(tx: Tx, now: float, limit: int) -> list[str]:
+    """Up to `limit` open leases that expired, oldest first, locked (rows others are settling are skipped)."""
+    return [r.id for r in tx.execute(_EXPIRED, {"b_now": now, "b_limit": limit})]
 
 
 def sweep_expired(tx: Tx, now: float, limit: int) -> int:
-    """Settle up to `limit` open leases that expired (oldest first; rows others are settling are skipped): their
-    unsubmitted prompts are queued and count as abandoned by their node. How many prompts were queued. Nodes'
-    counters are moved in node-id order, so that two sweeps never wait on each other's node rows."""
-    per_node: dict[str, int] = {}
-    for r in tx.execute(_EXPIRED, {"b_now": now, "b_limit": limit}).all():
-        per_node[r.node_id] = per_node.get(r.node_id, 0) + _requeue(tx, r.id, r.node_id, now)
-    for node_id in sorted(per_node):
-        count_abandoned(tx, node_id, per_node[node_id])
-    return sum(per_node.values())
+    """Settle up to `limit` open leases that expired (`expired_leases`): their unsubmitted prompts are queued and
+    count as abandoned by their node. How many prompts were queued."""
+    return settle_leases(tx, expired_leases(tx, now, limit), now)
+
+
+def settle_own_expired(tx: Tx, node_id: str, now: float, limit: int, deltas: dict[inflight.Key, int]) -> int:
+    """Settle up to `limit` of `node_id`'s open leases that expired (as `sweep_expired`; rows a sweep is settling are
+    skipped), their counter moves into `deltas`; how many. Its row must be locked by this transaction."""
+    ids = [r[0] for r in _OWN_EXPIRED.all(tx, b_node=node_id, b_now=now, b_limit=limit)]
+    settle_leases(tx, ids, now, deltas=deltas)
+    return len(ids)
 
 
 def take_queued(tx: Tx, node_id: str, limit: int) -> list[tuple[str, str]]:

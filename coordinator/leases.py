@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy import Double, and_, bindparam, func, or_, select, update
 
-from swarmrl.coordinator import admission, feed
+from swarmrl.coordinator import admission, feed, inflight
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
@@ -49,7 +49,8 @@ _MARK = Prepared(update(lease_prompts).where(
     _p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"), _p.submitted.is_(False)
 ).values(submitted=True))
 _INSERT_LEASE = Prepared(leases.insert(), keys=["id", "node_id", "policy_version", "issued_at", "expires_at",
-                                                "sampling", "signature", "digests"])
+                                                "sampling", "signature", "digests", "flight_n", "flight_class",
+                                                "flight_source", "flight_stripe"])
 _INSERT_PROMPT = Prepared(lease_prompts.insert(), keys=["lease_id", "prompt_id", "position", "text", "answer", "seeds"])
 _INSERT_GROUP = Prepared(rollout_groups.insert().returning(_g.id),
                          keys=["node_id", "lease_id", "prompt_id", "policy_version", "payload", "submitted_at"])
@@ -63,14 +64,22 @@ def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
 
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
                  sampling: dict[str, Any], prompts: list[tuple[str, str, str, list[int]]],
-                 signature: dict[str, Any] | None = None, digests: list[str] | None = None) -> None:
+                 signature: dict[str, Any] | None = None, digests: list[str] | None = None,
+                 counted_as: tuple[str, str] = ("", "")) -> dict[inflight.Key, int]:
     """Store a lease (with its signature and its prompts' digests, as signed) and its prompts, each (prompt_id,
-    text, answer, seeds)."""
+    text, answer, seeds), counted in flight as `counted_as` (`inflight.counted_as`; ('', ''): nowhere). The
+    counter moves, for `inflight.apply`."""
+    cls, source = counted_as
+    stripe = inflight.stripe(node_id)
     _INSERT_LEASE.rowcount(tx, id=lease_id, node_id=node_id, policy_version=policy_version, issued_at=issued_at,
-                           expires_at=expires_at, sampling=sampling, signature=signature, digests=digests)
+                           expires_at=expires_at, sampling=sampling, signature=signature, digests=digests,
+                           flight_n=len(prompts), flight_class=cls, flight_source=source, flight_stripe=stripe)
+    deltas: dict[inflight.Key, int] = {}
+    inflight.add_to(deltas, cls, source, policy_version, stripe, len(prompts))
     if prompts:
         _INSERT_PROMPT.many(tx, [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a, seeds=s)
                                  for i, (p, t, a, s) in enumerate(prompts)])
+    return deltas
 
 
 def get_lease(tx: Tx, lease_id: str, *, lock: bool = False) -> LeaseRow | None:
@@ -98,7 +107,7 @@ def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_ver
 def buffered_groups(tx: Tx, min_version: int) -> int:
     """Submitted groups in flight that the trainer may still use: submitted and not yet decided, or accepted and not
     yet acknowledged by the trainer; all of policy version >= `min_version`. (Leased prompts in flight are
-    `coordinator.admission.in_flight`'s, counted per identity.)"""
+    `coordinator.inflight`'s, counted per identity.)"""
     g = rollout_groups.c
     return int(tx.execute(select(func.count()).select_from(rollout_groups).where(
         g.policy_version >= min_version,
@@ -133,12 +142,22 @@ class Leases:
         return random.Random(self.secret.derive("prompts", str(counter).encode()))
 
     def _sweep(self, now: float) -> None:
-        """Settle expired leases (`admission.sweep_expired`), at most once per SWEEP_EVERY_S in this process, in a
-        transaction of its own (it moves other nodes' counters: never while holding one node's row)."""
+        """Settle expired leases (`admission.sweep_expired`), in a transaction of its own (it moves other nodes'
+        counters: never while holding one node's row): at most once per SWEEP_EVERY_S in this process, and again
+        on the next request while it finds a full batch (each lease request then settles up to sweep_batch
+        leases and makes at most one: a backlog, and what it holds in flight, shrinks)."""
         if now - self._last_sweep < SWEEP_EVERY_S:
             return
         self._last_sweep = now
-        self.store.write(lambda tx: admission.sweep_expired(tx, now, self.config.admission.sweep_batch))
+        batch = self.config.admission.sweep_batch
+
+        def sweep(tx: Tx) -> int:
+            expired = admission.expired_leases(tx, now, batch)
+            admission.settle_leases(tx, expired, now)
+            return len(expired)
+
+        if self.store.write(sweep) == batch:
+            self._last_sweep = float("-inf")
 
     def issue(self, req: Signed) -> m.Lease | None:
         """A new lease for the signer (`coordinator.admission`: at most its allowance in flight, abandoned prompts
@@ -150,6 +169,14 @@ class Leases:
         self._sweep(now)
 
         def lease(tx: Tx) -> m.Lease | None:
+            # The counter moves of the leases this request settles and grants, applied in one ordered pass at the
+            # end, whether it grants a lease or not (a refusal rolls everything back).
+            deltas: dict[inflight.Key, int] = {}
+            granted = grant(tx, deltas)
+            inflight.apply(tx, deltas)
+            return granted
+
+        def grant(tx: Tx, deltas: dict[inflight.Key, int]) -> m.Lease | None:
             admit(tx, req)
             node = require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
@@ -157,7 +184,11 @@ class Leases:
             if version < 0:
                 return None
             min_version = version - run.max_staleness
-            flight = admission.in_flight(tx, node, now, min_version, adm)
+            # Its own expired leases are settled now, so that what it holds is exact when it asks (others' are the
+            # sweep's).
+            if admission.settle_own_expired(tx, req.signer, now, adm.sweep_batch, deltas):
+                node = require_node(tx, req.signer)
+            flight = admission.in_flight(tx, node, min_version)
             allowed = admission.allowance(node, adm)
             if flight.own >= allowed:
                 raise Refused(429, f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
@@ -186,10 +217,13 @@ class Leases:
             signed = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=req.signer,
                                    policy_version=version, expires_at=now + cfg.lease_ttl_s, sampling=run.sampling,
                                    prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
-            insert_lease(tx, lease_id, req.signer, version, now, signed.expires_at,
-                         run.sampling.model_dump(mode="json"), prompts, signed.signature.model_dump(mode="json"),
-                         signed.digests())
+            counted = insert_lease(tx, lease_id, req.signer, version, now, signed.expires_at,
+                                   run.sampling.model_dump(mode="json"), prompts,
+                                   signed.signature.model_dump(mode="json"), signed.digests(),
+                                   inflight.counted_as(admission.is_proven(node, adm), node.source))
             admission.count_leased(tx, req.signer, n)
+            for key, d in counted.items():
+                deltas[key] = deltas.get(key, 0) + d
             remember(tx, req, signed, now)
             return signed
 
@@ -247,7 +281,7 @@ class Leases:
                 insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
                              group.model_dump(mode="json"), now)
                 accepted.append(group.prompt_id)
-            admission.settle_lease(tx, sub.lease_id, req.signer, now)
+            admission.settle_lease(tx, sub.lease_id, now)
             touch(tx, req.signer, now)
             answer = m.SubmitResult(accepted=accepted, rejected=rejected)
             remember(tx, req, answer, now)
@@ -259,7 +293,7 @@ class Leases:
             # None of the lease's groups can be accepted any more: settle it so that it stops holding the node's
             # allowance, its prompts leased again, without counting them against the node (the one change a refused
             # submission makes); then say why.
-            self.store.write(lambda tx: admission.settle_lease(tx, sub.lease_id, req.signer, now, penalise=False))
+            self.store.write(lambda tx: admission.settle_lease(tx, sub.lease_id, now, penalise=False))
             raise Refused(409, f"stale submission, against the current version: {e.reason}") from None
 
 

@@ -4,7 +4,7 @@ answers past their time are forgotten.
 A node is live while the coordinator hears from it (any heartbeat, lease or submission moves `last_seen`), and
 gone once it has been silent for `node_gone_after_s`: that is what /v1/status, /v1/overview, the dashboard and
 /metrics count, at the moment they are read. The sweep acts on the same rule: it marks such a node (`gone_since`,
-when its leases were freed) and settles its open leases (`admission.settle_lease`), which then stop holding its
+when its leases were freed) and settles its open leases (`admission.settle_leases`), which then stop holding its
 allowance and the backpressure buffer's room: their unsubmitted prompts are queued and leased again to other
 nodes, and count as abandoned by the gone node, as they would at the leases' expiry. A gone node that comes back
 with groups of a settled lease is told, group by group, that they were leased again: nothing is counted twice.
@@ -37,7 +37,7 @@ _n, _l = nodes.c, leases.c
 _MARK_GONE = (update(nodes).where(_n.gone_since.is_(None), _n.banned.is_(False),
                                   _n.last_seen < bindparam("b_cutoff", type_=Double))
               .values(gone_since=bindparam("b_now", type_=Double)).returning(_n.id))
-_OPEN = (select(_l.id, _l.node_id).where(_l.node_id.in_(bindparam("b_ids", expanding=True)), _l.state == "open")
+_OPEN = (select(_l.id).where(_l.node_id.in_(bindparam("b_ids", expanding=True)), _l.state == "open")
          .order_by(_l.node_id, _l.id))
 
 
@@ -47,9 +47,8 @@ def mark_gone(tx: Tx, silent_since: float, now: float) -> tuple[list[str], int]:
     gone = sorted(tx.execute(_MARK_GONE, {"b_cutoff": silent_since, "b_now": now}).scalars())
     if not gone:
         return gone, 0
-    open_leases = tx.execute(_OPEN, {"b_ids": gone}).all()
-    for lease_id, node_id in open_leases:  # in node-id order, like every sweep that moves nodes' counters
-        admission.settle_lease(tx, lease_id, node_id, now)
+    open_leases = list(tx.execute(_OPEN, {"b_ids": gone}).scalars())
+    admission.settle_leases(tx, open_leases, now)
     return gone, len(open_leases)
 
 

@@ -125,8 +125,8 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     assert mark("L1.0")
     assert not mark("L1.0")
     # Settling a lease queues what was not submitted, counted against its node; a settled lease stays settled.
-    assert store.write(lambda tx: admission.settle_lease(tx, "L1", "n1", now=110.0)) == 1
-    assert store.write(lambda tx: admission.settle_lease(tx, "L1", "n1", now=110.0)) == 0
+    assert store.write(lambda tx: admission.settle_lease(tx, "L1", now=110.0)) == 1
+    assert store.write(lambda tx: admission.settle_lease(tx, "L1", now=110.0)) == 0
     assert open_at(110.0) == 1
     node = _get_node(store)
     assert node.prompts_abandoned == 1
@@ -296,7 +296,7 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
         assert s.write(feed.next_position) == 2  # the feed continues, never reuses a position
         assert s.read(lambda tx: counter(tx, "feed_acked")) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0006"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
     finally:
         s.close()
 
@@ -333,8 +333,57 @@ def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noq
         assert s.read(lambda tx: leases.get_lease(tx, "L1")).signature is None
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
         assert s.read(admission.queued) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0006"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
         assert "challenges" not in inspect(s.engine).get_table_names()
+    finally:
+        s.close()
+
+
+def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: str) -> None:  # noqa: F811
+    """A database from before the in-flight counters (revision 0006) with leases open upgrades to head (0007) with
+    counters equal to a recount of the open leases (a proven node's, 8 accepted groups, and an unproven one's by
+    source), and settling a migrated lease takes back exactly what the migration counted."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from swarmrl.coordinator.db.store import MIGRATIONS
+
+    engine = create_engine(store_url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0006")
+        conn.execute(text("INSERT INTO nodes (id, public_key, registered_at, last_seen, groups_accepted, source) "
+                          "VALUES ('p', 'kp', 1.0, 2.0, 9, 'a'), ('u', 'ku', 1.0, 2.0, 3, 'b'), "
+                          "('v', 'kv', 1.0, 2.0, 0, 'b')"))
+        for lease, node, version, state, prompts in [("L1", "p", 0, "open", 2), ("L2", "u", 1, "open", 3),
+                                                     ("L3", "v", 0, "open", 1), ("L4", "v", 1, "done", 2)]:
+            conn.execute(text(f"INSERT INTO leases (id, node_id, policy_version, issued_at, expires_at, sampling, "
+                              f"state) VALUES ('{lease}', '{node}', {version}, 1.0, 99.0, '{{}}', '{state}')"))
+            for i in range(prompts):
+                conn.execute(text(f"INSERT INTO lease_prompts (lease_id, prompt_id, position, text, answer, seeds, "
+                                  f"submitted) VALUES ('{lease}', '{lease}.{i}', {i}, 't', 'a', '[]', "
+                                  f"{'TRUE' if state == 'done' else 'FALSE'})"))
+    engine.dispose()
+
+    s = Store(store_url)
+    try:
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
+
+        def seen_by(node_id: str, min_version: int):
+            return s.read(lambda tx: admission.in_flight(tx, registry.get_node(tx, node_id), min_version))
+
+        assert seen_by("u", 1) == admission.InFlight(own=3, proven=0, unproven=4, unproven_usable=3,
+                                                     unproven_same_source=4)
+        assert seen_by("p", 0) == admission.InFlight(own=2, proven=2, unproven=4, unproven_usable=4,
+                                                     unproven_same_source=0)
+        assert seen_by("v", 0).own == 1
+        for lease in ("L1", "L2", "L3"):
+            assert s.write(lambda tx, lease=lease: admission.settle_lease(tx, lease, now=100.0)) > 0
+        assert seen_by("u", 0) == admission.InFlight(0, 0, 0, 0, 0)
+        assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM in_flight")).scalar_one()) == 0
     finally:
         s.close()
 

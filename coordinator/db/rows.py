@@ -44,6 +44,8 @@ class NodeRow:
     """The address it last registered from (`coordinator.ratelimit.source_of`)."""
     gone_since: float | None = None
     """When the node was marked gone for missing its heartbeats; None while it is live."""
+    in_flight: int = 0
+    """Prompts of its open leases not submitted (`coordinator.inflight`)."""
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ nodes = Table(
     Column("prompts_abandoned", BigInteger, nullable=False, server_default="0"),
     Column("source", Text, nullable=False, server_default=""),
     Column("gone_since", Double),
+    Column("in_flight", BigInteger, nullable=False, server_default="0"),
     Index("nodes_last_seen", "last_seen"),
 )
 
@@ -84,6 +85,10 @@ leases = Table(
     Column("state", Text, nullable=False, server_default="open"),
     Column("signature", JSON(none_as_null=True)),
     Column("digests", JSON(none_as_null=True)),
+    Column("flight_n", BigInteger, nullable=False, server_default="0"),
+    Column("flight_class", Text, nullable=False, server_default=""),
+    Column("flight_source", Text, nullable=False, server_default=""),
+    Column("flight_stripe", Integer, nullable=False, server_default="0"),
     CheckConstraint("state IN ('open', 'done')", name="leases_state"),
     Index("leases_node", "node_id", "state", "expires_at"),
     Index("leases_open_expiry", "state", "expires_at"),
@@ -136,6 +141,20 @@ prompt_queue = Table(
     Column("abandoned_by", Text, nullable=False),
     Column("queued_at", Double, nullable=False),
     sqlite_autoincrement=True,
+)
+
+# Prompts in flight (leased, in open leases, not submitted), counted as leases open and close
+# (`coordinator.inflight`): per class ('proven' and 'unproven' by policy version; 'source': unproven identities'
+# by the source they registered from, any version, policy_version 0) and stripe (a hash of the node id), so that
+# concurrent writers rarely wait on one row. A lease records what it was counted as (leases.flight_*), so closing
+# it takes back exactly that. Rows at zero are deleted.
+in_flight = Table(
+    "in_flight", metadata,
+    Column("cls", Text, primary_key=True),
+    Column("source", Text, primary_key=True),
+    Column("policy_version", BigInteger, primary_key=True, autoincrement=False),
+    Column("stripe", Integer, primary_key=True, autoincrement=False),
+    Column("n", BigInteger, nullable=False),
 )
 
 manifests = Table(

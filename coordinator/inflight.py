@@ -1,0 +1,145 @@
+"""Prompts in flight, counted as leases open and close, so that a lease request reads a few rows, not every lease.
+
+What backpressure and the unproven share are judged on (`coordinator.admission`) is the number of prompts in
+flight: leased, in a lease still open, not submitted. It is kept as counters, moved in the transaction of every
+change that moves it:
+
+- a lease granted adds its prompts (`leases.insert_lease` records what it counts as, `add_to` and `apply` move the
+  counter rows, `admission.count_leased` the node's own `in_flight`);
+- a lease closed takes them back (`admission.settle_leases`): a submission settling it (the prompts it delivered
+  and those it left out alike), a stale submission, the expiry sweep, the node's own next lease request after the
+  lease expired, or the liveness sweep marking its node gone. A lease is closed exactly once (a conditional update
+  of its state), so it is taken back exactly once.
+
+Within an open lease no prompt is submitted in any committed state (a submission marks its prompts and settles the
+lease in one transaction), so "the prompts of open leases" and "the prompts of open leases not submitted" are one
+number.
+
+The counters: `nodes.in_flight` (the node's own, any version), and rows of the `in_flight` table keyed by
+(class, source, policy version, stripe): class `proven` and `unproven` per policy version (source ''), and class
+`source` per source the unproven identities registered from (any version: policy version 0). The stripe is a hash
+of the node id, so that concurrent PostgreSQL writers rarely wait on one row; a read sums the few rows of the live
+policy versions. A lease records what it was counted as (`leases.flight_class`, `flight_source`, `flight_stripe`,
+`flight_n`), and its closing takes back exactly that.
+
+How this differs from counting the open leases at each request (what the coordinator did before):
+- a lease counts in the class and source its node had when it was granted: a node that becomes proven (or
+  registers again from another address) while holding a lease has that lease counted as before until it closes
+  (lease_ttl_s at most, and the sweep after it). Its prompts are counted all the same, in the unproven share
+  (or the old source's) instead of the proven one: for one lease's life the proven figure reads a little lower
+  and the unproven one higher than a recount would;
+- an expired lease counts until it is settled: by its node's next lease request (so a node's own figure is exact
+  when it asks), or by the expiry sweep for everyone else's figures (`Leases._sweep` in `coordinator.leases`:
+  once a second, and on every lease request while it finds a full batch). This only ever counts more in flight,
+  never less: a lease may wait for room a little longer, nobody gets more than the rules allow;
+- the leases of a banned node count until they expire and are swept, as they did before.
+Rows at zero are deleted as they reach it, so the table holds only what is in flight.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from sqlalchemy import BigInteger, Integer, and_, bindparam, case, delete, func, or_, select, update
+
+from swarmrl.coordinator.db.fast import Prepared
+from swarmrl.coordinator.db.rows import NodeRow
+from swarmrl.coordinator.db.schema import in_flight as table
+from swarmrl.coordinator.db.store import Tx, insert
+
+STRIPES = 16
+PROVEN, UNPROVEN, SOURCE = "proven", "unproven", "source"
+
+Key = tuple[str, str, int, int]
+"""A counter row: (class, source, policy version, stripe)."""
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Prompts leased and not submitted, in open leases."""
+
+    own: int
+    """The requesting identity's (any version)."""
+    proven: int
+    """Proven identities' (the requester's included), of a usable policy version."""
+    unproven: int
+    """Unproven identities' (the requester's included), any version."""
+    unproven_usable: int
+    """Unproven identities', of a usable policy version."""
+    unproven_same_source: int
+    """Unproven identities' registered from the requester's source (any version)."""
+
+
+def stripe(node_id: str) -> int:
+    return zlib.crc32(node_id.encode()) % STRIPES
+
+
+def counted_as(proven: bool, source: str) -> tuple[str, str]:
+    """The (class, source) a lease of a node that is (not) `proven`, registered from `source`, is counted as."""
+    return (PROVEN, "") if proven else (UNPROVEN, source)
+
+
+def keys(cls: str, source: str, version: int, stripe_: int) -> list[Key]:
+    """The counter rows a lease counted as (`cls`, `source`) of `version` moves; none for a lease counted nowhere
+    (class '': closed before counting began)."""
+    if cls == PROVEN:
+        return [(PROVEN, "", version, stripe_)]
+    if cls == UNPROVEN:
+        return [(UNPROVEN, "", version, stripe_), (SOURCE, source, 0, stripe_)]
+    return []
+
+
+def add_to(deltas: dict[Key, int], cls: str, source: str, version: int, stripe_: int, n: int) -> None:
+    for key in keys(cls, source, version, stripe_):
+        deltas[key] = deltas.get(key, 0) + n
+
+
+_c = table.c
+_KEY = and_(_c.cls == bindparam("b_cls"), _c.source == bindparam("b_source"),
+            _c.policy_version == bindparam("b_version", type_=BigInteger), _c.stripe == bindparam("b_stripe",
+                                                                                                type_=Integer))
+_SUB = Prepared(update(table).where(_KEY).values(n=_c.n - bindparam("b_n", type_=BigInteger)))
+_DROP = Prepared(delete(table).where(_KEY, _c.n == 0))
+
+
+def _upsert(dialect: str) -> Prepared:
+    stmt = insert(dialect, table).values(cls=bindparam("b_cls"), source=bindparam("b_source"),
+                                         policy_version=bindparam("b_version", type_=BigInteger),
+                                         stripe=bindparam("b_stripe", type_=Integer),
+                                         n=bindparam("b_n", type_=BigInteger))
+    return Prepared(stmt.on_conflict_do_update(index_elements=[_c.cls, _c.source, _c.policy_version, _c.stripe],
+                                               set_={"n": _c.n + stmt.excluded.n}))
+
+
+_ADD = {"sqlite": _upsert("sqlite"), "postgresql": _upsert("postgresql")}
+
+
+def apply(tx: Tx, deltas: dict[Key, int]) -> None:
+    """Move the counter rows by `deltas`, in key order (two transactions never wait on each other's rows in
+    opposite orders); a row that reaches zero is deleted."""
+    for key in sorted(deltas):
+        n = deltas[key]
+        params = dict(b_cls=key[0], b_source=key[1], b_version=key[2], b_stripe=key[3])
+        if n > 0:
+            _ADD[tx.dialect.name].rowcount(tx, b_n=n, **params)
+        elif n < 0:
+            _SUB.rowcount(tx, b_n=-n, **params)
+            _DROP.rowcount(tx, **params)
+
+
+_min = bindparam("b_min", type_=BigInteger)
+_src = bindparam("b_src")
+_SUMS = Prepared(select(
+    func.coalesce(func.sum(case((and_(_c.cls == PROVEN, _c.policy_version >= _min), _c.n), else_=0)), 0),
+    func.coalesce(func.sum(case((_c.cls == UNPROVEN, _c.n), else_=0)), 0),
+    func.coalesce(func.sum(case((and_(_c.cls == UNPROVEN, _c.policy_version >= _min), _c.n), else_=0)), 0),
+    func.coalesce(func.sum(case((_c.cls == SOURCE, _c.n), else_=0)), 0),
+).where(or_(_c.cls == PROVEN, _c.cls == UNPROVEN, and_(_c.cls == SOURCE, _c.source == _src))))
+
+
+def read(tx: Tx, node: NodeRow, min_version: int) -> InFlight:
+    """What is in flight, as seen by `node` (its row as read in this transaction) asking for a lease; usable: of
+    policy version >= `min_version`."""
+    proven, unproven, usable, same = _SUMS.first(tx, b_min=min_version, b_src=node.source) or (0, 0, 0, 0)
+    return InFlight(node.in_flight, int(proven), int(unproven), int(usable), int(same))
