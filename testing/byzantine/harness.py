@@ -195,7 +195,7 @@ class Pool:
         return (int(row[0]), bool(row[1])) if row else (0, False)
 
     def node_row(self, node_id: str) -> m.NodeStatus | None:
-        return next((n for n in self.op.status().nodes if n.node_id == node_id), None)
+        return next((n for n in self.op.nodes() if n.node_id == node_id), None)  # every page: many identities
 
 
 @contextmanager

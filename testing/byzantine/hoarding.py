@@ -130,7 +130,7 @@ def arm(root: Path, ckpt: Path, hoarder: str | None, duration_s: float, honest_n
         ids = {h.node_id for h in honest}
         groups = [g for g in pool.groups() if g["node_id"] in ids]
         accepted = sum(g["status"] == "accepted" for g in groups)
-        nodes = {n.node_id: n for n in pool.op.status().nodes}
+        nodes = {n.node_id: n for n in pool.op.nodes()}
     out: dict[str, Any] = {
         "hoarder": hoarder, "wall_s": round(wall, 1), "honest_accepted": accepted,
         "honest_accepted_per_s": round(accepted / wall, 3), "honest_rejected": sum(g["status"] == "rejected"
