@@ -207,7 +207,10 @@ def open_pool(root: Path, checkpoint: Path, *, sampling: m.SamplingSpec | None =
                   sampling=sampling or m.SamplingSpec(temperature=0.8, max_tokens=8, group_size=8))
     settings: dict = dict(data_dir=root / "coordinator", run=run, operator_keys=[op_key.public_key_hex],
                           keep_versions=max_staleness + 2, max_body_bytes=2 << 20,
-                          max_outstanding_leases=64, lease_ttl_s=600.0, rate_limits=RateLimitConfig.off())
+                          max_outstanding_leases=64, lease_ttl_s=600.0, rate_limits=RateLimitConfig.off(),
+                          # Every identity here stands for a machine of its own, though all dial from loopback: the
+                          # per-address share would otherwise starve the suite's later attempts of leases.
+                          admission={"unproven_per_source": 10**6})
     settings.update(coordinator)
     cfg = CoordinatorConfig(**settings)
     key = cfg.load_identity()
