@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from swarmrl.testing.waiting import wait_for
 
 Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
@@ -87,11 +88,9 @@ class Mitm:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="mitm",
                                         daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the proxy did not start")
-            time.sleep(0.01)
+        wait_for(lambda: self._server.started or not self._thread.is_alive(), "the proxy to start")
+        if not self._server.started:
+            raise RuntimeError("the proxy did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -6,6 +6,8 @@ nodes and the verifier do, and a completion ends at any of the model's stop toke
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -51,6 +53,18 @@ def greedy_complete(
     return texts
 
 
+def _completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 problems: tuple[Problem, ...] | list[Problem], task: Task, max_new_tokens: int | None,
+                 batch_size: int, synced_gpus: bool = False) -> Iterator[tuple[str, Problem]]:
+    """(greedy completion, problem) for each of `problems`, generated `batch_size` at a time (`max_new_tokens`:
+    default the task's)."""
+    max_new_tokens = max_new_tokens or task.eval_settings.max_new_tokens
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        texts = greedy_complete(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, synced_gpus)
+        yield from zip(texts, chunk, strict=True)
+
+
 def correct_count(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -61,13 +75,8 @@ def correct_count(
     synced_gpus: bool = False,
 ) -> int:
     """How many of `problems` the greedy completion gets right. `max_new_tokens`: default the task's."""
-    max_new_tokens = max_new_tokens or task.eval_settings.max_new_tokens
-    correct = 0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        texts = greedy_complete(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, synced_gpus)
-        correct += sum(task.is_correct(t, p.answer) for t, p in zip(texts, chunk, strict=True))
-    return correct
+    return sum(task.is_correct(text, p.answer)
+               for text, p in _completions(model, tokenizer, problems, task, max_new_tokens, batch_size, synced_gpus))
 
 
 def accuracy(
@@ -92,12 +101,9 @@ def held_out_scores(
 ) -> tuple[float, float]:
     """(accuracy, mean reward) of the greedy completions of `problems`: the share `Task.is_correct` accepts, and
     the mean of `Task.reward` (the trusted reward, partial credit included)."""
-    max_new_tokens = max_new_tokens or task.eval_settings.max_new_tokens
     correct, reward = 0, 0.0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        texts = greedy_complete(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
-        correct += sum(task.is_correct(t, p.answer) for t, p in zip(texts, chunk, strict=True))
-        reward += sum(task.reward(t, p.answer) for t, p in zip(texts, chunk, strict=True))
+    for text, p in _completions(model, tokenizer, problems, task, max_new_tokens, batch_size):
+        correct += task.is_correct(text, p.answer)
+        reward += task.reward(text, p.answer)
     n = max(len(problems), 1)
     return correct / n, reward / n

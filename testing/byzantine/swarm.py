@@ -9,9 +9,12 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
+
+import httpx
+
+from swarmrl.testing.waiting import wait_for
 
 
 def swarm(out: Path, time_limit_s: float, max_steps: int) -> dict[str, Any]:
@@ -29,10 +32,21 @@ def swarm(out: Path, time_limit_s: float, max_steps: int) -> dict[str, Any]:
 
     def launch_rogue() -> None:
         cfg_path = run_dir / "config" / "coordinator.toml"
-        while not cfg_path.exists():
-            time.sleep(0.2)
-        time.sleep(0.5)
-        port = tomllib.loads(cfg_path.read_text())["port"]
+
+        def configured_port() -> int | None:
+            try:  # the demo writes the file after its warm start; a half-written one is read again
+                return tomllib.loads(cfg_path.read_text())["port"]
+            except (OSError, tomllib.TOMLDecodeError, KeyError):
+                return None
+
+        def answers(port: int) -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        port = wait_for(configured_port, "the demo's coordinator config", timeout=3600)
+        wait_for(lambda: answers(port), "the demo's coordinator to answer", timeout=600)
         rogue_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # PYTHONPATH as ours: the same checkout
         rogue["p"] = subprocess.Popen(
