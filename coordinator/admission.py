@@ -113,8 +113,8 @@ _SETTLED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
 _LEASED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
     prompts_leased=_n.prompts_leased + bindparam("b_n", type_=BigInteger),
     in_flight=_n.in_flight + bindparam("b_n", type_=BigInteger)))
-_QUEUED = (select(_q.id, _q.text, _q.answer).where(_q.abandoned_by != bindparam("b_node")).order_by(_q.id)
-           .limit(bindparam("b_limit")).with_for_update(skip_locked=True))
+_QUEUED = Prepared(select(_q.id, _q.text, _q.answer).where(_q.abandoned_by != bindparam("b_node")).order_by(_q.id)
+                   .limit(bindparam("b_limit")).with_for_update(skip_locked=True))
 
 
 def count_leased(tx: Tx, node_id: str, n: int) -> None:
@@ -183,10 +183,10 @@ def settle_own_expired(tx: Tx, node_id: str, now: float, limit: int, deltas: dic
 def take_queued(tx: Tx, node_id: str, limit: int) -> list[tuple[str, str]]:
     """Up to `limit` queued prompts (text, answer), oldest first, that `node_id` did not abandon; taken out of the
     queue."""
-    rows = tx.execute(_QUEUED, {"b_node": node_id, "b_limit": limit}).all()
+    rows = _QUEUED.all(tx, b_node=node_id, b_limit=limit)
     if rows:
-        tx.execute(delete(prompt_queue).where(_q.id.in_([r.id for r in rows])))
-    return [(r.text, r.answer) for r in rows]
+        tx.execute(delete(prompt_queue).where(_q.id.in_([queue_id for queue_id, _, _ in rows])))
+    return [(text, answer) for _, text, answer in rows]
 
 
 def queued(tx: Tx) -> int:

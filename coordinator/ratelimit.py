@@ -13,6 +13,7 @@ bucket that is full again is the same as none, so the table forgets the least re
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import math
@@ -82,8 +83,10 @@ class Buckets:
         return wait
 
 
+@functools.lru_cache(maxsize=65536)
 def normalise_source(address: str) -> str:
-    """An address as a rate-limit key: IPv4 as is, IPv6 as its /64 (an IPv4-mapped one as the IPv4)."""
+    """An address as a rate-limit key: IPv4 as is, IPv6 as its /64 (an IPv4-mapped one as the IPv4). Remembered for
+    the most recent addresses: parsing one costs tens of microseconds, and every request needs its source."""
     try:
         ip = ipaddress.ip_address(address.strip().strip("[]"))
     except ValueError:
@@ -95,8 +98,21 @@ def normalise_source(address: str) -> str:
     return str(ip)
 
 
+SOURCE_KEY = "swarmrl.source"
+"""The ASGI scope key under which `source_of` keeps a request's source once found."""
+
+
 def source_of(scope: Scope, cfg: RateLimitConfig) -> str:
-    """The request's source: its peer address, or the address a trusted proxy names in `cfg.source_header`."""
+    """The request's source: its peer address, or the address a trusted proxy names in `cfg.source_header`; found
+    once per request (kept in the scope)."""
+    known = scope.get(SOURCE_KEY)
+    if known is not None:
+        return known
+    scope[SOURCE_KEY] = source = _find_source(scope, cfg)
+    return source
+
+
+def _find_source(scope: Scope, cfg: RateLimitConfig) -> str:
     client = scope.get("client")
     peer = client[0] if client else "unknown"
     if cfg.source_header is not None and peer in cfg.trusted_proxies:

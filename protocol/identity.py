@@ -6,6 +6,7 @@ Private keys are written with 0600 permissions and refused when group or world c
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -32,14 +33,19 @@ def node_id_from_public_key(public_key_hex: str) -> str:
     return hashlib.sha256(raw).hexdigest()[:40]
 
 
+@functools.lru_cache(maxsize=4096)
+def _public_key(public_key_hex: str) -> Ed25519PublicKey:
+    # Loading a key costs about a fifth of a verification, and the same few keys sign most requests.
+    return Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
+
+
 def verify_signature(public_key_hex: str, message: bytes, signature_hex: str) -> bool:
     """True when `signature_hex` is a valid Ed25519 signature of `message` by `public_key_hex`.
 
     Never raises on malformed input: a bad key or signature encoding is simply not valid.
     """
     try:
-        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
-        key.verify(bytes.fromhex(signature_hex), message)
+        _public_key(public_key_hex).verify(bytes.fromhex(signature_hex), message)
         return True
     except (InvalidSignature, ValueError, TypeError):
         return False
@@ -55,11 +61,11 @@ class Identity:
     def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
 
-    @property
-    def public_key_hex(self) -> str:
+    @functools.cached_property
+    def public_key_hex(self) -> str:  # derived once: every signature names the key
         return self.private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
-    @property
+    @functools.cached_property
     def node_id(self) -> str:
         return node_id_from_public_key(self.public_key_hex)
 

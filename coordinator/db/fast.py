@@ -11,6 +11,7 @@ through `Connection.execute`, like everything that is not on every request's pat
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
@@ -30,9 +31,11 @@ class _Plan:
     binds: dict[str, Callable[[Any], Any]]
     types: tuple[Any, ...]  # the result columns' SQLAlchemy types
     columns: tuple[str, ...]
-    # The result columns' processors, made from the first cursor: some drivers' processors depend on the type
-    # code the database reports (PostgreSQL numerics).
-    results: list[tuple[Callable[[Any], Any] | None, ...]] = field(default_factory=list)
+    # Positional drivers: the parameter values in position order, from the name -> value mapping.
+    positions: Callable[[dict[str, Any]], tuple[Any, ...]] | None = None
+    # The result columns that have processors, as (index, processor), made from the first cursor: some drivers'
+    # processors depend on the type code the database reports (PostgreSQL numerics).
+    results: list[tuple[tuple[int, Callable[[Any], Any]], ...]] = field(default_factory=list)
 
 
 class Prepared:
@@ -46,28 +49,42 @@ class Prepared:
         plan = self._plans.get(id(dialect))
         if plan is None:
             compiled = self.stmt.compile(dialect=dialect, column_keys=self.keys)
-            plan = _Plan(sql=compiled.string, order=tuple(compiled.positiontup) if compiled.positional else None,
-                         defaults=dict(compiled.construct_params(_check=False)), binds=dict(compiled._bind_processors),
+            order = tuple(compiled.positiontup) if compiled.positional else None
+            defaults, binds = dict(compiled.construct_params(_check=False)), dict(compiled._bind_processors)
+            plan = _Plan(sql=compiled.string, order=order, defaults=defaults, binds=binds,
                          types=tuple(rc[3] for rc in compiled._result_columns),
-                         columns=tuple(rc[0] for rc in compiled._result_columns))
+                         columns=tuple(rc[0] for rc in compiled._result_columns),
+                         positions=None if order is None else _getter(order))
             self._plans[id(dialect)] = plan  # the engine's dialect lives as long as the engine
         return plan
 
-    def _run(self, tx: Connection, params: Mapping[str, Any]) -> tuple[Any, _Plan]:
-        plan = self._plan(tx.dialect)
+    @staticmethod
+    def _values(plan: _Plan, params: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
         values = {**plan.defaults, **params}
         for name, process in plan.binds.items():
             values[name] = process(values[name])
+        return values if plan.positions is None else plan.positions(values)
+
+    def _run(self, tx: Connection, params: Mapping[str, Any]) -> tuple[Any, _Plan]:
+        plan = self._plan(tx.dialect)
         cursor = tx.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-        cursor.execute(plan.sql, [values[n] for n in plan.order] if plan.order is not None else values)
+        cursor.execute(plan.sql, self._values(plan, params))
         if plan.types and not plan.results:
-            plan.results.append(tuple(t._cached_result_processor(tx.dialect, d[1])
-                                      for t, d in zip(plan.types, cursor.description, strict=True)))
+            processors = (t._cached_result_processor(tx.dialect, d[1])
+                          for t, d in zip(plan.types, cursor.description, strict=True))
+            plan.results.append(tuple((i, p) for i, p in enumerate(processors) if p is not None))
         return cursor, plan
 
     @staticmethod
     def _typed(plan: _Plan, row: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(v if p is None or v is None else p(v) for p, v in zip(plan.results[0], row, strict=True))
+        processors = plan.results[0]
+        if not processors:
+            return tuple(row)
+        typed = list(row)
+        for i, process in processors:
+            if typed[i] is not None:
+                typed[i] = process(typed[i])
+        return tuple(typed)
 
     def all(self, tx: Connection, **params: Any) -> list[tuple[Any, ...]]:
         cursor, plan = self._run(tx, params)
@@ -87,12 +104,7 @@ class Prepared:
     def many(self, tx: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
         """Run the statement once per parameter set in `rows` (the driver's executemany)."""
         plan = self._plan(tx.dialect)
-        batch = []
-        for params in rows:
-            values = {**plan.defaults, **params}
-            for name, process in plan.binds.items():
-                values[name] = process(values[name])
-            batch.append([values[n] for n in plan.order] if plan.order is not None else values)
+        batch = [self._values(plan, params) for params in rows]
         tx.connection.dbapi_connection.cursor().executemany(plan.sql, batch)  # type: ignore[union-attr]
 
     def rowcount(self, tx: Connection, **params: Any) -> int:
@@ -108,6 +120,16 @@ class Prepared:
     def first_as(self, cls: type[T], tx: Connection, **params: Any) -> T | None:
         row = self.first(tx, **params)
         return None if row is None else cls(*(row[i] for i in _indexes(cls, self._plan(tx.dialect))))
+
+
+def _getter(order: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """values -> the values of `order`, as a tuple (in C: `itemgetter`)."""
+    if len(order) > 1:
+        return operator.itemgetter(*order)
+    if order:
+        only = order[0]
+        return lambda values: (values[only],)
+    return lambda values: ()
 
 
 _INDEXES: dict[tuple[type, tuple[str, ...]], tuple[int, ...]] = {}
