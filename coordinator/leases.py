@@ -22,7 +22,7 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.fast import Prepared
-from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow
+from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow, NodeRow
 from swarmrl.coordinator.db.schema import LEASE_COUNTER, lease_prompts, leases, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter
 from swarmrl.coordinator.gate import admit
@@ -133,13 +133,14 @@ class Leases:
         self.identity, self.pool, self.secret = identity, pool, secret
         self._last_sweep = float("-inf")
 
-    def _prompt_rng(self, counter: int) -> random.Random:
-        """The prompt stream of lease number `counter`: drawn from the run's secret (nobody can tell what the next
-        lease holds), or from `prompt_seed` when the operator fixed one for a reproducible stream."""
+    def _prompt_rng(self, tx: Tx, lease_id: str) -> random.Random:
+        """The prompt stream of a new lease: drawn from the run's secret and the lease's random id (nobody can tell
+        what the next lease holds, and no shared counter row makes lease requests wait on each other), or, when the
+        operator fixed `prompt_seed` for a reproducible stream, from it and the lease counter."""
         seed = self.config.prompt_seed
         if seed is not None:
-            return random.Random(f"{seed}/{counter}")
-        return random.Random(self.secret.derive("prompts", str(counter).encode()))
+            return random.Random(f"{seed}/{add_to_counter(tx, LEASE_COUNTER)}")
+        return random.Random(self.secret.derive("prompts", lease_id.encode()))
 
     def _sweep(self, now: float) -> None:
         """Settle expired leases (`admission.sweep_expired`), in a transaction of its own (it moves other nodes'
@@ -164,75 +165,103 @@ class Leases:
         first), or None before the first manifest or while enough work is in flight (`max_buffered_groups`)."""
         body: m.LeaseRequest = req.payload
         now = self.clock()
-        cfg, run, adm = self.config, self.config.run, self.config.admission
-
         self._sweep(now)
 
         def lease(tx: Tx) -> m.Lease | None:
-            # The counter moves of the leases this request settles and grants, applied in one ordered pass at the
-            # end, whether it grants a lease or not (a refusal rolls everything back).
-            deltas: dict[inflight.Key, int] = {}
-            granted = grant(tx, deltas)
-            inflight.apply(tx, deltas)
-            return granted
-
-        def grant(tx: Tx, deltas: dict[inflight.Key, int]) -> m.Lease | None:
             admit(tx, req)
             node = require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
             touch(tx, req.signer, now, body.held_version)
-            version = current_version(tx)
-            if version < 0:
-                return None
-            min_version = version - run.max_staleness
-            # Its own expired leases are settled now, so that what it holds is exact when it asks (others' are the
-            # sweep's).
-            if admission.settle_own_expired(tx, req.signer, now, adm.sweep_batch, deltas):
-                node = require_node(tx, req.signer)
-            flight = admission.in_flight(tx, node, min_version)
-            allowed = admission.allowance(node, adm)
-            if flight.own >= allowed:
-                raise Refused(429, f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
-                                   "them (or let their leases expire) first",
-                              retry_after=until_a_lease_expires(tx, req.signer, now))
-            if count_open_leases(tx, req.signer, now) >= cfg.max_outstanding_leases:
-                raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
-                                   "them expire first", retry_after=until_a_lease_expires(tx, req.signer, now))
-            cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
-            if not admission.is_proven(node, adm) and (flight.unproven >= cap or
-                                                       flight.unproven_same_source >= adm.unproven_per_source):
-                return None  # the unproven identities' share (or their source's) is taken: only they wait
-            if cfg.max_buffered_groups is not None and buffered_groups(tx, min_version) + \
-                    admission.counted_in_flight(flight, cap) >= cfg.max_buffered_groups:
-                # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
-                return None
-            n = min(body.max_prompts, allowed - flight.own)
-            drawn = admission.take_queued(tx, req.signer, n)
-            rng = self._prompt_rng(add_to_counter(tx, LEASE_COUNTER))
+            granted = self._grant(tx, node, body, now)
+            if granted is not None:
+                remember(tx, req, granted, now)
+            return granted
+
+        return self.store.write(lease)
+
+    def _grant(self, tx: Tx, node: NodeRow, body: m.LeaseRequest, now: float) -> m.Lease | None:
+        """`issue`'s lease for `node` (its row locked by `tx`), or None; Refused (429) over its allowance or its
+        open leases. The counter moves of the leases it settles and grants are applied in one ordered pass at the
+        end, whether it grants a lease or not (a refusal rolls everything back)."""
+        cfg, run, adm = self.config, self.config.run, self.config.admission
+        deltas: dict[inflight.Key, int] = {}
+        version = current_version(tx)
+        if version < 0:
+            return None
+        min_version = version - run.max_staleness
+        # Its own expired leases are settled now, so that what it holds is exact when it asks (others' are the
+        # sweep's).
+        if admission.settle_own_expired(tx, node.id, now, adm.sweep_batch, deltas):
+            node = require_node(tx, node.id)
+        flight = admission.in_flight(tx, node, min_version)
+        allowed = admission.allowance(node, adm)
+        if flight.own >= allowed:
+            raise Refused(429, f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
+                               "them (or let their leases expire) first",
+                          retry_after=until_a_lease_expires(tx, node.id, now))
+        if count_open_leases(tx, node.id, now) >= cfg.max_outstanding_leases:
+            raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
+                               "them expire first", retry_after=until_a_lease_expires(tx, node.id, now))
+        cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
+        if not admission.is_proven(node, adm) and (flight.unproven >= cap or
+                                                   flight.unproven_same_source >= adm.unproven_per_source):
+            granted = None  # the unproven identities' share (or their source's) is taken: only they wait
+        elif cfg.max_buffered_groups is not None and buffered_groups(tx, min_version) + \
+                admission.counted_in_flight(flight, cap) >= cfg.max_buffered_groups:
+            # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
+            granted = None
+        else:
+            granted = self._sign_and_store(tx, node, min(body.max_prompts, allowed - flight.own), version, now,
+                                           deltas)
+        inflight.apply(tx, deltas)
+        return granted
+
+    def _sign_and_store(self, tx: Tx, node: NodeRow, n: int, version: int, now: float,
+                        deltas: dict[inflight.Key, int]) -> m.Lease:
+        run, adm = self.config.run, self.config.admission
+        lease_id = secrets.token_hex(12)
+        drawn = admission.take_queued(tx, node.id, n)
+        if len(drawn) < n:
+            rng = self._prompt_rng(tx, lease_id)
             while len(drawn) < n:
                 problem = self.task.sample(rng)
                 drawn.append((problem.prompt, problem.answer))
-            lease_id = secrets.token_hex(12)
-            prompts = [(f"{lease_id}.{i}", text, answer, [secrets.randbits(63) for _ in range(run.sampling.group_size)])
-                       for i, (text, answer) in enumerate(drawn)]
-            signed = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=req.signer,
-                                   policy_version=version, expires_at=now + cfg.lease_ttl_s, sampling=run.sampling,
-                                   prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
-            counted = insert_lease(tx, lease_id, req.signer, version, now, signed.expires_at,
-                                   run.sampling.model_dump(mode="json"), prompts,
-                                   signed.signature.model_dump(mode="json"), signed.digests(),
-                                   inflight.counted_as(admission.is_proven(node, adm), node.source))
-            admission.count_leased(tx, req.signer, n)
-            for key, d in counted.items():
-                deltas[key] = deltas.get(key, 0) + d
-            remember(tx, req, signed, now)
-            return signed
+        prompts = [(f"{lease_id}.{i}", text, answer, [secrets.randbits(63) for _ in range(run.sampling.group_size)])
+                   for i, (text, answer) in enumerate(drawn)]
+        signed = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=node.id,
+                               policy_version=version, expires_at=now + self.config.lease_ttl_s,
+                               sampling=run.sampling,
+                               prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+        counted = insert_lease(tx, lease_id, node.id, version, now, signed.expires_at,
+                               run.sampling.model_dump(mode="json"), prompts,
+                               signed.signature.model_dump(mode="json"), signed.digests(),
+                               inflight.counted_as(admission.is_proven(node, adm), node.source))
+        admission.count_leased(tx, node.id, n)
+        for key, d in counted.items():
+            deltas[key] = deltas.get(key, 0) + d
+        return signed
 
-        return self.store.write(lease)
+    def _next_lease(self, tx: Tx, node_id: str, ask: m.LeaseRequest | None, now: float) -> dict[str, Any]:
+        """The fields of a submission's answer for the next lease it asks for (`RolloutSubmission.next_lease`): the
+        lease `issue` would grant, or why there is none. In a savepoint: a refused grant undoes only its own
+        changes, never the submission's."""
+        if ask is None:
+            return {}
+        tx.exec_driver_sql("SAVEPOINT next_lease")
+        try:
+            granted = self._grant(tx, require_node(tx, node_id, lock=True), ask, now)
+        except Refused as e:
+            tx.exec_driver_sql("ROLLBACK TO SAVEPOINT next_lease")
+            granted, why = None, e.reason
+        else:
+            why = NO_WORK
+        tx.exec_driver_sql("RELEASE SAVEPOINT next_lease")
+        return {"next_lease": granted} if granted is not None else {"next_lease_refused": why}
 
     def submit(self, req: Signed) -> m.SubmitResult:
         """Take the submission's valid groups for verification and say why each other group was refused. The
         submission settles its lease: every leased prompt it does not deliver is abandoned (queued for another
-        identity, and counted against this one)."""
+        identity, and counted against this one). When it asks for its next lease, the answer holds that lease (or
+        why there is none), granted after the settlement, in the same transaction."""
         sub: m.RolloutSubmission = req.payload
         now = self.clock()
         ids = [g.prompt_id for g in sub.groups]
@@ -240,6 +269,7 @@ class Leases:
             dup = next(i for i in ids if ids.count(i) > 1)
             raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
         max_staleness = self.config.run.max_staleness
+        held = sub.next_lease.held_version if sub.next_lease is not None else None
 
         def take(tx: Tx) -> m.SubmitResult:
             admit(tx, req)
@@ -253,7 +283,8 @@ class Leases:
                 prompts = get_prompts(tx, sub.lease_id)
                 late = m.SubmitResult(accepted=[], rejected={g.prompt_id: _too_late(prompts.get(g.prompt_id))
                                                              for g in sub.groups})
-                touch(tx, req.signer, now)  # the node is heard from (live again, if it was gone)
+                touch(tx, req.signer, now, held)  # the node is heard from (live again, if it was gone)
+                late = late.model_copy(update=self._next_lease(tx, req.signer, sub.next_lease, now))
                 remember(tx, req, late, now)
                 return late
             if lease.expires_at < now:
@@ -282,8 +313,9 @@ class Leases:
                              group.model_dump(mode="json"), now)
                 accepted.append(group.prompt_id)
             admission.settle_lease(tx, sub.lease_id, now)
-            touch(tx, req.signer, now)
-            answer = m.SubmitResult(accepted=accepted, rejected=rejected)
+            touch(tx, req.signer, now, held)
+            answer = m.SubmitResult(accepted=accepted, rejected=rejected,
+                                    **self._next_lease(tx, req.signer, sub.next_lease, now))
             remember(tx, req, answer, now)
             return answer
 
@@ -297,6 +329,7 @@ class Leases:
             raise Refused(409, f"stale submission, against the current version: {e.reason}") from None
 
 
+NO_WORK = "no work now (no published version yet, or enough work in flight): ask again later"
 SETTLED = ("lease settled: this prompt was not in the submission that settled it (or the lease turned stale or "
            "expired), and has been leased again")
 

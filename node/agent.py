@@ -37,6 +37,7 @@ from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import (
     MAX_NODE_SECONDS,
     Lease,
+    LeaseRequest,
     Registered,
     Rollout,
     RolloutGroup,
@@ -95,6 +96,7 @@ class Node:
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.fetcher: CheckpointFetcher | None = None
         self.swarm: SwarmPeer | None = None
+        self._next_lease: Lease | None = None  # granted with the last submission (`RolloutSubmission.next_lease`)
 
     # -- weights --------------------------------------------------------------------------------------
 
@@ -226,13 +228,19 @@ class Node:
         self.load_ready_weights(run.sampling.temperature)
         if self.engine is None:
             return False
-        lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
-        if lease is None:
-            return False
+        lease, self._next_lease = self._next_lease, None
+        if lease is None or lease.expires_at <= time.time():
+            lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
+            if lease is None:
+                return False
         self.stats.leases += 1
         self.wait_for_weights(lease, run.max_staleness, run.sampling.temperature)
         t0 = time.perf_counter()
         submission = self.generate(lease)
+        last = self.cfg.max_leases is not None and self.stats.leases >= self.cfg.max_leases
+        if not self._stop.is_set() and not last:  # the next lease comes with this answer: one round trip fewer
+            ask = LeaseRequest(max_prompts=self.cfg.max_prompts, held_version=self.stats.held_version)
+            submission = submission.model_copy(update={"next_lease": ask})
         try:
             result = self.client.submit(submission)
         except CoordinatorError as e:
@@ -243,6 +251,7 @@ class Node:
         finally:
             self.stats.busy_seconds += time.perf_counter() - t0
         self.stats.count_result(submission, result)
+        self._next_lease = result.next_lease
         return True
 
     def _register(self) -> Registered:

@@ -18,6 +18,7 @@ rewritten on the way (use https), and acting on it could get an honest node bann
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 import time
@@ -35,6 +36,8 @@ from swarmrl.protocol.overview import Overview
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.protocol.signing import PAYLOAD_HEADER, SIGNATURE_HEADER, SignatureError, sign
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
+
+log = logging.getLogger("swarmrl.client")
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -312,7 +315,18 @@ class CoordinatorClient:
             raise UntrustedResponse(f"lease {lease.lease_id[:24]} samples otherwise than the run")
 
     def submit(self, submission: m.RolloutSubmission) -> m.SubmitResult:
-        return self._signed("/v1/submit", m.KIND_SUBMIT, submission, m.SubmitResult)  # type: ignore[return-value]
+        """The coordinator's answer to `submission`. A next lease it holds (asked for with
+        `submission.next_lease`) is checked as `lease` checks one; one that does not pass is dropped from the
+        answer, the reason put in `next_lease_refused` (the submission's own outcome stands)."""
+        result: m.SubmitResult = self._signed(  # type: ignore[assignment]
+            "/v1/submit", m.KIND_SUBMIT, submission, m.SubmitResult)
+        if result.next_lease is not None:
+            try:
+                self.check_lease(result.next_lease)
+            except UntrustedResponse as e:
+                log.warning("%s", e.reason)
+                result = result.model_copy(update={"next_lease": None, "next_lease_refused": e.reason})
+        return result
 
     def heartbeat(self, held_version: int, status: str = "", idle_s: float = 0.0, busy_s: float = 0.0) -> None:
         """Say the node is alive, which version it holds, and its idle and busy seconds since it started."""

@@ -3,8 +3,9 @@ model.
 
 Each simulated node registers (a challenge, then a signed registration). Then, whenever it gets a turn, it makes
 its next request: a heartbeat when one is due, else a lease when it holds no leased prompt, else one submission of
-its leased prompts (a submission settles its lease, as a real node's does), each an 8-rollout group with an
-activation proof per rollout in the protocol's format (token ids and proof contents are random: only a verifier
+its leased prompts (a submission settles its lease, as a real node's does, and asks for the next lease, as a real
+node's does unless `plan.next_lease` is off), each an 8-rollout group with an activation proof per rollout in the
+protocol's format (token ids and proof contents are random: only a verifier
 would notice). `concurrency` connections per process carry the requests, so the node count sets how many
 identities, rows and heartbeats the coordinator handles, not how many sockets it holds.
 
@@ -56,6 +57,9 @@ class LoadPlan:
     concurrency: int = 16
     prompts_per_lease: int = 1
     """Prompts per lease: each submission carries a group for every one."""
+    next_lease: bool = True
+    """Each submission asks for the node's next lease (`RolloutSubmission.next_lease`), as nodes do; False: a lease
+    request of its own before each submission."""
     source_header: str | None = "x-forwarded-for"
     """The header each request names its node's address in (None: every node is the load process's address)."""
     tokens: int = 32
@@ -110,21 +114,27 @@ class SubmissionEncoder:
             self.templates.append(rollout)
             # Keys sort: completion_ids, finish_reason, logprobs, proof, seed: the seed goes last.
             self.prefixes.append(canonical_json(rollout)[:-1] + b',"seed":')
-        sample = {"lease_id": "l", "policy_version": 0, "gen_seconds": 0.0,
-                  "groups": [{"prompt_id": "p", "prompt_ids": list(range(3, 15)),
-                              "rollouts": [{**t, "seed": i} for i, t in enumerate(self.templates)]}]}
-        if self.encode("l", 0, [("p", list(range(group_size)))]) != canonical_json(sample):
-            raise AssertionError("the spliced submission differs from its canonical JSON")
+        sample: dict[str, Any] = {"lease_id": "l", "policy_version": 0, "gen_seconds": 0.0,
+                                  "groups": [{"prompt_id": "p", "prompt_ids": list(range(3, 15)),
+                                              "rollouts": [{**t, "seed": i} for i, t in enumerate(self.templates)]}]}
+        for ask in (None, {"held_version": 0, "max_prompts": 2}):
+            if ask is not None:
+                sample["next_lease"] = ask
+            if self.encode("l", 0, [("p", list(range(group_size)))], ask) != canonical_json(sample):
+                raise AssertionError("the spliced submission differs from its canonical JSON")
 
-    def encode(self, lease_id: str, version: int, prompts: list[tuple[str, list[int]]]) -> bytes:
-        """The canonical JSON of a submission of one group per (prompt_id, seeds)."""
+    def encode(self, lease_id: str, version: int, prompts: list[tuple[str, list[int]]],
+               next_lease: dict[str, int] | None = None) -> bytes:
+        """The canonical JSON of a submission of one group per (prompt_id, seeds), asking for `next_lease` (a
+        `LeaseRequest`'s fields) when given."""
         groups = []
         for prompt_id, seeds in prompts:
             rollouts = b",".join(p + str(s).encode() + b"}" for p, s in zip(self.prefixes, seeds, strict=True))
             groups.append(b'{"prompt_id":' + json.dumps(prompt_id).encode() + b',"prompt_ids":' + self.prompt_ids
                           + b',"rollouts":[' + rollouts + b"]}")
+        ask = b"" if next_lease is None else b',"next_lease":' + canonical_json(next_lease)
         return (b'{"gen_seconds":0.0,"groups":[' + b",".join(groups) + b'],"lease_id":' + json.dumps(lease_id).encode()
-                + b',"policy_version":' + str(version).encode() + b"}")
+                + ask + b',"policy_version":' + str(version).encode() + b"}")
 
 
 @dataclass
@@ -232,18 +242,24 @@ class LoadSwarm:
             req = {"held_version": node.version, "max_prompts": plan.prompts_per_lease}
             conn, status, out = await self._call(conn, node, "lease", "/v1/lease", canonical_json(req), m.KIND_LEASE)
             if status == 200:
-                lease = orjson.loads(out)
-                node.lease_id, node.version = lease["lease_id"], lease["policy_version"]
-                node.prompts = [(p["prompt_id"], p["seeds"]) for p in lease["prompts"]]
+                self._take_lease(node, orjson.loads(out))
             return conn
         batch, node.prompts = node.prompts, []
-        payload = self.encoder.encode(node.lease_id, node.version, batch)
+        ask = {"held_version": node.version, "max_prompts": plan.prompts_per_lease} if plan.next_lease else None
+        payload = self.encoder.encode(node.lease_id, node.version, batch, ask)
         conn, status, out = await self._call(conn, node, "submit", "/v1/submit", payload, m.KIND_SUBMIT)
         if status == 200:
             result = orjson.loads(out)
             self.accepted += [f"{node.lease_id}/{p}" for p in result["accepted"]]
             self.refused_groups += len(result["rejected"])
+            if result.get("next_lease") is not None:
+                self._take_lease(node, result["next_lease"])
         return conn
+
+    @staticmethod
+    def _take_lease(node: SimNode, lease: dict[str, Any]) -> None:
+        node.lease_id, node.version = lease["lease_id"], lease["policy_version"]
+        node.prompts = [(p["prompt_id"], p["seeds"]) for p in lease["prompts"]]
 
 
 def _address(i: int) -> str:
