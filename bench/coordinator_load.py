@@ -61,11 +61,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring (default: 5 + "
                    "nodes / 200, so that every node has had its first lease and the mix of requests is steady)")
     p.add_argument("--workers", type=int, default=2, help="load generator processes")
+    p.add_argument("--coordinator-workers", type=int, default=2, help="the coordinator's server processes (its "
+                   "`workers` setting); the baseline runs with one")
     p.add_argument("--concurrency", type=int, default=16, help="connections (requests in flight) per process")
     p.add_argument("--prompts", type=int, default=1, help="prompts per lease (= groups per submission)")
     p.add_argument("--tokens", type=int, default=32, help="completion tokens per rollout")
     p.add_argument("--heartbeat-s", type=float, default=30.0, help="seconds between a node's heartbeats")
-    p.add_argument("--no-baseline", action="store_true", help="skip the group-commit-off baseline runs")
+    p.add_argument("--baselines", default="separate-leases,one-worker,no-group-commit",
+                   help="comma-separated baselines, each run beside the headline at the largest node count: "
+                        "separate-leases (a lease request before each submission instead of the next lease asked "
+                        "for with it), one-worker (one coordinator process), no-group-commit (SQLite: one commit "
+                        "per write); empty: none")
+    p.add_argument("--no-baseline", action="store_true", help="run no baseline (as --baselines '')")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a top-level coordinator setting (TOML value), e.g. --set worker_threads=4; repeatable")
     p.add_argument("--pg-url", default=os.environ.get("SWARMRL_TEST_PG_URL"), help="PostgreSQL server URL (a "
                    "role that may create databases)")
     p.add_argument("--out", type=Path, default=None, help="write every run's figures here as JSON")
@@ -83,9 +92,12 @@ def machine_ticks() -> tuple[int, int]:
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process."""
+    """User + system CPU seconds of a live process and its live children (a coordinator's other workers)."""
     parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    children = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()}
+    return own + sum(process_cpu_s(c) for c in children)
 
 
 # -- one load process -----------------------------------------------------------------------------------
@@ -139,7 +151,8 @@ def coordinator_settings(nodes: int, prompts: int) -> str:
             f"max_unproven_prompts = {max(nodes * prompts, 1)}\n")
 
 
-def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool, work: Path) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool, workers: int, next_lease: bool,
+            work: Path) -> dict[str, Any]:
     """One coordinator, one load: the figures of its measured window."""
     operator = Identity.generate()
     run_id = "load"
@@ -154,7 +167,8 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
         config.write_text(
             f'host = "127.0.0.1"\nport = 0\ndata_dir = "{work / "data"}"\nstore_url = "{store_url}"\n'
             f'operator_keys = ["{operator.public_key_hex}"]\nlease_ttl_s = 3600.0\nclock_skew_s = 600.0\n'
-            f"store_group_commit = {64 if group_commit else 1}\n"
+            f"store_group_commit = {64 if group_commit else 1}\nworkers = {workers}\n"
+            + "".join(f"{setting}\n" for setting in args.set) +
             f"node_gone_after_s = {max(120.0, 4 * args.heartbeat_s)}\n"
             f"{coordinator_settings(nodes, args.prompts)}"
             f'\n[run]\nrun_id = "{run_id}"\nmax_staleness = 2\n\n[run.sampling]\ngroup_size = 8\n'
@@ -171,7 +185,7 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
         per = [nodes // args.workers + (1 if i < nodes % args.workers else 0) for i in range(args.workers)]
         for i, n in enumerate(per):
             plan = dict(url=url, nodes=n, pool=pool, concurrency=args.concurrency, prompts_per_lease=args.prompts,
-                        tokens=args.tokens, heartbeat_s=args.heartbeat_s, seed=i)
+                        next_lease=next_lease, tokens=args.tokens, heartbeat_s=args.heartbeat_s, seed=i)
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_load_process, args=(plan, child), daemon=True)
             proc.start()
@@ -208,7 +222,8 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
     sub = tallies.get("submit", {"ok": 0, "latencies_ms": []})
     seconds = args.duration
     return {
-        "store": store, "nodes": nodes, "group_commit": group_commit,
+        "store": store, "nodes": nodes, "group_commit": group_commit, "coordinator_workers": workers,
+        "next_lease": next_lease,
         "submissions_per_s": round(sub["ok"] / seconds, 1),
         "requests_per_s": round(sum(t["ok"] for t in tallies.values()) / seconds, 1),
         "p50_ms": round(percentile(sub["latencies_ms"], 0.50), 2),
@@ -235,21 +250,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     counts = [int(n) for n in args.nodes.split(",")]
+    baselines = set() if args.no_baseline else {b.strip() for b in args.baselines.split(",") if b.strip()}
+    unknown = baselines - {"separate-leases", "one-worker", "no-group-commit"}
+    if unknown:
+        raise SystemExit(f"unknown baselines: {', '.join(sorted(unknown))}")
     runs = []
     for store in stores:
-        # The baseline only where group commit applies: PostgreSQL commits each transaction itself (and groups
-        # concurrent commits' WAL flushes on its own).
-        baseline = not args.no_baseline and store == "sqlite"
-        plans = [(n, True) for n in counts] + ([(max(counts), False)] if baseline else [])
-        for nodes, group_commit in plans:
+        # The baselines run at the largest node count; no-group-commit only where group commit applies
+        # (PostgreSQL commits each transaction itself, and groups concurrent commits' WAL flushes on its own).
+        many, top = args.coordinator_workers, max(counts)
+        plans = [(n, True, many, True) for n in counts]
+        plans += [(top, True, many, False)] if "separate-leases" in baselines else []
+        plans += [(top, True, 1, True)] if "one-worker" in baselines and many > 1 else []
+        plans += [(top, False, many, True)] if "no-group-commit" in baselines and store == "sqlite" else []
+        for nodes, group_commit, workers, next_lease in plans:
             with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
-                result = run_one(args, store, nodes, group_commit, Path(tmp))
+                result = run_one(args, store, nodes, group_commit, workers, next_lease, Path(tmp))
             runs.append(result)
             print(json.dumps({k: v for k, v in result.items() if k not in ("per_kind", "error_reasons")}), flush=True)
             if result["error_reasons"]:
                 print("  errors:", json.dumps(result["error_reasons"])[:2000], flush=True)
-    headline = next((r for r in runs if r["store"] == "sqlite" and r["group_commit"] and r["nodes"] == max(counts)),
-                    runs[0])
+    headline = next((r for r in runs if r["store"] == "sqlite" and r["group_commit"] and r["nodes"] == max(counts)
+                     and r["coordinator_workers"] == args.coordinator_workers and r["next_lease"]), runs[0])
     summary = {k: headline[k] for k in ("submissions_per_s", "p99_ms", "errors", "lost", "nodes", "store")}
     summary["runs"] = runs
     if args.out is not None:

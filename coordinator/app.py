@@ -62,7 +62,7 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     The store opens now (so `app.state.coordinator` is usable at once) and closes on app shutdown.
     """
     svc = Coordinator(config, identity, clock=clock)
-    offload = Offload(config.store_pool_size)
+    offload = Offload(config.worker_threads + config.max_long_polls)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # noqa: ANN202

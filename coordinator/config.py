@@ -39,8 +39,19 @@ class CoordinatorConfig(BaseModel):
         "postgresql+psycopg://user:password@host:5432/db where several coordinator processes serve one pool (they "
         "then share data_dir: key and shards). None: sqlite:///<data_dir>/coordinator.sqlite.")
     store_pool_size: int = Field(
-        40, ge=1, le=1000, description="Database connections this process opens at most: the server's worker "
-        "threads (40) each need one. On PostgreSQL, max_connections must cover every coordinator process's pool.")
+        40, ge=1, le=1000, description="Database connections this process opens at most: the request threads "
+        "(worker_threads + max_long_polls) each need one, and the HTTP reads (status, pages, the dashboard) and "
+        "housekeeping more. On PostgreSQL, max_connections must cover every coordinator process's pool.")
+    worker_threads: int = Field(
+        8, ge=1, le=256, description="Threads that do the signed requests' work (the body's digest, the payload, the "
+        "transaction). Few: a process runs Python on one core at a time, and more threads only contend for it (40 "
+        "doubled the p99 latency at the same throughput: bench/RESULTS.md). Long polls get max_long_polls threads "
+        "of their own on top.")
+    workers: int = Field(
+        1, ge=1, le=64, description="Server processes, one core each, sharing the port (SO_REUSEPORT: the kernel "
+        "spreads connections over them) and the store. On SQLite they take turns at writing (each still commits the "
+        "writes queued in it together); on PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
+        "metrics and long-poll slots are per process. With [p2p], the first process runs the DHT seed.")
     store_group_commit: int = Field(
         64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
         "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "
@@ -83,7 +94,8 @@ class CoordinatorConfig(BaseModel):
     prompt_seed: int | None = Field(
         None, description="None: prompts are drawn from a secret made on the first start (<data_dir>/run.secret, "
         "0600, never served), so nobody can tell which prompts the next lease holds. An integer fixes the stream "
-        "(with the lease counter) for a reproducible experiment: then anyone who knows it can predict the prompts.")
+        "(with the lease counter, one row every lease request then updates) for a reproducible experiment: then "
+        "anyone who knows it can predict the prompts.")
     challenge_ttl_s: float = Field(60.0, gt=0, description="Seconds a registration challenge stays valid.")
     max_long_polls: int = Field(
         8, ge=0, description="Operator requests (verifiers, the trainer) that may wait for work at once; each holds "
@@ -124,6 +136,14 @@ class CoordinatorConfig(BaseModel):
     def _known_task(cls, run: RunSpec) -> RunSpec:
         task_options(run.task)  # raises ValueError naming the known tasks, or the options refused
         return run
+
+    @model_validator(mode="after")
+    def _enough_connections(self) -> CoordinatorConfig:
+        threads = self.worker_threads + self.max_long_polls
+        if self.store_pool_size < threads:
+            raise ValueError(f"store_pool_size ({self.store_pool_size}) must be at least worker_threads + "
+                             f"max_long_polls ({threads}): each request thread needs a database connection")
+        return self
 
     @model_validator(mode="after")
     def _keep_enough(self) -> CoordinatorConfig:

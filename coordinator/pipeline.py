@@ -8,9 +8,10 @@ Signed POST endpoints are served by `SignedDispatch`, an ASGI layer in front of 
 most of the coordinator's requests, and for each the router, its request objects and exception layers cost about
 what the endpoint's own work does (measured in bench/RESULTS.md). A request whose signature header does not
 verify is answered before a byte of its body is read. One hop to a worker thread, not one per dependency; the
-worker threads are the coordinator's own (`store_pool_size`, each may hold a database connection); the signature
-is verified once and the payload parsed once, from the bytes as sent. Refusals are answered here in the API's
-shape, `{"detail": reason}` (`coordinator.failures`); anything unexpected goes on to `ErrorMiddleware`.
+worker threads are the coordinator's own (`worker_threads` + `max_long_polls`, each may hold a database
+connection); the signature is verified once and the payload parsed once, from the bytes as sent. Refusals are
+answered here in the API's shape, `{"detail": reason}` (`coordinator.failures`); anything unexpected goes on to
+`ErrorMiddleware`.
 
 The schema describes these endpoints as they really are: the endpoint's message as the body, the signature in the
 `SIGNATURE_HEADER` header (`protocol.signing`), the optional Idempotency-Key header, answers as their models,

@@ -1,7 +1,20 @@
-"""Running the coordinator: `serve(config)` in the foreground, `running_server(...)` in a thread for tests."""
+"""Running the coordinator: `serve(config)` in the foreground (in `config.workers` processes), `running_server(...)`
+in a thread for tests.
+
+With `workers` > 1 the first process binds the port with SO_REUSEPORT, brings the store up to date, and forks the
+other workers before it opens anything else (no thread and no database connection exists yet to be copied). Each
+worker binds the same port (the kernel spreads new connections over the workers' sockets), builds its own app over
+the same store and data dir, and dies with the first process. A worker that ends stops the whole coordinator, so
+that whatever supervises it (systemd, Docker) restarts it whole rather than running on at a fraction of its
+capacity.
+"""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
 import socket
 import threading
 import time
@@ -14,8 +27,10 @@ from fastapi import FastAPI
 
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.pool import attach_pool
 from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.lifetime import die_with_parent
 
 if TYPE_CHECKING:
     from swarmrl.transfer.seed import DhtSeed
@@ -51,26 +66,109 @@ def uvicorn_config(app: FastAPI) -> uvicorn.Config:
     return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", proxy_headers=False)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, shared: bool = False) -> socket.socket:
     """A listening TCP socket on (host, port); port 0 picks a free one. Bound here so the real port is known (and
-    printed) before the server starts, with no race for it."""
+    printed) before the server starts, with no race for it. `shared`: other workers' sockets bind the port too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     return sock
 
 
+class VersionFollower:
+    """Publishes to the DHT seed every version published through another worker (which the publish hook, run in the
+    worker that served the publish, does not see): it reads the store's current version every `interval_s`."""
+
+    def __init__(self, app: FastAPI, seed: DhtSeed, interval_s: float = 2.0):
+        self.svc, self.seed, self.interval_s = app.state.coordinator, seed, interval_s
+        self.seen = self.svc.checkpoints.current_version()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="seed-versions", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                current = self.svc.checkpoints.current_version()
+                for version in range(max(self.seen + 1, current - self.svc.config.keep_versions + 1), current + 1):
+                    signed = self.svc.checkpoints.manifest(version)
+                    if signed is not None:
+                        self.seed.publish(signed.manifest)
+                self.seen = max(self.seen, current)
+            except Exception:  # the store busy or failing: the next round tries again
+                logging.getLogger("swarmrl.coordinator").exception("could not follow the published versions")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class Workers:
+    """The workers after the first of a coordinator with `config.workers` > 1 (module docstring), forked now."""
+
+    def __init__(self, config: CoordinatorConfig, identity: Identity, first: socket.socket):
+        self._stopping = False
+        port = first.getsockname()[1]
+        context = mp.get_context("fork")  # before any thread or connection exists in this process
+        self.procs = [context.Process(target=_serve_worker, args=(config, identity, port, first, os.getpid()),
+                                      name=f"coordinator-worker-{i}") for i in range(1, config.workers)]
+        for proc in self.procs:
+            proc.start()
+
+    def watch(self, on_end: Callable[[], None]) -> None:
+        """Call `on_end` (from a thread of its own) when a worker ends before `stop`."""
+
+        def run() -> None:
+            ended = multiprocessing.connection.wait([p.sentinel for p in self.procs])
+            if not self._stopping:
+                which = [p for p in self.procs if p.sentinel in ended]
+                logging.getLogger("swarmrl.coordinator").error(
+                    "%s ended (exit code %s): stopping the coordinator", which[0].name, which[0].exitcode)
+                on_end()
+
+        threading.Thread(target=run, name="coordinator-workers", daemon=True).start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every worker (each finishes its requests in flight), then SIGKILL those still running."""
+        self._stopping = True
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _serve_worker(config: CoordinatorConfig, identity: Identity, port: int, first: socket.socket,
+                  parent: int) -> None:
+    die_with_parent(parent)
+    first.close()  # the first worker's socket: it accepts its own connections
+    sock = _listen(config.host, port, shared=True)
+    uvicorn.Server(uvicorn_config(build_app(config, identity))).run(sockets=[sock])
+
+
 def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
-    """Run the coordinator until interrupted (Ctrl-C / SIGTERM), printing its public key and URL first.
+    """Run the coordinator until interrupted (Ctrl-C / SIGTERM), printing its public key and URL first; in
+    `config.workers` processes (module docstring).
 
     The URL line is printed once the socket listens (with the real port when `port` is 0): a client may connect
     as soon as it reads it."""
     identity = identity or config.load_identity()
+    sock = _listen(config.host, config.port, shared=config.workers > 1)
+    workers = None
+    if config.workers > 1:
+        Store(config.resolved_store_url, pool_size=1).close()  # migrations run once, before the workers open it
+        workers = Workers(config, identity, sock)
     app = build_app(config, identity)
     seed = attach_seed(app, config)
-    sock = _listen(config.host, config.port)
+    follower = VersionFollower(app, seed) if seed is not None and workers is not None else None
     pool = None
     try:
         if seed is not None:
@@ -85,11 +183,17 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
         print(f"  data dir:       {config.data_dir.resolve()}", flush=True)
         print(f"  url:            {url}", flush=True)
         server = uvicorn.Server(uvicorn_config(app))
+        if workers is not None:
+            workers.watch(lambda: setattr(server, "should_exit", True))
         server.run(sockets=[sock])
     finally:
+        if workers is not None:
+            workers.stop()
         if pool is not None:
             pool.close()
         sock.close()
+        if follower is not None:
+            follower.close()
         if seed is not None:
             seed.close()
 

@@ -20,10 +20,17 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent_if_asked() -> None:
     """If `PARENT_PID_ENV` names our parent, get SIGTERM when it dies; exit now if it already has. Elsewhere a no-op."""
     wanted = os.environ.get(PARENT_PID_ENV)
-    if not wanted or not sys.platform.startswith("linux"):
+    if wanted:
+        die_with_parent(int(wanted))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM when the process `parent_pid` (our parent, which started us from its main thread) dies; exit now
+    if it already has. A no-op off Linux, or where the kernel does not permit it."""
+    if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         return  # not permitted here: the starter's own stop() still applies
-    if os.getppid() != int(wanted):  # the parent died before the request took effect
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)

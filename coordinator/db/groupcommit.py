@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -52,8 +53,11 @@ class GroupCommit:
     commit), never by every commit: under load dozens of threads wait, and waking them all for each commit
     costs more CPU than the commit."""
 
-    def __init__(self, engine: Engine, max_batch: int):
+    def __init__(self, engine: Engine, max_batch: int, across: AbstractContextManager[Any] | None = None):
+        """`across`: held around each commit's transaction, when other processes write to the same database
+        (`coordinator.db.shared.WriterLock`)."""
         self.engine, self.max_batch = engine, max(1, max_batch)
+        self._across = across if across is not None else nullcontext()
         self._lock = threading.Lock()
         self._queue: list[_Write[Any]] = []
         self._leading = False
@@ -102,7 +106,7 @@ class GroupCommit:
     def _commit(self, batch: list[_Write[Any]]) -> None:
         durable = any(w.durable for w in batch)
         try:
-            with self.engine.connect() as conn:
+            with self._across, self.engine.connect() as conn:
                 raw = conn.connection.dbapi_connection  # pragmas outside SQLAlchemy: no transaction begins for them
                 if not durable:
                     raw.execute("PRAGMA synchronous=NORMAL")

@@ -60,6 +60,7 @@ from sqlalchemy.exc import DBAPIError
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.groupcommit import BEGIN_KEY, GroupCommit
 from swarmrl.coordinator.db.schema import kv
+from swarmrl.coordinator.db.shared import ChangeWatcher, WriterLock
 
 T = TypeVar("T")
 Tx = Connection
@@ -138,12 +139,16 @@ def _json_dumps(obj: Any) -> str:
 
 class Store:
     """One engine over `url`; see the module docstring for what `write` and `read` promise. `group_commit`: on
-    SQLite, writes committed together at most (1: one commit per write)."""
+    SQLite, writes committed together at most (1: one commit per write). `processes`: how many processes of this
+    machine open the same SQLite database (`coordinator.db.shared`: they take turns at writing, and see each other's
+    changes)."""
 
-    def __init__(self, url: str, pool_size: int = 40, group_commit: int = 64):
+    def __init__(self, url: str, pool_size: int = 40, group_commit: int = 64, processes: int = 1):
         parsed = make_url(url)
         self.dialect = parsed.get_backend_name()
         self._group: GroupCommit | None = None
+        self._writer_lock: WriterLock | None = None
+        self._watcher: ChangeWatcher | None = None
         json_args = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
         if self.dialect == "sqlite":
             if not parsed.database or parsed.database == ":memory:":
@@ -153,7 +158,9 @@ class Store:
                                         connect_args={"timeout": 30.0, "check_same_thread": False})
             event.listen(self.engine, "connect", _sqlite_connect)
             event.listen(self.engine, "begin", _sqlite_begin)
-            self._group = GroupCommit(self.engine, group_commit)
+            if processes > 1:
+                self._writer_lock = WriterLock(Path(f"{parsed.database}-writer.lock"))
+            self._group = GroupCommit(self.engine, group_commit, self._writer_lock)
         elif self.dialect == "postgresql":
             self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, pool_pre_ping=True, **json_args)
         else:
@@ -163,11 +170,17 @@ class Store:
         self._generation = 0
         migrate(self.engine)
         self._listener = _Listener(self.engine, self._bump) if self.dialect == "postgresql" else None
+        if self._writer_lock is not None:
+            self._watcher = ChangeWatcher(str(parsed.database), self._bump)
 
     def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
+        if self._watcher is not None:
+            self._watcher.close()
         self.engine.dispose()
+        if self._writer_lock is not None:
+            self._writer_lock.close()
 
     # -- transactions ---------------------------------------------------------------------------------
 
@@ -215,7 +228,8 @@ class Store:
 
     @property
     def generation(self) -> int:
-        """Moves on after every notifying write (in any process on the same PostgreSQL database)."""
+        """Moves on after every notifying write (in any process on the same PostgreSQL database; on a SQLite
+        database shared by several processes, after any commit)."""
         with self._changed:
             return self._generation
 

@@ -1,0 +1,79 @@
+"""One SQLite database shared by several coordinator processes on one machine (`workers` > 1).
+
+SQLite lets one writer in at a time across processes, but a process that finds the database locked sleeps and
+tries again (after 1, 2, 5, 10, ... ms). Under load the process that has just committed takes the lock again long
+before the sleeper wakes, so the sleeper's writes wait tens of milliseconds, and longer each time. `WriterLock`
+puts a blocking `flock` in front of every write transaction instead: the kernel wakes the waiting process the moment
+the lock is free, so the processes take turns, and SQLite's own lock is then always free when a writer asks.
+
+Long polls wait for the store to change; a commit in another process does not wake them by itself. `ChangeWatcher`
+asks SQLite whether anyone committed (`PRAGMA data_version`, which moves with every commit made through another
+connection) a few times a second, and says so.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger("swarmrl.coordinator.db")
+
+
+class WriterLock:
+    """An exclusive lock across processes (`flock` on `path`, made if missing), held around each write transaction.
+    Within a process only one thread asks at a time (the group commit's leader)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> WriterLock:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks without the GIL
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class ChangeWatcher:
+    """Calls `on_change` within about `interval_s` of any commit to the SQLite database at `path` (by any process,
+    this one included), from a thread of its own."""
+
+    def __init__(self, path: str, on_change: Callable[[], None], interval_s: float = 0.05):
+        self.path, self._on_change, self.interval_s = path, on_change, interval_s
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._seen = self._version()  # now: a commit made after this returns is never taken for the start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="store-watcher", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _version(self) -> int:
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    version = self._version()
+                except sqlite3.Error as e:  # a busy or failing disk: long polls still time out on their own
+                    log.warning("could not read the store's data version: %s", e)
+                    continue
+                if version != self._seen:
+                    self._seen = version
+                    self._on_change()
+        finally:
+            self._conn.close()

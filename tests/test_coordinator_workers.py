@@ -1,0 +1,126 @@
+"""A coordinator with `workers = 2` on SQLite: two real server processes share the port and the database. The kernel
+spreads connections over both, and one node's requests may land on either: a challenge made by one is taken by the
+other (the run's secret is shared), a lease granted by one is submitted to the other. And a process that shares
+the SQLite file hears of the other's commits (long polls wake on them)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from pathlib import Path
+
+import orjson
+
+from swarmrl.coordinator.db.store import Store, add_to_counter
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.signing import SIGNATURE_HEADER, canonical_json, sign
+from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.testing.http1 import Connection
+from swarmrl.testing.processes import RoleProcess
+from swarmrl.transfer.store import ShardStore, cut_checkpoint
+from tests.support.coordinator import submission
+
+
+def test_a_process_sharing_the_database_hears_of_the_others_commits(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.sqlite'}"
+    one, other = Store(url, processes=2), Store(url, processes=2)
+    try:
+        seen = other.generation
+        one.write(lambda tx: add_to_counter(tx, "lease_counter"))  # no notify: only the shared file says so
+        other.wait_for_change(seen, timeout=60)
+        assert other.generation != seen
+    finally:
+        one.close()
+        other.close()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def _serving_pid(server_port: int, client_port: int, pids: list[int]) -> int:
+    """The process holding the server's end of the loopback connection from `client_port`."""
+    inode = next(fields[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                 if (fields := line.split()) and int(fields[1].split(":")[1], 16) == server_port
+                 and int(fields[2].split(":")[1], 16) == client_port)
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError(f"no worker holds the connection from port {client_port}")
+
+
+def _publish_version_zero(url: str, operator: Identity, work: Path, run_id: str) -> None:
+    ckpt = work / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(3000))
+    local = ShardStore(work / "op-shards")
+    manifest = cut_checkpoint(ckpt, run_id=run_id, version=0, store=local, shard_size=1024)
+    with CoordinatorClient(url, operator) as op:
+        for ref in manifest.shards():
+            op.upload_shard(ref.sha256, local.get(ref.sha256))
+        op.publish(manifest)
+
+
+async def _post(conn: Connection, identity: Identity, pool: str, path: str, kind: str | None, payload: dict
+                ) -> dict:
+    body = canonical_json(payload)
+    headers = {"content-type": "application/json"}
+    if kind is not None:
+        headers[SIGNATURE_HEADER] = sign(identity, kind, pool, body).header()
+    resp = await conn.request("POST", path, body, headers)
+    assert resp.status == 200, (path, resp.status, resp.body[:300])
+    return orjson.loads(resp.body)
+
+
+def test_two_workers_share_the_port_and_one_nodes_requests(tmp_path: Path) -> None:
+    operator = Identity.generate()
+    config = tmp_path / "coordinator.toml"
+    config.write_text(f'host = "127.0.0.1"\nport = 0\ndata_dir = "{tmp_path / "data"}"\nworkers = 2\n'
+                      f'operator_keys = ["{operator.public_key_hex}"]\n'
+                      '\n[run]\nrun_id = "workers"\n[run.sampling]\ngroup_size = 3\nmax_tokens = 4\n')
+    coord = RoleProcess("coordinator", config, tmp_path / "coordinator.log").start()
+    try:
+        url = coord.url()
+        port = int(url.rsplit(":", 1)[1])
+        _publish_version_zero(url, operator, tmp_path, "workers")
+        with CoordinatorClient(url) as anyone:
+            pool = anyone.info().pool
+        workers = [coord.pid, *_children(coord.pid)]
+        assert len(workers) == 2
+
+        async def scenario() -> None:
+            conns = [await Connection.open("127.0.0.1", port) for _ in range(32)]
+            by_worker: dict[int, list[Connection]] = {}
+            for conn in conns:
+                await conn.request("GET", "/v1/info")  # accepted and answered: its worker holds it
+                client_port = conn.writer.get_extra_info("sockname")[1]
+                by_worker.setdefault(_serving_pid(port, client_port, workers), []).append(conn)
+            assert sorted(by_worker) == sorted(workers), "the kernel gave every connection to one worker"
+            a, b = (by_worker[w][0] for w in workers)
+            node = Identity.generate()
+            challenge = await _post(a, node, pool, "/v1/register/challenge", None,
+                                    {"public_key": node.public_key_hex})
+            await _post(b, node, pool, "/v1/register", m.KIND_REGISTER,
+                        {"challenge": challenge["challenge"], "engine": "torch", "name": "n"})
+            lease = m.Lease.model_validate(await _post(a, node, pool, "/v1/lease", m.KIND_LEASE,
+                                                       {"held_version": 0, "max_prompts": 2}))
+            sub = submission(lease).model_copy(update={"next_lease": m.LeaseRequest(max_prompts=1)})
+            result = m.SubmitResult.model_validate(await _post(b, node, pool, "/v1/submit", m.KIND_SUBMIT,
+                                                               sub.model_dump(mode="json")))
+            assert sorted(result.accepted) == sorted(p.prompt_id for p in lease.prompts)
+            assert result.next_lease is not None
+            for conn in conns:
+                conn.close()
+
+        asyncio.run(scenario())
+        with CoordinatorClient(url, operator) as op:
+            st = op.status()
+        assert st.groups_pending == 2 and st.nodes[0].prompts_leased == 3
+    finally:
+        coord.kill()
