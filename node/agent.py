@@ -225,11 +225,16 @@ class Node:
         """Lease, generate and submit once. False when there was no work (the caller waits)."""
         assert self._run_info is not None
         run = self._run_info.spec
-        self.load_ready_weights(run.sampling.temperature)
-        if self.engine is None:
-            return False
         lease, self._next_lease = self._next_lease, None
-        if lease is None or lease.expires_at <= time.time():
+        if lease is not None and (lease.expires_at <= time.time() or lease.policy_version < self.stats.held_version):
+            lease = None  # expired, or for weights older than those loaded (never the case: leases only move on)
+        # A lease granted with the last submission may be older than weights fetched since: those wait for the next
+        # lease (groups from weights newer than their lease's version are refused, and their node banned).
+        self.load_ready_weights(run.sampling.temperature, max_version=None if lease is None else lease.policy_version)
+        if self.engine is None:
+            self._next_lease = lease
+            return False
+        if lease is None:
             lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
             if lease is None:
                 return False

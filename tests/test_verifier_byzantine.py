@@ -45,7 +45,10 @@ def test_attack_detected_every_attempt(suite, attack):
 
 def test_no_honest_group_rejected(suite):
     _, honest_groups, _, _ = suite
-    assert len(honest_groups) >= 2 * 2 * (len(ATTACKS) * ATTEMPTS + 1)
+    # Two nodes, two groups a round; but right after stale_policy_version publishes versions past the staleness
+    # bound, a node's lease granted with its last submission is too old: that round's submission is refused as
+    # stale (409, its prompts leased again, the node not counted against), no group made.
+    assert len(honest_groups) >= 2 * 2 * (len(ATTACKS) * ATTEMPTS + 1 - ATTEMPTS)
     assert [g["reason"] for g in honest_groups if g["status"] != "accepted"] == []
 
 
