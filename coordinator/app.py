@@ -62,7 +62,8 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     The store opens now (so `app.state.coordinator` is usable at once) and closes on app shutdown.
     """
     svc = Coordinator(config, identity, clock=clock)
-    offload = Offload(config.worker_threads + config.max_long_polls)
+    offload = Offload(config.worker_threads)
+    operator_offload = Offload(config.operator_threads)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # noqa: ANN202
@@ -70,6 +71,7 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
             yield
         finally:
             offload.close()
+            operator_offload.close()
             svc.close()
 
     app = FastAPI(title="swarmrl coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -85,7 +87,8 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     signed = SignedRoutes(svc)
     signed.install_openapi(app)
-    app.add_middleware(SignedDispatch, routes=signed, offload=offload, limits=config.rate_limits)
+    app.add_middleware(SignedDispatch, routes=signed, offload=offload, operator_offload=operator_offload,
+                       limits=config.rate_limits)
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
     app.add_middleware(RateLimitMiddleware, cfg=config.rate_limits)  # outside the body limit: before any body
     app.add_middleware(ErrorMiddleware)
@@ -230,9 +233,9 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         sig = svc.gate.check_header(signature, m.KIND_TRAINER_SHARD, "operator")
         if sig.body != sha256:
             raise Refused(422, "the signature is for another shard")
-        opened = await offload(svc.gate.open, sig, await request.body(), None, "operator")
-        await offload(svc.gate.admit_alone, opened)
-        await offload(svc.checkpoints.put_shard, sha256, opened.payload)
+        opened = await operator_offload(svc.gate.open, sig, await request.body(), None, "operator")
+        await operator_offload(svc.gate.admit_alone, opened)
+        await operator_offload(svc.checkpoints.put_shard, sha256, opened.payload)
         return Response(status_code=204)
 
     return app

@@ -40,13 +40,13 @@ class CoordinatorConfig(BaseModel):
         "then share data_dir: key and shards). None: sqlite:///<data_dir>/coordinator.sqlite.")
     store_pool_size: int = Field(
         40, ge=1, le=1000, description="Database connections this process opens at most: the request threads "
-        "(worker_threads + max_long_polls) each need one, and the HTTP reads (status, pages, the dashboard) and "
+        "(worker_threads + operator_threads) each need one, and the HTTP reads (status, pages, the dashboard) and "
         "housekeeping more. On PostgreSQL, max_connections must cover every coordinator process's pool.")
     worker_threads: int = Field(
         8, ge=1, le=256, description="Threads that do the signed requests' work (the body's digest, the payload, the "
-        "transaction). Few: a process runs Python on one core at a time, and more threads only contend for it (40 "
-        "doubled the p99 latency at the same throughput: bench/RESULTS.md). Long polls get max_long_polls threads "
-        "of their own on top.")
+        "transaction) for nodes. Few: a process runs Python on one core at a time, and more threads only contend "
+        "for it (16 instead of 8 doubled the p99 latency at the same throughput: bench/RESULTS.md). The operator's "
+        "requests have operator_threads of their own.")
     workers: int = Field(
         1, ge=1, le=64, description="Server processes, one core each, sharing the port (SO_REUSEPORT: the kernel "
         "spreads connections over them) and the store. On SQLite they take turns at writing (each still commits the "
@@ -99,7 +99,7 @@ class CoordinatorConfig(BaseModel):
     challenge_ttl_s: float = Field(60.0, gt=0, description="Seconds a registration challenge stays valid.")
     max_long_polls: int = Field(
         8, ge=0, description="Operator requests (verifiers, the trainer) that may wait for work at once; each holds "
-        "one of the server's worker threads, so more answer at once instead, leaving threads for the nodes.")
+        "one of the operator's threads (operator_threads: this and two more), so more answer at once instead.")
     claim_ttl_s: float = Field(
         120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
     )
@@ -139,11 +139,16 @@ class CoordinatorConfig(BaseModel):
 
     @model_validator(mode="after")
     def _enough_connections(self) -> CoordinatorConfig:
-        threads = self.worker_threads + self.max_long_polls
+        threads = self.worker_threads + self.operator_threads
         if self.store_pool_size < threads:
             raise ValueError(f"store_pool_size ({self.store_pool_size}) must be at least worker_threads + "
-                             f"max_long_polls ({threads}): each request thread needs a database connection")
+                             f"operator_threads ({threads}): each request thread needs a database connection")
         return self
+
+    @property
+    def operator_threads(self) -> int:
+        """Threads for the operator's signed requests: one per long poll that may wait, and two that never do."""
+        return self.max_long_polls + 2
 
     @model_validator(mode="after")
     def _keep_enough(self) -> CoordinatorConfig:

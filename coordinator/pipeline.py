@@ -8,8 +8,10 @@ Signed POST endpoints are served by `SignedDispatch`, an ASGI layer in front of 
 most of the coordinator's requests, and for each the router, its request objects and exception layers cost about
 what the endpoint's own work does (measured in bench/RESULTS.md). A request whose signature header does not
 verify is answered before a byte of its body is read. One hop to a worker thread, not one per dependency; the
-worker threads are the coordinator's own (`worker_threads` + `max_long_polls`, each may hold a database
-connection); the signature is verified once and the payload parsed once, from the bytes as sent. Refusals are
+worker threads are the coordinator's own, each may hold a database connection: `worker_threads` for everyone's
+requests, and `operator_threads` for the operator's (verifiers, the trainer), whose long polls wait on them, so
+that neither side can take the other's threads. The signature is verified once and the payload parsed once, from
+the bytes as sent. Refusals are
 answered here in the API's shape, `{"detail": reason}` (`coordinator.failures`); anything unexpected goes on to
 `ErrorMiddleware`.
 
@@ -76,6 +78,7 @@ class Offload:
 @dataclass(frozen=True)
 class _Route:
     path: str  # what request metrics label it with (`scope["route"].path`, as for the router's routes)
+    operator: bool  # signed by an operator: served on the operator's threads
     check: Callable[[str | None, bool], Signature]
     handle: Callable[[Signature, bytes, str | None, str], Answer]
     idempotent: bool
@@ -117,7 +120,8 @@ class SignedRoutes:
                 raise
             return Answer.of(result)
 
-        self.routes[path] = _Route(path, check, handle, idempotent, payload, answer, empty, summary)
+        self.routes[path] = _Route(path, role == "operator", check, handle, idempotent, payload, answer, empty,
+                                   summary)
 
     def install_openapi(self, app: FastAPI) -> None:
         """Make `app.openapi()` describe these endpoints beside the router's own."""
@@ -172,8 +176,10 @@ class SignedDispatch:
     """ASGI: a POST to a signed endpoint is served here (see the module docstring); anything else goes on to
     `app`. Placed inside the rate limits and the body limit, so a body it reads is already bounded."""
 
-    def __init__(self, app: ASGIApp, routes: SignedRoutes, offload: Offload, limits: RateLimitConfig):
-        self.app, self.routes, self.offload, self.limits = app, routes.routes, offload, limits
+    def __init__(self, app: ASGIApp, routes: SignedRoutes, offload: Offload, operator_offload: Offload,
+                 limits: RateLimitConfig):
+        self.app, self.routes, self.limits = app, routes.routes, limits
+        self.offload, self.operator_offload = offload, operator_offload
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -197,7 +203,8 @@ class SignedDispatch:
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
-            answer = await self.offload(route.handle, sig, b"".join(chunks), key, source_of(scope, self.limits))
+            offload = self.operator_offload if route.operator else self.offload
+            answer = await offload(route.handle, sig, b"".join(chunks), key, source_of(scope, self.limits))
         except Exception as e:
             refusal = refusal_of(e, f"POST {scope['path']}")
             if refusal is None:

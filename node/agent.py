@@ -181,11 +181,10 @@ class Node:
     def wait_for_weights(self, lease: Lease, max_staleness: int, temperature: float) -> None:
         """Wait (up to the lease's expiry) for weights recent enough that the lease's groups will be accepted.
 
-        Groups from a policy more than `max_staleness` versions behind the lease's are refused, so
-        generating them would only waste the node's time. Weights newer than the lease's version are never
-        loaded for it (the verifier bans a node that generates with them); when only such weights are
-        coming, the node gives up waiting: its stale submission is refused, which frees the lease.
-        """
+        Groups from a policy more than `max_staleness` versions behind the lease's are refused, so generating them
+        would only waste the node's time. Weights newer than the lease's version are never loaded for it (the
+        verifier bans a node that generates with them); when only such weights are coming, the node gives up
+        waiting: its stale submission is refused, which frees the lease."""
         while not is_fresh(self.stats.held_version, lease.policy_version, max_staleness) and not self._stop.is_set():
             if time.time() > lease.expires_at or self.stats.held_version > lease.policy_version:
                 return
@@ -227,14 +226,14 @@ class Node:
         run = self._run_info.spec
         lease, self._next_lease = self._next_lease, None
         if lease is not None and (lease.expires_at <= time.time() or lease.policy_version < self.stats.held_version):
-            lease = None  # expired, or for weights older than those loaded (never the case: leases only move on)
-        # A lease granted with the last submission may be older than weights fetched since: those wait for the next
-        # lease (groups from weights newer than their lease's version are refused, and their node banned).
+            lease = None  # expired, or older than the weights loaded (never the case: leases only move on)
+        # Weights newer than a lease that came with the last submission wait for the next lease (groups from
+        # weights newer than their lease's are refused, and their node banned).
         self.load_ready_weights(run.sampling.temperature, max_version=None if lease is None else lease.policy_version)
         if self.engine is None:
             self._next_lease = lease
             return False
-        if lease is None:
+        if lease is None:  # none came with the last submission (or this is the first)
             lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
             if lease is None:
                 return False
@@ -244,8 +243,7 @@ class Node:
         submission = self.generate(lease)
         last = self.cfg.max_leases is not None and self.stats.leases >= self.cfg.max_leases
         if not self._stop.is_set() and not last:  # the next lease comes with this answer: one round trip fewer
-            ask = LeaseRequest(max_prompts=self.cfg.max_prompts, held_version=self.stats.held_version)
-            submission = submission.model_copy(update={"next_lease": ask})
+            submission.next_lease = LeaseRequest(max_prompts=self.cfg.max_prompts, held_version=self.stats.held_version)
         try:
             result = self.client.submit(submission)
         except CoordinatorError as e:
