@@ -3,9 +3,10 @@
 A real coordinator process (`swarmrl coordinator`) on loopback, on SQLite or PostgreSQL, and `--workers` load
 processes of simulated nodes (`swarmrl.testing.load`: real Ed25519 keys and signatures, real HTTP/1.1). Every node
 registers (challenge + signed registration); then, for `--warmup` + `--duration` seconds, the nodes take turns
-over `--concurrency` connections per process: a heartbeat every `--heartbeat-s`, a lease of `--prompts` prompts,
-and one submission per lease (a submission settles its lease) carrying an 8-rollout group of `--tokens` tokens per
-rollout with an activation proof per rollout for each leased prompt.
+over `--concurrency` connections per process: a heartbeat every `--heartbeat-s`, a first lease of `--prompts`
+prompts, and one submission per lease (a submission settles its lease) carrying an 8-rollout group of `--tokens`
+tokens per rollout with an activation proof per rollout for each leased prompt, and asking for the node's next
+lease, as nodes do. The coordinator runs `--coordinator-workers` server processes.
 
 The coordinator runs with its default rate limits and admission rules, configured as a deployment behind a
 reverse proxy is (`coordinator_settings`): the load processes stand in for that proxy and name each node's own
@@ -17,9 +18,9 @@ transport error, of any request kind), and, after the coordinator is killed with
 submissions: groups a 200 answer said were taken that its database does not hold. The CPU is sampled too: the
 whole machine's busy share, and the coordinator's and the load processes' CPU seconds.
 
-Each store runs at every `--nodes` count (the scaling curve), and on SQLite the baseline runs beside it: the same
-load against the same coordinator with group commit off (`store_group_commit=1`: one commit, one fsync, per
-write) at the largest node count.
+Each store runs at every `--nodes` count (the scaling curve), and the baselines beside it at the largest count
+(`--baselines`): nodes that send a lease request before each submission instead, one coordinator process, and on
+SQLite group commit off (`store_group_commit=1`: one commit, one fsync, per write).
 
     python bench/coordinator_load.py                                   # the recorded run: both stores, 100..10,000
     python bench/coordinator_load.py --stores sqlite --nodes 100 --duration 5 --warmup 2   # a smoke run
