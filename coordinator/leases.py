@@ -246,15 +246,16 @@ class Leases:
         changes, never the submission's."""
         if ask is None:
             return {}
-        tx.exec_driver_sql("SAVEPOINT next_lease")
+        cursor = tx.connection.dbapi_connection.cursor()  # type: ignore[union-attr]  # SQLAlchemy's costs more
+        cursor.execute("SAVEPOINT next_lease")
         try:
             granted = self._grant(tx, require_node(tx, node_id, lock=True), ask, now)
         except Refused as e:
-            tx.exec_driver_sql("ROLLBACK TO SAVEPOINT next_lease")
+            cursor.execute("ROLLBACK TO SAVEPOINT next_lease")
             granted, why = None, e.reason
         else:
             why = NO_WORK
-        tx.exec_driver_sql("RELEASE SAVEPOINT next_lease")
+        cursor.execute("RELEASE SAVEPOINT next_lease")
         return {"next_lease": granted} if granted is not None else {"next_lease_refused": why}
 
     def submit(self, req: Signed) -> m.SubmitResult:
