@@ -1,13 +1,16 @@
 """A coordinator with `workers = 2` on SQLite: two real server processes share the port and the database. The kernel
 spreads connections over both, and one node's requests may land on either: a challenge made by one is taken by the
-other (the run's secret is shared), a lease granted by one is submitted to the other. And a process that shares
-the SQLite file hears of the other's commits (long polls wake on them)."""
+other (the run's secret is shared), a lease granted by one is submitted to the other. And processes that share
+the SQLite file take turns at writing, and hear of each other's commits (long polls wake on them)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import secrets
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import orjson
@@ -34,6 +37,32 @@ def test_a_process_sharing_the_database_hears_of_the_others_commits(tmp_path: Pa
     finally:
         one.close()
         other.close()
+
+
+def test_processes_take_turns_at_writing(tmp_path: Path) -> None:
+    """While another process holds the writer lock, a write waits for it (instead of SQLite's sleep-and-retry)."""
+    url = f"sqlite:///{tmp_path / 'shared.sqlite'}"
+    store = Store(url, processes=2)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from swarmrl.coordinator.db.shared import "
+         f"WriterLock; lock = WriterLock(Path({str(tmp_path / 'shared.sqlite')!r} + '-writer.lock')); "
+         "lock.__enter__(); print('held', flush=True); sys.stdin.readline(); lock.__exit__(None, None, None)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    done = threading.Event()
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        writer = threading.Thread(target=lambda: (store.write(lambda tx: add_to_counter(tx, "lease_counter")),
+                                                  done.set()))
+        writer.start()
+        assert not done.wait(1.0)  # held elsewhere: the write waits (it cannot finish early, however fast)
+        assert holder.stdin is not None
+        holder.stdin.write("release\n")
+        holder.stdin.flush()
+        assert done.wait(60)  # released: the write goes through
+        writer.join()
+    finally:
+        holder.kill()
+        store.close()
 
 
 def _children(pid: int) -> list[int]:
