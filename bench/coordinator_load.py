@@ -37,7 +37,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import secrets
 import tempfile
 import time
 from contextlib import ExitStack
@@ -48,10 +47,9 @@ from sqlalchemy import create_engine, text
 
 from swarmrl.protocol.identity import Identity
 from swarmrl.runtime.client import CoordinatorClient
-from swarmrl.testing.load import LoadPlan, LoadSwarm, percentile
+from swarmrl.testing.load import LoadPlan, LoadSwarm, percentile, publish_version_zero
 from swarmrl.testing.postgres import fresh_database
 from swarmrl.testing.processes import RoleProcess
-from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,18 +118,6 @@ def _load_process(plan: dict[str, Any], conn: Any) -> None:
 
 
 # -- one run --------------------------------------------------------------------------------------------
-
-
-def publish_version_zero(url: str, operator: Identity, work: Path, run_id: str) -> None:
-    ckpt = work / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(4096))
-    local = ShardStore(work / "op-shards")
-    manifest = cut_checkpoint(ckpt, run_id=run_id, version=0, store=local, shard_size=2048)
-    with CoordinatorClient(url, operator) as op:
-        for ref in manifest.shards():
-            op.upload_shard(ref.sha256, local.get(ref.sha256))
-        op.publish(manifest)
 
 
 def stored_groups(store_url: str) -> set[str]:

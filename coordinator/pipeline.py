@@ -11,9 +11,8 @@ verify is answered before a byte of its body is read. One hop to a worker thread
 worker threads are the coordinator's own, each may hold a database connection: `worker_threads` for everyone's
 requests, and `operator_threads` for the operator's (verifiers, the trainer), whose long polls wait on them, so
 that neither side can take the other's threads. The signature is verified once and the payload parsed once, from
-the bytes as sent. Refusals are
-answered here in the API's shape, `{"detail": reason}` (`coordinator.failures`); anything unexpected goes on to
-`ErrorMiddleware`.
+the bytes as sent. Refusals are answered here in the API's shape, `{"detail": reason}` (`coordinator.failures`);
+anything unexpected goes on to `ErrorMiddleware`.
 
 The schema describes these endpoints as they really are: the endpoint's message as the body, the signature in the
 `SIGNATURE_HEADER` header (`protocol.signing`), the optional Idempotency-Key header, answers as their models,

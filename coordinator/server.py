@@ -35,6 +35,8 @@ from swarmrl.runtime.lifetime import die_with_parent
 if TYPE_CHECKING:
     from swarmrl.transfer.seed import DhtSeed
 
+log = logging.getLogger("swarmrl.coordinator")
+
 
 def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
     """Start the checkpoint swarm's DHT seed if `config.p2p` asks for one, serving what is already published
@@ -100,7 +102,7 @@ class VersionFollower:
                         self.seed.publish(signed.manifest)
                 self.seen = max(self.seen, current)
             except Exception:  # the store busy or failing: the next round tries again
-                logging.getLogger("swarmrl.coordinator").exception("could not follow the published versions")
+                log.exception("could not follow the published versions")
 
     def close(self) -> None:
         self._stop.set()
@@ -126,8 +128,7 @@ class Workers:
             ended = multiprocessing.connection.wait([p.sentinel for p in self.procs])
             if not self._stopping:
                 which = [p for p in self.procs if p.sentinel in ended]
-                logging.getLogger("swarmrl.coordinator").error(
-                    "%s ended (exit code %s): stopping the coordinator", which[0].name, which[0].exitcode)
+                log.error("%s ended (exit code %s): stopping the coordinator", which[0].name, which[0].exitcode)
                 on_end()
 
         threading.Thread(target=run, name="coordinator-workers", daemon=True).start()

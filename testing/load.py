@@ -29,8 +29,10 @@ import asyncio
 import collections
 import json
 import random
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,7 +43,9 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol import proofs
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import SIGNATURE_HEADER, canonical_json, sign
+from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.testing.http1 import Connection, ProtocolError
+from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 JSON = {"content-type": "application/json"}
 
@@ -260,6 +264,20 @@ class LoadSwarm:
     def _take_lease(node: SimNode, lease: dict[str, Any]) -> None:
         node.lease_id, node.version = lease["lease_id"], lease["policy_version"]
         node.prompts = [(p["prompt_id"], p["seeds"]) for p in lease["prompts"]]
+
+
+def publish_version_zero(url: str, operator: Identity, work: Path, run_id: str) -> None:
+    """Publish version 0 of `run_id` through the coordinator at `url` as `operator`: a few KiB of random bytes in a
+    few shards (simulated nodes load no weights), cut and kept under `work`."""
+    ckpt = work / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(4096))
+    local = ShardStore(work / "op-shards")
+    manifest = cut_checkpoint(ckpt, run_id=run_id, version=0, store=local, shard_size=2048)
+    with CoordinatorClient(url, operator) as op:
+        for ref in manifest.shards():
+            op.upload_shard(ref.sha256, local.get(ref.sha256))
+        op.publish(manifest)
 
 
 def _address(i: int) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -21,8 +20,8 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import SIGNATURE_HEADER, canonical_json, sign
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.testing.http1 import Connection
+from swarmrl.testing.load import publish_version_zero
 from swarmrl.testing.processes import RoleProcess
-from swarmrl.transfer.store import ShardStore, cut_checkpoint
 from tests.support.coordinator import submission
 
 
@@ -84,18 +83,6 @@ def _serving_pid(server_port: int, client_port: int, pids: list[int]) -> int:
     raise AssertionError(f"no worker holds the connection from port {client_port}")
 
 
-def _publish_version_zero(url: str, operator: Identity, work: Path, run_id: str) -> None:
-    ckpt = work / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "model.safetensors").write_bytes(secrets.token_bytes(3000))
-    local = ShardStore(work / "op-shards")
-    manifest = cut_checkpoint(ckpt, run_id=run_id, version=0, store=local, shard_size=1024)
-    with CoordinatorClient(url, operator) as op:
-        for ref in manifest.shards():
-            op.upload_shard(ref.sha256, local.get(ref.sha256))
-        op.publish(manifest)
-
-
 async def _post(conn: Connection, identity: Identity, pool: str, path: str, kind: str | None, payload: dict
                 ) -> dict:
     body = canonical_json(payload)
@@ -117,7 +104,7 @@ def test_two_workers_share_the_port_and_one_nodes_requests(tmp_path: Path) -> No
     try:
         url = coord.url()
         port = int(url.rsplit(":", 1)[1])
-        _publish_version_zero(url, operator, tmp_path, "workers")
+        publish_version_zero(url, operator, tmp_path, "workers")
         with CoordinatorClient(url) as anyone:
             pool = anyone.info().pool
         workers = [coord.pid, *_children(coord.pid)]
