@@ -32,6 +32,7 @@ from swarmrl.node.metrics import node_families
 from swarmrl.node.receipts import RECEIPTS_FILE, ReceiptBook, collect_receipts
 from swarmrl.node.refusal import PermanentRefusal, is_other_pool, is_unknown_node, permanent, pinned_coordinator_key
 from swarmrl.node.stats import Download, NodeStats
+from swarmrl.node.weights import ReadyWeights
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import (
@@ -90,8 +91,7 @@ class Node:
         self._extra_sources = extra_sources or []
         self._run_info: RunInfo | None = None
         self.coordinator_key = cfg.coordinator_key or ""  # the key trusted, once registered
-        self._ready: tuple[int, Path] | None = None  # newest verified checkpoint not yet loaded
-        self._ready_lock = threading.Lock()
+        self.weights = ReadyWeights()  # from the fetch thread to the engine
         self.engine: InferenceEngine | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.fetcher: CheckpointFetcher | None = None
@@ -103,8 +103,7 @@ class Node:
     def fetch_newer(self) -> None:
         """Fetch the coordinator's newest manifest if it is newer than anything held or ready."""
         assert self.fetcher is not None
-        with self._ready_lock:
-            newest = max(self.stats.held_version, self._ready[0] if self._ready else -1)
+        newest = max(self._versions_in_use())
         # /v1/info is a few hundred bytes; the manifest of a large model lists thousands of shards.
         current = self.client.info().current_version
         if current < self.stats.current_version:
@@ -125,8 +124,7 @@ class Node:
             manifest, path = self.fetcher.fetch(signed)
         finally:
             self.download = None
-        with self._ready_lock:
-            self._ready = (manifest.version, path)
+        self.weights.offer(manifest.version, path)
 
     def _shards_stored(self) -> int:
         f = self.fetcher
@@ -162,21 +160,23 @@ class Node:
 
     def load_ready_weights(self, temperature: float, max_version: int | None = None) -> None:
         """Load the newest fetched checkpoint, if there is one (and, with `max_version`, if it is no newer)."""
-        with self._ready_lock:
-            ready = self._ready
-            if ready is None or (max_version is not None and ready[0] > max_version):
+        with self.weights.take(max_version) as ready:
+            if ready is None:
                 return
-            self._ready = None
-        version, path = ready
-        if self.engine is None or self.engine.temperature != temperature:
-            if self.engine is not None:
-                self.engine.close()
-            self.engine = self.engine_factory(self.cfg.engine, path, temperature)
-            self.tokenizer = load_tokenizer(path)
-        else:
-            self.engine.load(path)
-        self.stats.held_version = version
+            version, path = ready
+            if self.engine is None or self.engine.temperature != temperature:
+                if self.engine is not None:
+                    self.engine.close()
+                self.engine = self.engine_factory(self.cfg.engine, path, temperature)
+                self.tokenizer = load_tokenizer(path)
+            else:
+                self.engine.load(path)
+            self.stats.held_version = version
         log.info("now generating with policy version %d", version)
+
+    def _versions_in_use(self) -> set[int]:
+        """The versions the fetcher keeps on disk whatever their age: held, being loaded, or ready."""
+        return {self.stats.held_version, *self.weights.versions()}
 
     def wait_for_weights(self, lease: Lease, max_staleness: int, temperature: float) -> None:
         """Wait (up to the lease's expiry) for weights recent enough that the lease's groups will be accepted.
@@ -188,9 +188,8 @@ class Node:
         while not is_fresh(self.stats.held_version, lease.policy_version, max_staleness) and not self._stop.is_set():
             if time.time() > lease.expires_at or self.stats.held_version > lease.policy_version:
                 return
-            with self._ready_lock:
-                if self._ready is not None and self._ready[0] > lease.policy_version:
-                    return
+            if self.weights.newer_than(lease.policy_version):
+                return
             t0 = time.perf_counter()
             self._stop.wait(0.05)
             self.stats.idle_seconds += time.perf_counter() - t0
@@ -323,7 +322,7 @@ class Node:
         # The swarm is None when the pool has none, p2p is off, or its daemon cannot start: the HTTP origin then.
         self.fetcher, self.swarm = open_fetcher(
             self.cfg.work_dir / "checkpoints", key, self.client, reg.run, p2p=self.cfg.p2p, fetch=self.cfg.fetch,
-            keep_versions=self.cfg.keep_versions, extra_sources=self._extra_sources)
+            keep_versions=self.cfg.keep_versions, extra_sources=self._extra_sources, in_use=self._versions_in_use)
         log.info("registered as %s with %s (run %s)", reg.node_id, self.cfg.coordinator_url, reg.run.run_id)
 
     def run(self) -> NodeStats:

@@ -18,7 +18,7 @@ def _node(tmp_path: Path, held: int, ready: int) -> tuple[Node, list[Path]]:
     loaded: list[Path] = []
     node.engine = SimpleNamespace(temperature=1.0, load=loaded.append, close=lambda: None)  # type: ignore[assignment]
     node.stats.held_version = held
-    node._ready = (ready, tmp_path / f"v{ready}")
+    node.weights.offer(ready, tmp_path / f"v{ready}")
     return node, loaded
 
 
@@ -30,7 +30,7 @@ def _lease(version: int) -> m.Lease:
 def test_catch_up_loads_recent_enough_weights(tmp_path: Path) -> None:
     node, loaded = _node(tmp_path, held=10, ready=13)
     node.wait_for_weights(_lease(14), max_staleness=2, temperature=1.0)
-    assert node.stats.held_version == 13 and loaded == [tmp_path / "v13"] and node._ready is None
+    assert node.stats.held_version == 13 and loaded == [tmp_path / "v13"] and node.weights.ready is None
 
 
 def test_catch_up_never_loads_weights_newer_than_the_lease(tmp_path: Path) -> None:
@@ -39,6 +39,6 @@ def test_catch_up_never_loads_weights_newer_than_the_lease(tmp_path: Path) -> No
     node.wait_for_weights(_lease(14), max_staleness=2, temperature=1.0)
     assert time.monotonic() - t0 < 10  # gave up at once instead of waiting out the lease
     assert node.stats.held_version == 10 and loaded == []
-    assert node._ready == (16, tmp_path / "v16")  # kept for the next lease
+    assert node.weights.ready == (16, tmp_path / "v16")  # kept for the next lease
     node.load_ready_weights(1.0)  # between leases the newest weights are loaded as before
     assert node.stats.held_version == 16 and loaded == [tmp_path / "v16"]

@@ -62,8 +62,8 @@ def test_nodes_share_a_published_checkpoint_through_the_coordinators_seed(tmp_pa
             assert not errors, errors
             by_kind: dict[str, int] = {}
             for n in nodes:
-                assert n._ready is not None and n._ready[0] == 0
-                assert (n._ready[1] / "model.safetensors").read_bytes() == weights
+                assert n.weights.ready is not None and n.weights.ready[0] == 0
+                assert (n.weights.ready[1] / "model.safetensors").read_bytes() == weights
                 assert n.fetcher is not None and n.fetcher.stats.bad_shards == 0
                 for k, v in n.fetcher.stats.by_source.items():
                     by_kind[k.split(":")[0]] = by_kind.get(k.split(":")[0], 0) + v

@@ -297,8 +297,59 @@ def test_a_node_fetches_only_versions_newer_than_it_holds(tmp_path, coordinator)
     origin = StoreSource(store)
     node.fetcher = CheckpointFetcher(tmp_path / "node" / "checkpoints", coordinator.public_key_hex, [origin])
     node.fetch_newer()
-    assert node._ready is not None and node._ready[0] == 2
+    assert node.weights.ready is not None and node.weights.ready[0] == 2
     calls = len(origin.calls)
     served["latest"] = 1  # a coordinator that hands out an older manifest than the node already has
     node.fetch_newer()
-    assert node._ready[0] == 2 and len(origin.calls) == calls
+    assert node.weights.ready[0] == 2 and len(origin.calls) == calls
+
+
+def test_versions_in_use_are_never_pruned(tmp_path, coordinator):
+    store, signed = _versions(tmp_path, coordinator, 1, 2, 3, 4)
+    in_use = {1}
+    f = CheckpointFetcher(tmp_path / "node", coordinator.public_key_hex, [StoreSource(store)], keep_versions=2,
+                          in_use=lambda: in_use)
+    for v in (1, 2, 3, 4):
+        f.fetch(signed[v])
+    assert _on_disk(f)[0] == ["v00000001", "v00000003", "v00000004"]  # above keep_versions while 1 is in use
+    in_use.clear()
+    f.fetch(signed[4])
+    dirs, shards = _on_disk(f)
+    assert dirs == ["v00000003", "v00000004"]
+    assert shards == {x.sha256 for v in (3, 4) for x in signed[v].manifest.shards()}
+
+
+def test_a_node_keeps_the_files_of_the_version_it_is_loading(tmp_path, coordinator):
+    """The fetch thread goes on fetching while the generating thread loads (or, for a lease older than them, holds
+    back) a ready version: that version's files stay until it is loaded, however many newer ones arrive."""
+    from swarmrl.node.agent import Node
+    from swarmrl.node.config import NodeConfig
+
+    store, signed = _versions(tmp_path, coordinator, 1, 2, 3, 4, 5)
+    node = Node(NodeConfig(key_path=tmp_path / "node.key", work_dir=tmp_path / "node", progress=False))
+    served = {"latest": 1}
+    node.client = SimpleNamespace(  # type: ignore[assignment]
+        info=lambda: SimpleNamespace(current_version=served["latest"]),
+        latest_manifest=lambda: signed[served["latest"]])
+    node.fetcher = CheckpointFetcher(tmp_path / "node" / "checkpoints", coordinator.public_key_hex,
+                                     [StoreSource(store)], keep_versions=2, in_use=node._versions_in_use)
+    node.stats.held_version = 1
+    node.fetcher.fetch(signed[1])
+    served["latest"] = 2
+    node.fetch_newer()
+    with node.weights.take() as ready:  # the generating thread loads version 2 ...
+        assert ready is not None and ready[0] == 2
+        for newer in (3, 4):  # ... while the fetch thread fetches two newer ones
+            served["latest"] = newer
+            node.fetch_newer()
+        assert ready[1].exists() and (ready[1] / "model.safetensors").exists()
+        node.stats.held_version = 2
+    assert node.weights.ready is not None and node.weights.ready[0] == 4
+    assert node.weights.versions() == {4}
+    served["latest"] = 5
+    node.fetch_newer()  # 2 is held; 4, ready while 5 was fetched, goes at the next fetch
+    assert _on_disk(node.fetcher)[0] == ["v00000002", "v00000004", "v00000005"]
+    loaded: list[Path] = []
+    node.engine = SimpleNamespace(temperature=1.0, load=loaded.append, close=lambda: None)  # type: ignore[assignment]
+    node.load_ready_weights(1.0)
+    assert loaded == [node.fetcher.version_dir(5)] and node.stats.held_version == 5

@@ -10,6 +10,7 @@ HTTP origin, and the swarm when the pool has one and the role's `[p2p]` allows i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,11 +28,12 @@ log = logging.getLogger(__name__)
 
 def open_fetcher(root: str | Path, coordinator_key: str, client: CoordinatorClient, run: RunInfo | None, *,
                  p2p: P2PConfig | None, fetch: FetchConfig | None = None, keep_versions: int = 2,
-                 extra_sources: list[ShardSource] | None = None) -> tuple[CheckpointFetcher, SwarmPeer | None]:
+                 extra_sources: list[ShardSource] | None = None,
+                 in_use: Callable[[], Collection[int]] = frozenset) -> tuple[CheckpointFetcher, SwarmPeer | None]:
     """A fetcher over `extra_sources`, the swarm and the HTTP origin (the fallback), and the started swarm peer
     (the caller closes it), or None. The swarm is joined when `p2p` is given and enabled and there are bootstrap
     peers (`p2p.initial_peers`, else the pool's `run.dht_peers`; `run` is needed then); if its daemon or DHT
-    cannot start, the fetcher works from the origin alone."""
+    cannot start, the fetcher works from the origin alone. `in_use` names versions never pruned (CheckpointFetcher)."""
     sources: list[ShardSource] = list(extra_sources or [])
     swarm = None
     if p2p is not None and p2p.enabled:
@@ -47,4 +49,5 @@ def open_fetcher(root: str | Path, coordinator_key: str, client: CoordinatorClie
                 sources.append(SwarmSource(swarm))
                 log.info("joined the checkpoint swarm as %s", swarm.peer_id)
     sources.append(HttpOrigin(client))
-    return CheckpointFetcher(root, coordinator_key, sources, keep_versions=keep_versions, config=fetch), swarm
+    return CheckpointFetcher(root, coordinator_key, sources, keep_versions=keep_versions, config=fetch,
+                             in_use=in_use), swarm

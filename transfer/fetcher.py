@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -78,17 +78,20 @@ class FetchConfig(BaseModel):
 
 class CheckpointFetcher:
     """Keeps verified checkpoint versions under `root`/v{version:08d}, at most `keep_versions` of them (the most
-    recently fetched), with their shards in `root`/shards and their signed manifests in `root`/manifests."""
+    recently fetched), with their shards in `root`/shards and their signed manifests in `root`/manifests. Versions
+    that `in_use()` names (a node's loaded weights, the ones it is about to load) are never pruned: they may take the
+    disk above `keep_versions` for as long as they are in use."""
 
     def __init__(self, root: str | Path, coordinator_key: str, sources: list[ShardSource], keep_versions: int = 2,
                  on_bad_shard: Callable[[ShardSource, ShardRef], None] | None = None, *,
-                 config: FetchConfig | None = None):
+                 config: FetchConfig | None = None, in_use: Callable[[], Collection[int]] = frozenset):
         self.root = Path(root)
         self.store = ShardStore(self.root / "shards")
         self.coordinator_key = coordinator_key
         self.sources = sources
         self.keep_versions = keep_versions
         self.on_bad_shard = on_bad_shard
+        self.in_use = in_use
         self.config = config or FetchConfig()
         self.stats = FetchStats()
         self._fetched: list[int] = []  # versions fetched by this process, the most recent last
@@ -167,7 +170,9 @@ class CheckpointFetcher:
 
     def _prune(self) -> None:
         """Keep the `keep_versions` most recently fetched versions: those fetched by this process, newest fetch
-        last, come after any left on disk by an earlier one (ordered by when their manifest was written)."""
+        last, come after any left on disk by an earlier one (ordered by when their manifest was written), and those
+        in use."""
+        in_use = set(self.in_use())
         versions = [int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit()]
 
         def recency(v: int) -> tuple[int, int, int]:
@@ -179,7 +184,8 @@ class CheckpointFetcher:
                 return (0, -1, v)
 
         for v in sorted(versions, key=recency)[: -self.keep_versions]:
-            self._drop(v)
+            if v not in in_use:
+                self._drop(v)
         self._remove_unreferenced()
 
     def _drop(self, version: int) -> None:

@@ -97,10 +97,10 @@ class ScriptedNode(Node):
     def sync(self) -> None:
         """Fetch the newest published version now (an honest node's fetch thread does this in the background)."""
         self.fetch_newer()
-        if self._ready is not None:
-            version, path = self._ready
+        if self.weights.ready is not None:
+            version, path = self.weights.ready
             self.true_checkpoint = path
-            self._ready = (version, self.adjust_checkpoint(path))
+            self.weights.offer(version, self.adjust_checkpoint(path))
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 

@@ -235,7 +235,7 @@ class OldWeightsNode(ScriptedNode):
         signed = self.client.manifest(self.version)
         manifest, path = self.fetcher.fetch(signed)
         self.true_checkpoint = path
-        self._ready = (manifest.version, path)
+        self.weights.offer(manifest.version, path)
 
     def wait_for_weights(self, lease: m.Lease, max_staleness: int, temperature: float) -> None:
         pass  # it stays on the old weights on purpose
