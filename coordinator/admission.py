@@ -26,6 +26,7 @@ rows, however many leases are open.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import BigInteger, Double, bindparam, delete, func, select, update
@@ -83,10 +84,11 @@ def unproven_cap(cfg: AdmissionConfig, max_buffered: int | None) -> int:
     return max(1, min(cfg.max_unproven_prompts, math.ceil(cfg.unproven_share * max_buffered)))
 
 
-def in_flight(tx: Tx, node: NodeRow, min_version: int) -> InFlight:
-    """What is in flight, as seen by `node` (its row, read in this transaction) asking for a lease
-    (`coordinator.inflight`: a few counter rows, whatever the number of open leases)."""
-    return inflight.read(tx, node, min_version)
+def in_flight(tx: Tx, node: NodeRow, min_version: int, pending: dict[inflight.Key, int] | None = None) -> InFlight:
+    """What is in flight, as seen by `node` (its row, read in this transaction) asking for a lease, with this
+    transaction's `pending` counter moves (`coordinator.inflight`: a few counter rows, whatever the number of open
+    leases)."""
+    return inflight.read(tx, node, min_version, pending)
 
 
 def counted_in_flight(flight: InFlight, cap: int) -> int:
@@ -123,37 +125,59 @@ def count_leased(tx: Tx, node_id: str, n: int) -> None:
     _LEASED.rowcount(tx, b_node=node_id, b_n=n)
 
 
-def settle_leases(tx: Tx, lease_ids: list[str], now: float, *, penalise: bool = True,
-                  deltas: dict[inflight.Key, int] | None = None) -> int:
-    """Close the open leases among `lease_ids`: their prompts not submitted go to the queue, counted as abandoned by
-    their node unless `penalise` is False, and they stop counting in flight; how many prompts were queued (a lease
-    not open changes nothing). Nodes' rows are moved in node-id order and the counter rows after them, in key order
-    (`inflight.apply`; into `deltas` instead when given, for the caller to apply), so that two settlements never
-    wait on each other's rows in opposite orders."""
-    per_node: dict[str, list[int]] = {}
-    moved: dict[inflight.Key, int] = {} if deltas is None else deltas
-    queued = 0
+@dataclass
+class Settlement:
+    """What closing leases moves, not yet applied (`close_leases`)."""
+
+    nodes: dict[str, list[int]] = field(default_factory=dict)
+    """Per node: [prompts it abandoned, prompts no longer in flight]."""
+    counters: dict[inflight.Key, int] = field(default_factory=dict)
+    """The counter rows' moves (`inflight.apply`)."""
+    queued: int = 0
+    """Prompts queued to be leased again."""
+
+
+def close_leases(tx: Tx, lease_ids: list[str], now: float, *, penalise: bool = True,
+                 unused: dict[str, list[tuple[str, str]]] | None = None) -> Settlement:
+    """Close the open leases among `lease_ids` and queue their prompts not submitted (a lease not open changes
+    nothing); what that moves, counted as abandoned by their node unless `penalise` is False, for the caller to apply
+    (`settle_leases` says how). `unused`: a lease's prompts not submitted (text, answer), when the caller read them
+    in this transaction; the others' are read here."""
+    settled = Settlement()
     for lease_id in lease_ids:
         closed = _CLOSE.first(tx, b_lease=lease_id)
         if closed is None:
             continue
         node_id, version, cls, source, stripe, n = closed
-        unused = _UNUSED.all(tx, b_lease=lease_id)
-        if unused:
+        left = unused[lease_id] if unused is not None and lease_id in unused else _UNUSED.all(tx, b_lease=lease_id)
+        if left:
             tx.execute(prompt_queue.insert(), [{"text": t, "answer": a, "abandoned_by": node_id, "queued_at": now}
-                                               for t, a in unused])
-        counts = per_node.setdefault(node_id, [0, 0])
-        counts[0] += len(unused) if penalise else 0
+                                               for t, a in left])
+        counts = settled.nodes.setdefault(node_id, [0, 0])
+        counts[0] += len(left) if penalise else 0
         counts[1] += n
-        inflight.add_to(moved, cls, source, version, stripe, -n)
-        queued += len(unused)
-    for node_id in sorted(per_node):
-        abandoned, flight = per_node[node_id]
+        inflight.add_to(settled.counters, cls, source, version, stripe, -n)
+        settled.queued += len(left)
+    return settled
+
+
+def settle_leases(tx: Tx, lease_ids: list[str], now: float, *, penalise: bool = True,
+                  deltas: dict[inflight.Key, int] | None = None) -> int:
+    """Close the open leases among `lease_ids` (`close_leases`) and apply what that moves; how many prompts were
+    queued. Nodes' rows are moved in node-id order and the counter rows after them, in key order
+    (`inflight.apply`; into `deltas` instead when given, for the caller to apply), so that two settlements never
+    wait on each other's rows in opposite orders."""
+    settled = close_leases(tx, lease_ids, now, penalise=penalise)
+    for node_id in sorted(settled.nodes):
+        abandoned, flight = settled.nodes[node_id]
         if abandoned or flight:
             _SETTLED.rowcount(tx, b_node=node_id, b_abandoned=abandoned, b_flight=flight)
     if deltas is None:
-        inflight.apply(tx, moved)
-    return queued
+        inflight.apply(tx, settled.counters)
+    else:
+        for key, d in settled.counters.items():
+            deltas[key] = deltas.get(key, 0) + d
+    return settled.queued
 
 
 def settle_lease(tx: Tx, lease_id: str, now: float, *, penalise: bool = True) -> int:

@@ -138,8 +138,16 @@ _SUMS = Prepared(select(
 ).where(or_(_c.cls == PROVEN, _c.cls == UNPROVEN, and_(_c.cls == SOURCE, _c.source == _src))))
 
 
-def read(tx: Tx, node: NodeRow, min_version: int) -> InFlight:
+def read(tx: Tx, node: NodeRow, min_version: int, pending: dict[Key, int] | None = None) -> InFlight:
     """What is in flight, as seen by `node` (its row as read in this transaction) asking for a lease; usable: of
-    policy version >= `min_version`."""
+    policy version >= `min_version`. `pending`: counter moves of this transaction not yet applied, counted too."""
     proven, unproven, usable, same = _SUMS.first(tx, b_min=min_version, b_src=node.source) or (0, 0, 0, 0)
+    for (cls, source, version, _), n in (pending or {}).items():
+        if cls == PROVEN:
+            proven += n if version >= min_version else 0
+        elif cls == UNPROVEN:
+            unproven += n
+            usable += n if version >= min_version else 0
+        elif cls == SOURCE and source == node.source:
+            same += n
     return InFlight(node.in_flight, int(proven), int(unproven), int(usable), int(same))

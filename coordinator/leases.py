@@ -10,9 +10,8 @@ not deliver is leased again to someone else. Deciding on groups is `coordinator.
 
 from __future__ import annotations
 
-import random
-import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Double, and_, bindparam, func, or_, select, update
@@ -20,14 +19,15 @@ from sqlalchemy import Double, and_, bindparam, func, or_, select, update
 from swarmrl.coordinator import admission, feed, inflight
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
+from swarmrl.coordinator.compose import Composed, LeaseComposer, RecentLeases
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow, NodeRow
-from swarmrl.coordinator.db.schema import LEASE_COUNTER, lease_prompts, leases, rollout_groups
-from swarmrl.coordinator.db.store import Store, Tx, add_to_counter
+from swarmrl.coordinator.db.schema import lease_prompts, leases, rollout_groups
+from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
-from swarmrl.coordinator.registry import require_node, touch
+from swarmrl.coordinator.registry import require_node, touch_settled
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
@@ -130,17 +130,10 @@ class Leases:
     def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], task: Task,
                  identity: Identity, pool: str, secret: RunSecret):
         self.store, self.config, self.clock, self.task = store, config, clock, task
-        self.identity, self.pool, self.secret = identity, pool, secret
+        self.composer = LeaseComposer(config, task, identity, pool, secret)
+        self.recent = RecentLeases()
+        self._version_seen = -1  # the current version, as a transaction of this process last read it
         self._last_sweep = float("-inf")
-
-    def _prompt_rng(self, tx: Tx, lease_id: str) -> random.Random:
-        """The prompt stream of a new lease: drawn from the run's secret and the lease's random id (nobody can tell
-        what the next lease holds, and no shared counter row makes lease requests wait on each other), or, when the
-        operator fixed `prompt_seed` for a reproducible stream, from it and the lease counter."""
-        seed = self.config.prompt_seed
-        if seed is not None:
-            return random.Random(f"{seed}/{add_to_counter(tx, LEASE_COUNTER)}")
-        return random.Random(self.secret.derive("prompts", lease_id.encode()))
 
     def _sweep(self, now: float) -> None:
         """Settle expired leases (`admission.sweep_expired`), in a transaction of its own (it moves other nodes'
@@ -169,8 +162,8 @@ class Leases:
 
         def lease(tx: Tx) -> m.Lease | None:
             admit(tx, req)
-            node = require_node(tx, req.signer, lock=True)  # locked: one node's lease requests take turns
-            touch(tx, req.signer, now, body.held_version)
+            # Its row locked: one node's lease requests take turns.
+            node = touch_settled(tx, req.signer, now, body.held_version)
             granted = self._grant(tx, node, body, now)
             if granted is not None:
                 remember(tx, req, granted, now)
@@ -178,27 +171,33 @@ class Leases:
 
         return self.store.write(lease)
 
-    def _grant(self, tx: Tx, node: NodeRow, body: m.LeaseRequest, now: float) -> m.Lease | None:
+    def _grant(self, tx: Tx, node: NodeRow, body: m.LeaseRequest, now: float, version: int | None = None,
+               pending: dict[inflight.Key, int] | None = None, draft: Composed | None = None) -> m.Lease | None:
         """`issue`'s lease for `node` (its row locked by `tx`), or None; Refused (429) over its allowance or its
-        open leases. The counter moves of the leases it settles and grants are applied in one ordered pass at the
-        end, whether it grants a lease or not (a refusal rolls everything back)."""
+        open leases. `version`: the current policy version, when `tx` has read it. `pending`: counter moves of
+        `tx` not yet applied (a submission's settlement), counted in what is in flight. Those and the moves of the
+        leases it settles and grants are applied in one ordered pass at the end, whether it grants a lease or not
+        (a refusal rolls everything back). `draft`: the lease composed before `tx`, stored when it fits."""
         cfg, run, adm = self.config, self.config.run, self.config.admission
-        deltas: dict[inflight.Key, int] = {}
-        version = current_version(tx)
+        deltas: dict[inflight.Key, int] = dict(pending or {})
+        version = current_version(tx) if version is None else version
         if version < 0:
+            inflight.apply(tx, deltas)
             return None
         min_version = version - run.max_staleness
         # Its own expired leases are settled now, so that what it holds is exact when it asks (others' are the
         # sweep's).
         if admission.settle_own_expired(tx, node.id, now, adm.sweep_batch, deltas):
             node = require_node(tx, node.id)
-        flight = admission.in_flight(tx, node, min_version)
+        flight = admission.in_flight(tx, node, min_version, deltas)
         allowed = admission.allowance(node, adm)
         if flight.own >= allowed:
             raise Refused(429, f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
                                "them (or let their leases expire) first",
                           retry_after=until_a_lease_expires(tx, node.id, now))
-        if count_open_leases(tx, node.id, now) >= cfg.max_outstanding_leases:
+        # Every open lease holds a prompt in flight at least: with fewer of those than the limit, no need to count.
+        if flight.own >= cfg.max_outstanding_leases and \
+                count_open_leases(tx, node.id, now) >= cfg.max_outstanding_leases:
             raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
                                "them expire first", retry_after=until_a_lease_expires(tx, node.id, now))
         cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
@@ -211,52 +210,70 @@ class Leases:
             granted = None
         else:
             granted = self._sign_and_store(tx, node, min(body.max_prompts, allowed - flight.own), version, now,
-                                           deltas)
+                                           deltas, draft)
         inflight.apply(tx, deltas)
         return granted
 
     def _sign_and_store(self, tx: Tx, node: NodeRow, n: int, version: int, now: float,
-                        deltas: dict[inflight.Key, int]) -> m.Lease:
-        run, adm = self.config.run, self.config.admission
-        lease_id = secrets.token_hex(12)
-        drawn = admission.take_queued(tx, node.id, n)
-        if len(drawn) < n:
-            rng = self._prompt_rng(tx, lease_id)
-            while len(drawn) < n:
-                problem = self.task.sample(rng)
-                drawn.append((problem.prompt, problem.answer))
-        prompts = [(f"{lease_id}.{i}", text, answer, [secrets.randbits(63) for _ in range(run.sampling.group_size)])
-                   for i, (text, answer) in enumerate(drawn)]
-        signed = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=node.id,
-                               policy_version=version, expires_at=now + self.config.lease_ttl_s,
-                               sampling=run.sampling,
-                               prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
-        counted = insert_lease(tx, lease_id, node.id, version, now, signed.expires_at,
-                               run.sampling.model_dump(mode="json"), prompts,
+                        deltas: dict[inflight.Key, int], draft: Composed | None = None) -> m.Lease:
+        """Compose (or take the `draft` of, when it fits: `coordinator.compose`) and store a lease of `n` prompts."""
+        adm, sampling = self.config.admission, self.config.run.sampling
+        queued = admission.take_queued(tx, node.id, n)
+        if queued or draft is None or not draft.fits(n, version):
+            draft = self.composer.compose(tx, node.id, version, now, queued, n)
+        signed = draft.lease
+        counted = insert_lease(tx, signed.lease_id, node.id, version, now, signed.expires_at,
+                               sampling.model_dump(mode="json"), draft.prompts,
                                signed.signature.model_dump(mode="json"), signed.digests(),
                                inflight.counted_as(admission.is_proven(node, adm), node.source))
         admission.count_leased(tx, node.id, n)
         for key, d in counted.items():
             deltas[key] = deltas.get(key, 0) + d
+        self.recent.add(draft)
         return signed
 
-    def _next_lease(self, tx: Tx, node_id: str, ask: m.LeaseRequest | None, now: float) -> dict[str, Any]:
+    def _next_lease(self, tx: Tx, node: NodeRow, ask: m.LeaseRequest | None, now: float, version: int,
+                    pending: dict[inflight.Key, int], draft: Composed | None = None) -> dict[str, Any]:
         """The fields of a submission's answer for the next lease it asks for (`RolloutSubmission.next_lease`): the
-        lease `issue` would grant, or why there is none. In a savepoint: a refused grant undoes only its own
-        changes, never the submission's."""
+        lease `issue` would grant `node` (its row locked by `tx`), or why there is none. The submission's `pending`
+        counter moves are applied with the grant's (`_grant`), or alone. In a savepoint: a refused grant undoes
+        only its own changes, never the submission's."""
         if ask is None:
+            inflight.apply(tx, pending)
             return {}
         cursor = tx.connection.dbapi_connection.cursor()  # type: ignore[union-attr]  # SQLAlchemy's costs more
         cursor.execute("SAVEPOINT next_lease")
         try:
-            granted = self._grant(tx, require_node(tx, node_id, lock=True), ask, now)
+            granted = self._grant(tx, node, ask, now, version, pending, draft)
         except Refused as e:
             cursor.execute("ROLLBACK TO SAVEPOINT next_lease")
+            inflight.apply(tx, pending)
             granted, why = None, e.reason
         else:
             why = NO_WORK
         cursor.execute("RELEASE SAVEPOINT next_lease")
         return {"next_lease": granted} if granted is not None else {"next_lease_refused": why}
+
+    def _precheck(self, signer: str, sub: m.RolloutSubmission, now: float) -> _Prechecked | None:
+        """What a submission's transaction would work out from its lease's terms, worked out before it (on SQLite
+        the writes take turns): each group's problem and stored form, and the next lease's draft, for the version
+        last seen (`coordinator.compose`). None for a lease this process does not know, or not the signer's: the
+        transaction then works it out, or says why."""
+        known = self.recent.take(sub.lease_id)
+        if known is None or known[0].node_id != signer:
+            return None
+        lease, prompts = known
+        problems: dict[str, str | None] = {}
+        payloads: dict[str, dict[str, Any]] = {}
+        for group in sub.groups:
+            leased = prompts.get(group.prompt_id)
+            if leased is not None:
+                problems[group.prompt_id] = problem = group_problem(group, leased.seeds, lease.sampling)
+                if problem is None:
+                    payloads[group.prompt_id] = group.model_dump(mode="json")
+        ask = sub.next_lease
+        draft = self.composer.draft(signer, ask.max_prompts, self._version_seen, now) if ask is not None else None
+        return _Prechecked(prompts, lease.sampling, problems, payloads, draft)
 
     def submit(self, req: Signed) -> m.SubmitResult:
         """Take the submission's valid groups for verification and say why each other group was refused. The
@@ -271,6 +288,7 @@ class Leases:
             raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
         max_staleness = self.config.run.max_staleness
         held = sub.next_lease.held_version if sub.next_lease is not None else None
+        pre = self._precheck(req.signer, sub, now)
 
         def take(tx: Tx) -> m.SubmitResult:
             admit(tx, req)
@@ -280,21 +298,23 @@ class Leases:
                 raise Refused(404, "unknown lease")
             if lease.node_id != req.signer:
                 raise Refused(403, "lease belongs to another node")
+            version = self._version_seen = current_version(tx)
             if lease.state != "open":  # a late or repeated submission: each group says why, nothing else changes
                 prompts = get_prompts(tx, sub.lease_id)
                 late = m.SubmitResult(accepted=[], rejected={g.prompt_id: _too_late(prompts.get(g.prompt_id))
                                                              for g in sub.groups})
-                touch(tx, req.signer, now, held)  # the node is heard from (live again, if it was gone)
-                late = late.model_copy(update=self._next_lease(tx, req.signer, sub.next_lease, now))
+                node = touch_settled(tx, req.signer, now, held)  # heard from (live again, if it was gone)
+                late = late.model_copy(update=self._next_lease(tx, node, sub.next_lease, now, version, {}))
                 remember(tx, req, late, now)
                 return late
             if lease.expires_at < now:
                 raise Refused(410, "lease expired")
-            stale = staleness_problem(sub.policy_version, current_version(tx), max_staleness)
+            stale = staleness_problem(sub.policy_version, version, max_staleness)
             if stale is not None:
                 raise _Stale(stale)
-            prompts = get_prompts(tx, sub.lease_id)
-            sampling = m.SamplingSpec.model_validate(lease.sampling)
+            # An open lease has no prompt submitted (module docstring): its prompts as read before are as they are.
+            prompts = pre.prompts if pre is not None else get_prompts(tx, sub.lease_id)
+            sampling = pre.sampling if pre is not None else m.SamplingSpec.model_validate(lease.sampling)
             accepted: list[str] = []
             rejected: dict[str, str] = {}
             for group in sub.groups:
@@ -303,6 +323,8 @@ class Leases:
                     reason: str | None = "unknown prompt id for this lease"
                 elif leased.submitted:
                     reason = "already submitted"
+                elif pre is not None:
+                    reason = pre.problems[group.prompt_id]
                 else:
                     reason = group_problem(group, leased.seeds, sampling)
                 if reason is None and not mark_submitted(tx, sub.lease_id, group.prompt_id):
@@ -310,13 +332,17 @@ class Leases:
                 if reason is not None:
                     rejected[group.prompt_id] = reason
                     continue
-                insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
-                             group.model_dump(mode="json"), now)
+                payload = pre.payloads[group.prompt_id] if pre is not None else group.model_dump(mode="json")
+                insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version, payload, now)
                 accepted.append(group.prompt_id)
-            admission.settle_lease(tx, sub.lease_id, now)
-            touch(tx, req.signer, now, held)
-            answer = m.SubmitResult(accepted=accepted, rejected=rejected,
-                                    **self._next_lease(tx, req.signer, sub.next_lease, now))
+            delivered = set(accepted)
+            # The lease is settled, the node's row moved by it and touched in one statement, and the counter rows
+            # moved once, with its next lease's.
+            settled = admission.close_leases(tx, [sub.lease_id], now, unused={sub.lease_id: [
+                (p.text, p.answer) for pid, p in prompts.items() if not p.submitted and pid not in delivered]})
+            node = touch_settled(tx, req.signer, now, held, settled.nodes.get(req.signer))
+            answer = m.SubmitResult(accepted=accepted, rejected=rejected, **self._next_lease(
+                tx, node, sub.next_lease, now, version, settled.counters, pre.draft if pre is not None else None))
             remember(tx, req, answer, now)
             return answer
 
@@ -340,6 +366,17 @@ def _too_late(leased: LeasePromptRow | None) -> str:
     if leased is None:
         return "unknown prompt id for this lease"
     return "already submitted" if leased.submitted else SETTLED
+
+
+@dataclass(frozen=True)
+class _Prechecked:
+    """`Leases._precheck`'s findings."""
+
+    prompts: dict[str, LeasePromptRow]
+    sampling: m.SamplingSpec
+    problems: dict[str, str | None]  # by prompt id, for the groups of leased prompts
+    payloads: dict[str, dict[str, Any]]  # by prompt id, for the groups with no problem
+    draft: Composed | None
 
 
 class _Stale(Exception):

@@ -2,8 +2,8 @@
 
 A node is registered by redeeming a single-use challenge issued to its public key (stateless: a MAC under the
 run's secret, `challenge_for`); it is never deleted, and a ban is final. Other modules change a node only through
-the functions here (`touch`, `count_verdicts`, `count_check`, `ban`) and `coordinator.admission`'s lease counters,
-inside their own transactions.
+the functions here (`touch`, `touch_settled`, `count_verdicts`, `count_check`, `ban`) and `coordinator.admission`'s
+lease counters, inside their own transactions.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ _TOUCH = update(nodes).where(_c.id == bindparam("b_id")).values(last_seen=bindpa
                                                                gone_since=None)
 _TOUCH_HELD = Prepared(_TOUCH.values(held_version=bindparam("b_held", type_=BigInteger)))
 _TOUCH = Prepared(_TOUCH)
+_held = bindparam("b_held", type_=BigInteger)
+_TOUCH_SETTLED = Prepared(update(nodes).where(_c.id == bindparam("b_id")).values(
+    last_seen=bindparam("b_now", type_=Double), gone_since=None, held_version=func.coalesce(_held, _c.held_version),
+    prompts_abandoned=_c.prompts_abandoned + bindparam("b_abandoned", type_=BigInteger),
+    in_flight=_c.in_flight - bindparam("b_flight", type_=BigInteger)).returning(*_c))
 _acc, _rej = bindparam("b_acc", type_=BigInteger), bindparam("b_rej", type_=BigInteger)
 _COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
     groups_accepted=_c.groups_accepted + _acc, groups_rejected=_c.groups_rejected + _rej,
@@ -106,6 +111,16 @@ def touch(tx: Tx, node_id: str, now: float, held_version: int | None = None) -> 
         _TOUCH.rowcount(tx, b_id=node_id, b_now=now)
     else:
         _TOUCH_HELD.rowcount(tx, b_id=node_id, b_now=now, b_held=held_version)
+
+
+def touch_settled(tx: Tx, node_id: str, now: float, held_version: int | None, settled: list[int] | None = None
+                  ) -> NodeRow:
+    """`touch`, and the node's part of a settlement (`admission.Settlement.nodes`: [abandoned, no longer in flight])
+    applied, in one statement; the node's row after both, locked until the transaction ends. Refused(403) if it is
+    unknown or banned."""
+    abandoned, flight = settled or (0, 0)
+    return active(_TOUCH_SETTLED.first_as(NodeRow, tx, b_id=node_id, b_now=now, b_held=held_version,
+                                          b_abandoned=abandoned, b_flight=flight))
 
 
 def count_verdicts(tx: Tx, node_id: str, accepted: int = 0, rejected: int = 0, checks: int = 0) -> None:

@@ -216,12 +216,13 @@ class LoadSwarm:
 
     async def run(self, measure_from: float, until: float) -> LoadReport:
         """Drive the nodes until the wall clock reads `until`; count what happens from `measure_from` on."""
-        queue = collections.deque(self.nodes)
         rnd, start = random.Random(self.plan.seed), time.time()
         for node in self.nodes:  # first heartbeats spread over one interval
             node.next_beat = start + rnd.uniform(0, self.plan.heartbeat_s)
 
-        async def lane() -> None:
+        # Each node keeps to one connection, as a real node's requests go over its own keep-alive connection (so a
+        # coordinator of several processes sees each node's requests in the process its connection landed in).
+        async def lane(queue: collections.deque[SimNode]) -> None:
             conn = None
             while time.time() < until:
                 self._measuring = time.time() >= measure_from
@@ -231,7 +232,8 @@ class LoadSwarm:
                 finally:
                     queue.append(node)
 
-        await asyncio.gather(*(lane() for _ in range(self.plan.concurrency)))
+        lanes = min(self.plan.concurrency, len(self.nodes))
+        await asyncio.gather(*(lane(collections.deque(self.nodes[i::lanes])) for i in range(lanes)))
         return LoadReport(dict(self.tallies), self.accepted, self.refused_groups)
 
     async def _turn(self, conn: Connection | None, node: SimNode) -> Connection | None:

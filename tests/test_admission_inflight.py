@@ -102,6 +102,7 @@ class Swarm:
         self.kinds: set[str] = set()  # the kinds of steps taken
         self.refused: set[int] = set()  # the statuses of refused submissions
         self.changed: set[str] = set()  # leases seen open after their node changed class or source
+        self.next_leases = 0  # leases granted with a submission
 
     def client(self, identity, address: str) -> CoordinatorClient:
         return CoordinatorClient(self.run.url, identity, retries=0, coordinator_key=self.run.key.public_key_hex,
@@ -130,12 +131,24 @@ class Swarm:
             self.granted[lease.lease_id] = Granted(node_id, proven, self.source[node_id])
 
     def submit(self, lease: m.Lease) -> None:
+        """Half the submissions ask for the next lease: settling one lease and granting the next move the same
+        counter rows in one transaction."""
         prompts = [p for p in lease.prompts if self.rng.random() < 0.7] or lease.prompts[:1]
+        sub = submission(lease, prompts=prompts)
+        node_id = lease.node_id
+        if self.rng.random() < 0.5:
+            sub.next_lease = m.LeaseRequest(max_prompts=self.rng.randint(1, 8), held_version=self.version)
+            proven = self.accepted()[node_id] >= PROVEN_AFTER
         try:
-            self.clients[lease.node_id].submit(submission(lease, prompts=prompts))
+            result = self.clients[node_id].submit(sub)
         except CoordinatorError as e:
             assert e.status in (403, 409, 410), e.reason
             self.refused.add(e.status)
+            return
+        if result.next_lease is not None:
+            self.next_leases += 1
+            self.leases[result.next_lease.lease_id] = result.next_lease
+            self.granted[result.next_lease.lease_id] = Granted(node_id, proven, self.source[node_id])
 
     def verify(self) -> None:
         pending = self.run.op.pending(1000)
@@ -229,6 +242,7 @@ def test_the_counters_equal_a_recount_after_every_step(run_factory, tmp_path: Pa
     assert {"lease", "submit", "expire", "verify", "publish", "gone", "again"} <= set().union(
         *(s.kinds for s in swarms))
     assert 409 in set().union(*(s.refused for s in swarms))  # stale submissions
+    assert all(s.next_leases for s in swarms)
     assert any(s.banned for s in swarms) and any(s.changed for s in swarms)
     granted = [g for s in swarms for g in s.granted.values()]
     assert any(g.proven for g in granted) and any(not g.proven for g in granted)

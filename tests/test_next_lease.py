@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from sqlalchemy import func, select
 
 from swarmrl.coordinator.admission import AdmissionConfig
+from swarmrl.coordinator.db.schema import in_flight, nodes
+from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.leases import NO_WORK
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.client import CoordinatorClient
 from tests.support.coordinator import Run, signed, submission
 
 pytestmark = pytest.mark.both_stores
@@ -76,3 +81,58 @@ def test_a_retry_gets_the_same_next_lease(run: Run) -> None:
     assert a.next_lease is not None and a == b
     st = run.op.status()
     assert st.groups_pending == 1 and st.nodes[0].prompts_leased == 2  # the first lease and one next lease
+
+
+def test_a_refused_grant_still_takes_back_what_the_submission_settled(run_factory) -> None:
+    # Settling a lease and granting the next one move the same counter rows, in one pass at the end of the grant;
+    # when the grant is refused (and rolled back), the settlement's moves must still be made.
+    run = run_factory(admission=AdmissionConfig(new_identity_prompts=3, abandon_prior=1.0))
+    run.publish(0)
+    node = run.node()
+    first, second = node.lease(2, 0), node.lease(1, 0)
+    assert first is not None and second is not None
+    # One of `first`'s two prompts left out: abandoned, the allowance falls to 1, and `second`'s prompt fills it.
+    result = node.submit(_asking(submission(first, prompts=first.prompts[:1]), max_prompts=1))
+    assert len(result.accepted) == 1 and "may hold 1 prompts in flight and holds 1" in result.next_lease_refused
+
+    def counted(tx: Tx) -> tuple[int, int]:
+        table = int(tx.execute(select(func.sum(in_flight.c.n)).where(in_flight.c.cls == "unproven")).scalar_one())
+        own = int(tx.execute(select(nodes.c.in_flight)).scalar_one())
+        return table, own
+
+    store = Store(run.cfg.resolved_store_url)
+    try:
+        assert store.read(counted) == (1, 1)  # `second`'s prompt only
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["granted-here", "granted-before-a-restart"])
+def test_groups_are_judged_alike_whether_the_process_knows_their_lease(run_factory, tmp_path, restart) -> None:
+    # A coordinator checks a submission's groups before its transaction against the leases it granted itself
+    # (`coordinator.compose.RecentLeases`); a lease it does not know (granted before a restart, or by another worker)
+    # is checked in the transaction. Both give the same answer.
+    op = Identity.generate()
+    run = run_factory(data_dir=tmp_path / "coord", op_key=op)
+    run.publish(0)
+    node = run.node()
+    lease = node.lease(3, 0)
+    assert lease is not None
+    if restart:
+        run_factory.stop_last()
+        run = run_factory(data_dir=tmp_path / "coord", op_key=op)
+        node = CoordinatorClient(run.url, node.identity, retries=0, coordinator_key=run.key.public_key_hex)
+    sub = submission(lease, prompts=lease.prompts[:2])
+    sub.groups[1].rollouts[0].seed += 1  # not a seed the lease fixed
+    result = node.submit(_asking(sub, max_prompts=1))
+    good, bad, left_out = (p.prompt_id for p in lease.prompts)
+    assert result.accepted == [good] and set(result.rejected) == {bad} and "seed" in result.rejected[bad]
+    assert result.next_lease is not None and len(result.next_lease.prompts) == 1
+    # What the submission left out, or got refused, is leased again to another identity before anything new.
+    other = run.node("other")
+    first = other.lease(1, 0)
+    assert first is not None
+    nxt = other.submit(_asking(submission(first), max_prompts=2)).next_lease
+    assert nxt is not None
+    abandoned = {p.text for p in lease.prompts if p.prompt_id in (bad, left_out)}
+    assert {p.text for p in first.prompts} | {p.text for p in nxt.prompts} >= abandoned

@@ -1,0 +1,116 @@
+"""Composing a lease: its prompts (queued ones first, then the run's secret prompt stream), their seeds, and the
+coordinator's signature; stored by `coordinator.leases`.
+
+Signing a lease and drawing its prompts take a third of what granting one costs, and on SQLite every write waits
+for the one before it. So a submission that asks for its next lease has that lease drafted before its transaction
+(`LeaseComposer.draft`): drawn from the prompt stream for the version the coordinator was at, for as many prompts
+as the node asked for, and signed. The transaction then only stores the draft, when it is what the grant would
+have made anyway: no prompt waits in the queue, the node may hold that many, and the version has not moved.
+Otherwise the lease is composed in the transaction, as it always was; a draft not used is never sent nor stored.
+
+For the same reason the submission's groups are checked against their lease before its transaction, from what
+this process keeps of the leases it granted lately (`RecentLeases`: their prompts, seeds and sampling, which never
+change once granted). The transaction still reads and locks the lease (its owner, state and expiry are checked
+there); a lease this process does not know of (granted by another worker, before a restart, or pushed out by newer
+ones) is checked in the transaction, as it always was.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import threading
+from dataclasses import dataclass
+
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.rows import LeasePromptRow
+from swarmrl.coordinator.db.schema import LEASE_COUNTER
+from swarmrl.coordinator.db.store import Tx, add_to_counter
+from swarmrl.coordinator.run_secret import RunSecret
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.tasks import Task
+
+__all__ = ["Composed", "LeaseComposer", "RecentLeases"]
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A signed lease, and what the coordinator keeps of its prompts: (prompt_id, text, answer, seeds)."""
+
+    lease: m.Lease
+    prompts: list[tuple[str, str, str, list[int]]]
+
+    def fits(self, n: int, version: int) -> bool:
+        """Whether this draft is the lease a grant of `n` new prompts at `version` would compose."""
+        return len(self.prompts) == n and self.lease.policy_version == version
+
+
+class LeaseComposer:
+    """Composes and signs the leases of one run (`task`, `config.run`'s sampling) as `identity` for `pool`."""
+
+    def __init__(self, config: CoordinatorConfig, task: Task, identity: Identity, pool: str, secret: RunSecret):
+        self.config, self.task, self.identity, self.pool, self.secret = config, task, identity, pool, secret
+
+    def compose(self, tx: Tx | None, node_id: str, version: int, now: float, queued: list[tuple[str, str]],
+                n: int) -> Composed:
+        """A lease of `n` prompts for `node_id` at `version`, issued at `now`: the `queued` ones (text, answer)
+        first, then new ones from the prompt stream (`prompt_rng`; `tx` is needed with `prompt_seed`)."""
+        lease_id = secrets.token_hex(12)
+        drawn = list(queued)
+        if len(drawn) < n:
+            rng = self.prompt_rng(tx, lease_id)
+            while len(drawn) < n:
+                problem = self.task.sample(rng)
+                drawn.append((problem.prompt, problem.answer))
+        group_size = self.config.run.sampling.group_size
+        prompts = [(f"{lease_id}.{i}", text, answer, [secrets.randbits(63) for _ in range(group_size)])
+                   for i, (text, answer) in enumerate(drawn)]
+        lease = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=node_id, policy_version=version,
+                              expires_at=now + self.config.lease_ttl_s, sampling=self.config.run.sampling,
+                              prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+        return Composed(lease, prompts)
+
+    def draft(self, node_id: str, n: int, version: int, now: float) -> Composed | None:
+        """A lease of `n` new prompts, composed outside any transaction (module docstring); None when the prompt
+        stream is the reproducible one (`prompt_seed`: a counter moved in the granting transaction) or before the
+        first version."""
+        if self.config.prompt_seed is not None or version < 0:
+            return None
+        return self.compose(None, node_id, version, now, [], n)
+
+    def prompt_rng(self, tx: Tx | None, lease_id: str) -> random.Random:
+        """The prompt stream of a new lease: drawn from the run's secret and the lease's random id (nobody can tell
+        what the next lease holds, and no shared counter row makes lease requests wait on each other), or, when the
+        operator fixed `prompt_seed` for a reproducible stream, from it and the lease counter (moved in `tx`)."""
+        seed = self.config.prompt_seed
+        if seed is not None:
+            assert tx is not None, "a reproducible prompt stream is drawn inside the granting transaction"
+            return random.Random(f"{seed}/{add_to_counter(tx, LEASE_COUNTER)}")
+        return random.Random(self.secret.derive("prompts", lease_id.encode()))
+
+
+class RecentLeases:
+    """The terms of the leases this process granted lately (at most `capacity`, the oldest forgotten first): what a
+    submission's groups are checked against before its transaction (module docstring). Thread-safe."""
+
+    def __init__(self, capacity: int = 16384):
+        self.capacity = capacity
+        self._leases: dict[str, tuple[m.Lease, dict[str, LeasePromptRow]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, granted: Composed) -> None:
+        """Keep `granted`'s terms, as its lease is stored (should that transaction roll back, the lease was never sent,
+        and nobody submits against its random id)."""
+        lease = granted.lease
+        prompts = {p: LeasePromptRow(lease.lease_id, p, i, text, answer, seeds, False)
+                   for i, (p, text, answer, seeds) in enumerate(granted.prompts)}
+        with self._lock:
+            self._leases[lease.lease_id] = (lease, prompts)
+            while len(self._leases) > self.capacity:
+                del self._leases[next(iter(self._leases))]
+
+    def take(self, lease_id: str) -> tuple[m.Lease, dict[str, LeasePromptRow]] | None:
+        """The lease and its prompts (none submitted), forgotten: one submission settles a lease."""
+        with self._lock:
+            return self._leases.pop(lease_id, None)
