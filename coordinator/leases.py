@@ -187,7 +187,8 @@ class Leases:
         min_version = version - run.max_staleness
         # Its own expired leases are settled now, so that what it holds is exact when it asks (others' are the
         # sweep's).
-        if admission.settle_own_expired(tx, node.id, now, adm.sweep_batch, deltas):
+        # (A node with no prompt in flight holds no open lease, expired or not.)
+        if node.in_flight and admission.settle_own_expired(tx, node.id, now, adm.sweep_batch, deltas):
             node = require_node(tx, node.id)
         flight = admission.in_flight(tx, node, min_version, deltas)
         allowed = admission.allowance(node, adm)
@@ -292,12 +293,12 @@ class Leases:
 
         def take(tx: Tx) -> m.SubmitResult:
             admit(tx, req)
-            require_node(tx, req.signer)
+            # An unknown or banned node is told so before anything else; on the way that takes the lease's groups,
+            # its own row says so (`touch_settled`), and the transaction rolls back.
             lease = get_lease(tx, sub.lease_id, lock=True)
-            if lease is None:
-                raise Refused(404, "unknown lease")
-            if lease.node_id != req.signer:
-                raise Refused(403, "lease belongs to another node")
+            if lease is None or lease.node_id != req.signer:
+                require_node(tx, req.signer)
+                raise Refused(404, "unknown lease") if lease is None else Refused(403, "lease belongs to another node")
             version = self._version_seen = current_version(tx)
             if lease.state != "open":  # a late or repeated submission: each group says why, nothing else changes
                 prompts = get_prompts(tx, sub.lease_id)
@@ -308,9 +309,11 @@ class Leases:
                 remember(tx, req, late, now)
                 return late
             if lease.expires_at < now:
+                require_node(tx, req.signer)
                 raise Refused(410, "lease expired")
             stale = staleness_problem(sub.policy_version, version, max_staleness)
             if stale is not None:
+                require_node(tx, req.signer)
                 raise _Stale(stale)
             # An open lease has no prompt submitted (module docstring): its prompts as read before are as they are.
             prompts = pre.prompts if pre is not None else get_prompts(tx, sub.lease_id)
