@@ -77,3 +77,39 @@ class ChangeWatcher:
                     self._on_change()
         finally:
             self._conn.close()
+
+
+class WalCheckpointer:
+    """Copies an SQLite database's write-ahead log back into it from a thread of its own, every `interval_s`
+    (`PRAGMA wal_checkpoint(PASSIVE)`), so that writers need not.
+
+    SQLite's automatic checkpoint runs inside the commit that takes the log past its threshold, while that commit
+    holds the write lock: every other write (in every process) waits for a copy of thousands of pages and an fsync
+    of the database file. Here the writers' threshold is raised to `WRITER_PAGES` (a backstop, should this thread
+    fall behind) and the copying is done aside: a PASSIVE checkpoint never waits for a reader or a writer, copies
+    what it can, and leaves the rest to the next one; once the whole log is copied, the next writer starts it over,
+    so it stays a few seconds of writes long."""
+
+    WRITER_PAGES = 20000
+    """The writers' own threshold (`PRAGMA wal_autocheckpoint`), in pages of the log."""
+
+    def __init__(self, path: str, interval_s: float = 0.5):
+        self.path, self.interval_s = path, interval_s
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0.1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wal-checkpoint", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error as e:  # busy (another process's checkpoint), or a failing disk: next time
+                    log.debug("WAL checkpoint skipped: %s", e)
+        finally:
+            self._conn.close()

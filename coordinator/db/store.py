@@ -13,7 +13,9 @@ power cut, which could take back commits already answered: an accepted submissio
 (its compute lost), or a trainer-feed position the trainer has already consumed and saved, which would then be
 handed out again for another group that the trainer skips. Accepted work must be neither lost nor counted twice,
 so such commits are fsynced; on SQLite the writes that queue up during one fsync share the next one (group
-commit, below), which is what lets one disk serve a thousand submissions a second. A request's nonce and, with an
+commit, below), which is what lets one disk serve a thousand submissions a second. The log is copied back into the
+database file (and that file fsynced) by a thread of its own (`coordinator.db.shared.WalCheckpointer`), not inside
+the commit of whichever writer takes it past SQLite's threshold. A request's nonce and, with an
 Idempotency-Key, its stored answer are written in the transaction of its effect: the three are durable together
 or not at all, so a retry after a crash finds the answer exactly when the effect survived.
 
@@ -60,7 +62,7 @@ from sqlalchemy.exc import DBAPIError
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.groupcommit import BEGIN_KEY, GroupCommit
 from swarmrl.coordinator.db.schema import kv
-from swarmrl.coordinator.db.shared import ChangeWatcher, WriterLock
+from swarmrl.coordinator.db.shared import ChangeWatcher, WalCheckpointer, WriterLock
 
 T = TypeVar("T")
 Tx = Connection
@@ -149,6 +151,7 @@ class Store:
         self._group: GroupCommit | None = None
         self._writer_lock: WriterLock | None = None
         self._watcher: ChangeWatcher | None = None
+        self._checkpointer: WalCheckpointer | None = None
         json_args = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
         if self.dialect == "sqlite":
             if not parsed.database or parsed.database == ":memory:":
@@ -172,12 +175,16 @@ class Store:
         self._listener = _Listener(self.engine, self._bump) if self.dialect == "postgresql" else None
         if self._writer_lock is not None:
             self._watcher = ChangeWatcher(str(parsed.database), self._bump)
+        if self.dialect == "sqlite":
+            self._checkpointer = WalCheckpointer(str(parsed.database))
 
     def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
         if self._watcher is not None:
             self._watcher.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         self.engine.dispose()
         if self._writer_lock is not None:
             self._writer_lock.close()
@@ -251,6 +258,7 @@ def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=FULL")  # see the module docstring
     cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute(f"PRAGMA wal_autocheckpoint={WalCheckpointer.WRITER_PAGES}")  # a backstop: see WalCheckpointer
     cur.close()
 
 
