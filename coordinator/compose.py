@@ -7,6 +7,8 @@ for the one before it. So a submission that asks for its next lease has that lea
 as the node asked for, and signed. The transaction then only stores the draft, when it is what the grant would
 have made anyway: no prompt waits in the queue, the node may hold that many, and the version has not moved.
 Otherwise the lease is composed in the transaction, as it always was; a draft not used is never sent nor stored.
+Only a submission against a lease this process granted to its signer gets a draft (below): a node cannot make the
+coordinator sign more than one draft per lease it was granted.
 
 For the same reason the submission's groups are checked against their lease before its transaction, from what
 this process keeps of the leases it granted lately (`RecentLeases`: their prompts, seeds and sampling, which never

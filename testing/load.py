@@ -6,8 +6,9 @@ its next request: a heartbeat when one is due, else a lease when it holds no lea
 its leased prompts (a submission settles its lease, as a real node's does, and asks for the next lease, as a real
 node's does unless `plan.next_lease` is off), each an 8-rollout group with an activation proof per rollout in the
 protocol's format (token ids and proof contents are random: only a verifier
-would notice). `concurrency` connections per process carry the requests, so the node count sets how many
-identities, rows and heartbeats the coordinator handles, not how many sockets it holds.
+would notice). `concurrency` connections per process carry the requests, each node's always over the same one (as a
+real node's go over its own keep-alive connection), so the node count sets how many identities, rows and heartbeats
+the coordinator handles, not how many sockets it holds.
 
 Every request is signed for the pool `plan.pool` (`protocol.signing`), and, with `plan.source_header`, names its
 node's own address in that header, as a reverse proxy in front of a coordinator does for its clients: the
