@@ -256,25 +256,17 @@ class Leases:
         return {"next_lease": granted} if granted is not None else {"next_lease_refused": why}
 
     def _precheck(self, signer: str, sub: m.RolloutSubmission, now: float) -> _Prechecked | None:
-        """What a submission's transaction would work out from its lease's terms, worked out before it (on SQLite
-        the writes take turns): each group's problem and stored form, and the next lease's draft, for the version
-        last seen (`coordinator.compose`). None for a lease this process does not know, or not the signer's: the
-        transaction then works it out, or says why."""
+        """What a submission's transaction would work out from its lease's terms (`_judged`), worked out before it
+        (on SQLite the writes take turns), with the next lease's draft for the version last seen
+        (`coordinator.compose`). None for a lease this process does not know, or not the signer's: the transaction
+        then works it out, or says why."""
         known = self.recent.take(sub.lease_id)
         if known is None or known[0].node_id != signer:
             return None
         lease, prompts = known
-        problems: dict[str, str | None] = {}
-        payloads: dict[str, dict[str, Any]] = {}
-        for group in sub.groups:
-            leased = prompts.get(group.prompt_id)
-            if leased is not None:
-                problems[group.prompt_id] = problem = group_problem(group, leased.seeds, lease.sampling)
-                if problem is None:
-                    payloads[group.prompt_id] = group.model_dump(mode="json")
         ask = sub.next_lease
         draft = self.composer.draft(signer, ask.max_prompts, self._version_seen, now) if ask is not None else None
-        return _Prechecked(prompts, lease.sampling, problems, payloads, draft)
+        return _judged(sub, prompts, lease.sampling, draft)
 
     def submit(self, req: Signed) -> m.SubmitResult:
         """Take the submission's valid groups for verification and say why each other group was refused. The
@@ -316,8 +308,9 @@ class Leases:
                 require_node(tx, req.signer)
                 raise _Stale(stale)
             # An open lease has no prompt submitted (module docstring): its prompts as read before are as they are.
-            prompts = pre.prompts if pre is not None else get_prompts(tx, sub.lease_id)
-            sampling = pre.sampling if pre is not None else m.SamplingSpec.model_validate(lease.sampling)
+            judged = pre if pre is not None else _judged(
+                sub, get_prompts(tx, sub.lease_id), m.SamplingSpec.model_validate(lease.sampling), None)
+            prompts = judged.prompts
             accepted: list[str] = []
             rejected: dict[str, str] = {}
             for group in sub.groups:
@@ -326,17 +319,15 @@ class Leases:
                     reason: str | None = "unknown prompt id for this lease"
                 elif leased.submitted:
                     reason = "already submitted"
-                elif pre is not None:
-                    reason = pre.problems[group.prompt_id]
                 else:
-                    reason = group_problem(group, leased.seeds, sampling)
+                    reason = judged.problems[group.prompt_id]
                 if reason is None and not mark_submitted(tx, sub.lease_id, group.prompt_id):
                     reason = "already submitted"
                 if reason is not None:
                     rejected[group.prompt_id] = reason
                     continue
-                payload = pre.payloads[group.prompt_id] if pre is not None else group.model_dump(mode="json")
-                insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version, payload, now)
+                insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
+                             judged.payloads[group.prompt_id], now)
                 accepted.append(group.prompt_id)
             delivered = set(accepted)
             # The lease is settled, the node's row moved by it and touched in one statement, and the counter rows
@@ -345,7 +336,7 @@ class Leases:
                 (p.text, p.answer) for pid, p in prompts.items() if not p.submitted and pid not in delivered]})
             node = touch_settled(tx, req.signer, now, held, settled.nodes.get(req.signer))
             answer = m.SubmitResult(accepted=accepted, rejected=rejected, **self._next_lease(
-                tx, node, sub.next_lease, now, version, settled.counters, pre.draft if pre is not None else None))
+                tx, node, sub.next_lease, now, version, settled.counters, judged.draft))
             remember(tx, req, answer, now)
             return answer
 
@@ -373,13 +364,26 @@ def _too_late(leased: LeasePromptRow | None) -> str:
 
 @dataclass(frozen=True)
 class _Prechecked:
-    """`Leases._precheck`'s findings."""
+    """A submission's groups judged against their lease's terms (`_judged`), and its next lease's draft."""
 
     prompts: dict[str, LeasePromptRow]
-    sampling: m.SamplingSpec
     problems: dict[str, str | None]  # by prompt id, for the groups of leased prompts
-    payloads: dict[str, dict[str, Any]]  # by prompt id, for the groups with no problem
+    payloads: dict[str, dict[str, Any]]  # by prompt id, the stored form of the groups with no problem
     draft: Composed | None
+
+
+def _judged(sub: m.RolloutSubmission, prompts: dict[str, LeasePromptRow], sampling: m.SamplingSpec,
+            draft: Composed | None) -> _Prechecked:
+    """Each group of a leased prompt: its problem (`group_problem`) and, if none, its stored form."""
+    problems: dict[str, str | None] = {}
+    payloads: dict[str, dict[str, Any]] = {}
+    for group in sub.groups:
+        leased = prompts.get(group.prompt_id)
+        if leased is not None:
+            problems[group.prompt_id] = problem = group_problem(group, leased.seeds, sampling)
+            if problem is None:
+                payloads[group.prompt_id] = group.model_dump(mode="json")
+    return _Prechecked(prompts, problems, payloads, draft)
 
 
 class _Stale(Exception):

@@ -45,41 +45,59 @@ class WriterLock:
         os.close(self._fd)
 
 
-class ChangeWatcher:
-    """Calls `on_change` within about `interval_s` of any commit to the SQLite database at `path` (by any process,
-    this one included), from a thread of its own."""
+class _SqlitePoller:
+    """Calls `_poll()` every `interval_s`, from a thread of its own, over an SQLite connection of its own to `path`,
+    until `close()`. A subclass sets up what `_poll` needs, then calls `_start()`."""
 
-    def __init__(self, path: str, on_change: Callable[[], None], interval_s: float = 0.05):
-        self.path, self._on_change, self.interval_s = path, on_change, interval_s
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._seen = self._version()  # now: a commit made after this returns is never taken for the start
+    def __init__(self, path: str, interval_s: float, name: str, **connect: float):
+        self.path, self.interval_s = path, interval_s
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, **connect)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="store-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def _version(self) -> int:
-        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+    def _poll(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval_s):
-                try:
-                    version = self._version()
-                except sqlite3.Error as e:  # a busy or failing disk: long polls still time out on their own
-                    log.warning("could not read the store's data version: %s", e)
-                    continue
-                if version != self._seen:
-                    self._seen = version
-                    self._on_change()
+                self._poll()
         finally:
             self._conn.close()
 
 
-class WalCheckpointer:
+class ChangeWatcher(_SqlitePoller):
+    """Calls `on_change` within about `interval_s` of any commit to the SQLite database at `path` (by any process,
+    this one included), from a thread of its own."""
+
+    def __init__(self, path: str, on_change: Callable[[], None], interval_s: float = 0.05):
+        super().__init__(path, interval_s, "store-watcher")
+        self._on_change = on_change
+        self._seen = self._version()  # now: a commit made after this returns is never taken for the start
+        self._start()
+
+    def _version(self) -> int:
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def _poll(self) -> None:
+        try:
+            version = self._version()
+        except sqlite3.Error as e:  # a busy or failing disk: long polls still time out on their own
+            log.warning("could not read the store's data version: %s", e)
+            return
+        if version != self._seen:
+            self._seen = version
+            self._on_change()
+
+
+class WalCheckpointer(_SqlitePoller):
     """Copies an SQLite database's write-ahead log back into it from a thread of its own, every `interval_s`
     (`PRAGMA wal_checkpoint(PASSIVE)`), so that writers need not.
 
@@ -94,22 +112,11 @@ class WalCheckpointer:
     """The writers' own threshold (`PRAGMA wal_autocheckpoint`), in pages of the log."""
 
     def __init__(self, path: str, interval_s: float = 0.5):
-        self.path, self.interval_s = path, interval_s
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0.1)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="wal-checkpoint", daemon=True)
-        self._thread.start()
+        super().__init__(path, interval_s, "wal-checkpoint", timeout=0.1)
+        self._start()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
+    def _poll(self) -> None:
         try:
-            while not self._stop.wait(self.interval_s):
-                try:
-                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                except sqlite3.Error as e:  # busy (another process's checkpoint), or a failing disk: next time
-                    log.debug("WAL checkpoint skipped: %s", e)
-        finally:
-            self._conn.close()
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as e:  # busy (another process's checkpoint), or a failing disk: next time
+            log.debug("WAL checkpoint skipped: %s", e)
