@@ -24,7 +24,7 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow, NodeRow
 from swarmrl.coordinator.db.schema import lease_prompts, leases, rollout_groups
-from swarmrl.coordinator.db.store import Store, Tx
+from swarmrl.coordinator.db.store import EncodedJSON, Store, Tx
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.registry import require_node, touch_settled
@@ -97,8 +97,8 @@ def mark_submitted(tx: Tx, lease_id: str, prompt_id: str) -> bool:
     return _MARK.rowcount(tx, b_lease=lease_id, b_prompt=prompt_id) == 1
 
 
-def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int, payload: dict[str, Any],
-                 now: float) -> int:
+def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int,
+                 payload: dict[str, Any] | EncodedJSON, now: float) -> int:
     """A new pending group; its id."""
     return int(_INSERT_GROUP.scalar(tx, node_id=node_id, lease_id=lease_id, prompt_id=prompt_id,
                                     policy_version=policy_version, payload=payload, submitted_at=now))
@@ -177,7 +177,8 @@ class Leases:
         open leases. `version`: the current policy version, when `tx` has read it. `pending`: counter moves of
         `tx` not yet applied (a submission's settlement), counted in what is in flight. Those and the moves of the
         leases it settles and grants are applied in one ordered pass at the end, whether it grants a lease or not
-        (a refusal rolls everything back). `draft`: the lease composed before `tx`, stored when it fits."""
+        (a refusal rolls everything back). `draft`: the lease composed before `tx`, stored when it fits. It refuses
+        before it writes anything, but when `node` holds prompts in flight: its expired leases are settled first."""
         cfg, run, adm = self.config, self.config.run, self.config.admission
         deltas: dict[inflight.Key, int] = dict(pending or {})
         version = current_version(tx) if version is None else version
@@ -237,22 +238,28 @@ class Leases:
                     pending: dict[inflight.Key, int], draft: Composed | None = None) -> dict[str, Any]:
         """The fields of a submission's answer for the next lease it asks for (`RolloutSubmission.next_lease`): the
         lease `issue` would grant `node` (its row locked by `tx`), or why there is none. The submission's `pending`
-        counter moves are applied with the grant's (`_grant`), or alone. In a savepoint: a refused grant undoes
-        only its own changes, never the submission's."""
+        counter moves are applied with the grant's (`_grant`), or alone. A refused grant undoes only its own
+        changes, never the submission's."""
         if ask is None:
             inflight.apply(tx, pending)
             return {}
+        # A grant refuses before it writes anything, but for the settlement of the node's own expired leases, done
+        # first when it holds prompts in flight (`_grant`): only then is a savepoint needed.
+        guard = node.in_flight > 0
         cursor = tx.connection.dbapi_connection.cursor()  # type: ignore[union-attr]  # SQLAlchemy's costs more
-        cursor.execute("SAVEPOINT next_lease")
+        if guard:
+            cursor.execute("SAVEPOINT next_lease")
         try:
             granted = self._grant(tx, node, ask, now, version, pending, draft)
         except Refused as e:
-            cursor.execute("ROLLBACK TO SAVEPOINT next_lease")
+            if guard:
+                cursor.execute("ROLLBACK TO SAVEPOINT next_lease")
             inflight.apply(tx, pending)
             granted, why = None, e.reason
         else:
             why = NO_WORK
-        cursor.execute("RELEASE SAVEPOINT next_lease")
+        if guard:
+            cursor.execute("RELEASE SAVEPOINT next_lease")
         return {"next_lease": granted} if granted is not None else {"next_lease_refused": why}
 
     def _precheck(self, signer: str, sub: m.RolloutSubmission, now: float) -> _Prechecked | None:
@@ -368,7 +375,7 @@ class _Prechecked:
 
     prompts: dict[str, LeasePromptRow]
     problems: dict[str, str | None]  # by prompt id, for the groups of leased prompts
-    payloads: dict[str, dict[str, Any]]  # by prompt id, the stored form of the groups with no problem
+    payloads: dict[str, EncodedJSON]  # by prompt id, the stored form of the groups with no problem
     draft: Composed | None
 
 
@@ -376,13 +383,13 @@ def _judged(sub: m.RolloutSubmission, prompts: dict[str, LeasePromptRow], sampli
             draft: Composed | None) -> _Prechecked:
     """Each group of a leased prompt: its problem (`group_problem`) and, if none, its stored form."""
     problems: dict[str, str | None] = {}
-    payloads: dict[str, dict[str, Any]] = {}
+    payloads: dict[str, EncodedJSON] = {}
     for group in sub.groups:
         leased = prompts.get(group.prompt_id)
         if leased is not None:
             problems[group.prompt_id] = problem = group_problem(group, leased.seeds, sampling)
             if problem is None:
-                payloads[group.prompt_id] = group.model_dump(mode="json")
+                payloads[group.prompt_id] = EncodedJSON(group.model_dump_json())
     return _Prechecked(prompts, problems, payloads, draft)
 
 

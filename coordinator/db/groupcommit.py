@@ -1,12 +1,14 @@
-"""Group commit for SQLite: the writes that queue up while one commit is being fsynced are committed together, in
-one transaction with one fsync, and each caller returns only after that commit.
+"""Group commit for SQLite: the writes that queue up while one commit is being made are committed together, in one
+transaction with one fsync, and each caller returns only after that commit.
 
 SQLite takes one writer at a time and a durable commit waits for an fsync of its log (milliseconds on most disks),
-so one commit per request caps a coordinator at a few hundred writes per second whatever its CPU. Here the first
-caller to find no commit in progress becomes the leader: it takes up to `max_batch` queued writes (its own among
-them), runs each in a SAVEPOINT of one transaction, commits, and hands every caller its result; callers that
-arrive meanwhile queue for the next leader. Nothing waits for a batch to fill: a write that finds no commit in
-progress is committed at once (a batch of one), so batching only ever happens when commits are the bottleneck.
+so one commit per request caps a coordinator at a few hundred writes per second whatever its CPU. Here one thread of
+the process (the committer) runs every write, over one connection it keeps open: a caller queues its write and
+waits; the committer takes up to `max_batch` queued writes, runs each in a SAVEPOINT of one transaction, commits,
+and hands every caller its result. Nothing waits for a batch to fill: a write queued while no commit runs is
+committed at once (a batch of one), so batching only ever happens when commits are the bottleneck. One thread, not
+whichever caller came first, holds the write lock: it does not wait for a connection from the pool, and no caller's
+other work runs on it.
 
 What each write sees and promises is what it would alone: writes run one after another in queue order (a later
 one sees the earlier ones' changes, as it would after their commits), a write that raises is rolled back to its
@@ -30,15 +32,13 @@ BEGIN_KEY = "swarmrl_begin"
 
 
 class _Write(Generic[T]):
-    __slots__ = ("fn", "durable", "done", "result", "error", "wake", "lead")
+    __slots__ = ("fn", "durable", "result", "error", "wake")
 
     def __init__(self, fn: Callable[[Connection], T], durable: bool):
         self.fn, self.durable = fn, durable
-        self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
-        self.wake = threading.Event()  # set when the write is done, or when it is to lead the next commit
-        self.lead = False
+        self.wake = threading.Event()  # set when the write is done
 
     def outcome(self) -> T:
         if self.error is not None:
@@ -49,18 +49,21 @@ class _Write(Generic[T]):
 class GroupCommit:
     """Serializes the writes of one SQLite engine and commits the ones that queue up together.
 
-    Each waiting writer is woken once, by the leader of the commit that holds its write (or to lead the next
-    commit), never by every commit: under load dozens of threads wait, and waking them all for each commit
-    costs more CPU than the commit."""
+    One thread of its own (the committer) runs every write, over one connection it keeps: the callers only queue
+    their write and wait for its outcome. The thread that holds SQLite's write lock is then always the same one, and
+    a batch is whatever queued while the previous commit ran."""
 
     def __init__(self, engine: Engine, max_batch: int, across: AbstractContextManager[Any] | None = None):
         """`across`: held around each commit's transaction, when other processes write to the same database
         (`coordinator.db.shared.WriterLock`)."""
         self.engine, self.max_batch = engine, max(1, max_batch)
         self._across = across if across is not None else nullcontext()
-        self._lock = threading.Lock()
+        self._ready = threading.Condition(threading.Lock())
         self._queue: list[_Write[Any]] = []
-        self._leading = False
+        self._committing = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._conn: Connection | None = None
         self.batches = 0
         self.writes = 0
 
@@ -71,43 +74,67 @@ class GroupCommit:
 
     @property
     def committing(self) -> bool:
-        return self._leading
+        return self._committing
 
     def run(self, fn: Callable[[Connection], T], durable: bool = True) -> T:
         """`fn(tx)` in the next commit; returns (or raises) once that commit is done."""
         op: _Write[T] = _Write(fn, durable)
-        with self._lock:
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the store is closed")
             self._queue.append(op)
-            if not self._leading:  # no commit in progress: the queue holds only this write, which leads
-                self._leading = op.lead = True
-        while not op.lead:
-            op.wake.wait()
-            if op.done:
-                return op.outcome()
-        # Leading: the queue's oldest write is this one, so it is in this batch.
-        with self._lock:
-            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
-        try:
-            self._commit(batch)
-        finally:
-            with self._lock:
-                self.batches += 1
-                self.writes += len(batch)
-                for w in batch:
-                    w.done = True
-                    w.wake.set()
-                if self._queue:  # hand the lead to the oldest waiting write
-                    self._queue[0].lead = True
-                    self._queue[0].wake.set()
-                else:
-                    self._leading = False
+            if self._thread is None:  # started on the first write: a store opened before a fork has none to copy
+                self._thread = threading.Thread(target=self._commit_queued, name="group-commit", daemon=True)
+                self._thread.start()
+            self._ready.notify()
+        op.wake.wait()
         return op.outcome()
+
+    def close(self) -> None:
+        """Commit what is queued, then stop the committer and close its connection."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=60)
+
+    def _commit_queued(self) -> None:
+        try:
+            while True:
+                with self._ready:
+                    while not self._queue and not self._closed:
+                        self._ready.wait()
+                    if not self._queue:
+                        return
+                    batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
+                    self._committing = True
+                try:
+                    self._commit(batch)
+                finally:
+                    with self._ready:
+                        self._committing = False
+                        self.batches += 1
+                        self.writes += len(batch)
+                    for w in batch:
+                        w.wake.set()
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            self._conn = self.engine.connect()
+        return self._conn
 
     def _commit(self, batch: list[_Write[Any]]) -> None:
         durable = any(w.durable for w in batch)
         try:
-            with self._across, self.engine.connect() as conn:
+            with self._across:
+                conn = self._connection()
                 raw = conn.connection.dbapi_connection  # pragmas outside SQLAlchemy: no transaction begins for them
+                assert raw is not None
                 if not durable:
                     raw.execute("PRAGMA synchronous=NORMAL")
                 try:
@@ -122,6 +149,10 @@ class GroupCommit:
                     if not durable:
                         raw.execute("PRAGMA synchronous=FULL")
         except BaseException as e:  # BEGIN or COMMIT failed: nothing of the batch was committed
+            if self._conn is not None:  # a fresh connection for the next batch, whatever state this one is in
+                self._conn.invalidate()
+                self._conn.close()
+                self._conn = None
             for w in batch:
                 if w.error is None:
                     w.result, w.error = None, e
