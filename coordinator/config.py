@@ -52,6 +52,11 @@ class CoordinatorConfig(BaseModel):
         "spreads connections over them) and the store. On SQLite they take turns at writing (each still commits the "
         "writes queued in it together); on PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
         "metrics and long-poll slots are per process. With [p2p], the first process runs the DHT seed.")
+    request_nice: int = Field(
+        5, ge=0, le=19, description="SQLite: how much lower than the store's committer thread (the one thread that "
+        "holds the write lock, which every write waits for) the process's other threads run, in nice steps; 0: the "
+        "same. Only raises their nice value (no privilege needed). With the request threads level with it, the "
+        "committer often waits for a core while holding the lock (bench/RESULTS.md).")
     store_group_commit: int = Field(
         64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
         "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "

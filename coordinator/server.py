@@ -152,7 +152,18 @@ def _serve_worker(config: CoordinatorConfig, identity: Identity, port: int, firs
     die_with_parent(parent)
     first.close()  # the first worker's socket: it accepts its own connections
     sock = _listen(config.host, port, shared=True)
-    uvicorn.Server(uvicorn_config(build_app(config, identity))).run(sockets=[sock])
+    app = build_app(config, identity)
+    lower_request_priority(config)
+    uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
+
+
+def lower_request_priority(config: CoordinatorConfig) -> None:
+    """On SQLite, run this thread (the server's event loop) and every thread it starts from now on (the request
+    threads) `config.request_nice` steps below the threads started before it, the store's committer among them
+    (`CoordinatorConfig.request_nice`). Only in a server process of its own: it changes the calling thread."""
+    if config.request_nice and config.resolved_store_url.startswith("sqlite"):
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + config.request_nice)
 
 
 def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
@@ -186,6 +197,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
         server = uvicorn.Server(uvicorn_config(app))
         if workers is not None:
             workers.watch(lambda: setattr(server, "should_exit", True))
+        lower_request_priority(config)
         server.run(sockets=[sock])
     finally:
         if workers is not None:

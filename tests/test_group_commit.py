@@ -14,8 +14,10 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from swarmrl.coordinator.auth import Refused
+from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.schema import kv, leases
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
+from swarmrl.coordinator.server import lower_request_priority
 from swarmrl.testing.waiting import wait_for
 
 
@@ -110,3 +112,37 @@ def test_many_threads_lose_nothing(store: Store) -> None:
         t.join()
     assert sorted(got) == list(range(1, 301))  # every write applied once, each answered with its own value
     assert store.read(lambda tx: tx.execute(select(kv.c.value).where(kv.c.key == "accepted_seq")).scalar_one()) == 300
+
+
+def _nice(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_request_threads_run_below_the_committer(tmp_path: Path) -> None:
+    """A server process opens its store, then lowers the thread that serves requests (and the ones it starts): the
+    committer, started with the store, keeps the priority it had. Done in a thread of its own, since it changes
+    the calling thread for good."""
+    config = CoordinatorConfig(data_dir=tmp_path, request_nice=3)
+    seen: dict[str, int] = {}
+
+    def server() -> None:
+        store = Store(config.resolved_store_url)
+        try:
+            seen["before"] = _nice(threading.get_native_id())
+            lower_request_priority(config)
+            seen["server"] = _nice(threading.get_native_id())
+            child = threading.Thread(target=lambda: seen.__setitem__("request", _nice(threading.get_native_id())))
+            child.start()
+            child.join()
+            committer = store._group._thread.native_id  # type: ignore[union-attr]
+            assert committer is not None
+            seen["committer"] = _nice(committer)
+        finally:
+            store.close()
+
+    t = threading.Thread(target=server)
+    t.start()
+    t.join(timeout=60)
+    assert seen["server"] == seen["request"] == min(seen["before"] + 3, 19)
+    assert seen["committer"] == seen["before"] < seen["server"]

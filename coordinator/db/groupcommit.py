@@ -62,10 +62,13 @@ class GroupCommit:
         self._queue: list[_Write[Any]] = []
         self._committing = False
         self._closed = False
-        self._thread: threading.Thread | None = None
         self._conn: Connection | None = None
         self.batches = 0
         self.writes = 0
+        # Started now, by the thread that opens the store: it runs at that thread's priority, which request threads
+        # started later may run below (`coordinator.server`).
+        self._thread = threading.Thread(target=self._commit_queued, name="group-commit", daemon=True)
+        self._thread.start()
 
     @property
     def queued(self) -> int:
@@ -83,9 +86,6 @@ class GroupCommit:
             if self._closed:
                 raise RuntimeError("the store is closed")
             self._queue.append(op)
-            if self._thread is None:  # started on the first write: a store opened before a fork has none to copy
-                self._thread = threading.Thread(target=self._commit_queued, name="group-commit", daemon=True)
-                self._thread.start()
             self._ready.notify()
         op.wake.wait()
         return op.outcome()
@@ -95,9 +95,7 @@ class GroupCommit:
         with self._ready:
             self._closed = True
             self._ready.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=60)
+        self._thread.join(timeout=60)
 
     def _commit_queued(self) -> None:
         try:
