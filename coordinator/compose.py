@@ -48,6 +48,14 @@ class Composed:
         return len(self.prompts) == n and self.lease.policy_version == version
 
 
+def new_lease_id(now: float) -> str:
+    """A lease id: 24 hex digits, the issuing time in milliseconds (11) then 52 random bits (13). Nobody can guess
+    one, and leases issued together sit together in the indexes keyed by it (`leases`, `lease_prompts`): storing a
+    new one writes to the pages the ones before it went to, not to a page of its own picked at random, which the
+    commit would write to the log whole."""
+    return f"{max(int(now * 1000), 0):011x}{secrets.randbits(52):013x}"
+
+
 class LeaseComposer:
     """Composes and signs the leases of one run (`task`, `config.run`'s sampling) as `identity` for `pool`."""
 
@@ -58,7 +66,7 @@ class LeaseComposer:
                 n: int) -> Composed:
         """A lease of `n` prompts for `node_id` at `version`, issued at `now`: the `queued` ones (text, answer)
         first, then new ones from the prompt stream (`prompt_rng`; `tx` is needed with `prompt_seed`)."""
-        lease_id = secrets.token_hex(12)
+        lease_id = new_lease_id(now)
         drawn = list(queued)
         if len(drawn) < n:
             rng = self.prompt_rng(tx, lease_id)

@@ -1,7 +1,9 @@
 """Single-use tokens: the nonces of signed requests and the registration challenges already redeemed.
 
-A (signer, nonce) pair is recorded once; recording it again is refused, in this process or any other sharing the
-database. A record is needed only while what it guards could still be accepted (a request's timestamp inside the
+A (signer, nonce) pair is recorded once, with the timestamp it was signed with; recording it again is refused, in
+this process or any other sharing the database. (Records are keyed by that time first, for where they are stored:
+`db.schema.nonces`. A replay carries the same timestamp; a signer reusing its own nonce at another time replays
+nothing.) A record is needed only while what it guards could still be accepted (a request's timestamp inside the
 clock window, a challenge before its expiry), so records older than that are pruned (`coordinator.liveness`).
 """
 
@@ -18,7 +20,7 @@ _RECORD = {d: Prepared(insert(d, nonces).on_conflict_do_nothing().returning(nonc
 
 
 def record_nonce(tx: Tx, signer: str, nonce: str, ts: float) -> bool:
-    """Remember (signer, nonce) with time `ts`; False if it was already recorded (a replay)."""
+    """Remember (signer, nonce) with time `ts`; False if it was already recorded with that time (a replay)."""
     return _RECORD[tx.dialect.name].first(tx, signer=signer, nonce=nonce, ts=ts) is not None
 
 

@@ -296,14 +296,14 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
         assert s.write(feed.next_position) == 2  # the feed continues, never reuses a position
         assert s.read(lambda tx: counter(tx, "feed_acked")) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
     finally:
         s.close()
 
 
 def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noqa: F811
     """A coordinator's database from before admission (revision 0005: idempotency keys and liveness) upgrades to
-    head (0006): its rows stay, nodes get zero lease counters and the source '', the stored challenges go."""
+    head: its rows stay, nodes get zero lease counters and the source '', the stored challenges go."""
     from alembic import command
     from alembic.config import Config
     from sqlalchemy import create_engine, inspect
@@ -333,14 +333,14 @@ def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noq
         assert s.read(lambda tx: leases.get_lease(tx, "L1")).signature is None
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
         assert s.read(admission.queued) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
         assert "challenges" not in inspect(s.engine).get_table_names()
     finally:
         s.close()
 
 
 def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: str) -> None:  # noqa: F811
-    """A database from before the in-flight counters (revision 0006) with leases open upgrades to head (0007) with
+    """A database from before the in-flight counters (revision 0006) with leases open upgrades to head with
     counters equal to a recount of the open leases (a proven node's, 8 accepted groups, and an unproven one's by
     source), and settling a migrated lease takes back exactly what the migration counted."""
     from alembic import command
@@ -370,7 +370,7 @@ def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: 
 
     s = Store(store_url)
     try:
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0007"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
 
         def seen_by(node_id: str, min_version: int):
             return s.read(lambda tx: admission.in_flight(tx, registry.get_node(tx, node_id), min_version))
@@ -384,6 +384,35 @@ def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: 
             assert s.write(lambda tx, lease=lease: admission.settle_lease(tx, lease, now=100.0)) > 0
         assert seen_by("u", 0) == admission.InFlight(0, 0, 0, 0, 0)
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM in_flight")).scalar_one()) == 0
+    finally:
+        s.close()
+
+
+def test_a_database_at_0007_keeps_its_nonces_keyed_by_time(store_url: str) -> None:  # noqa: F811
+    """The nonces recorded before revision 0008 (keyed by signer and nonce) are still there after it (keyed by time
+    first): a replay of those requests is still refused, and pruning by time still works."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from swarmrl.coordinator.db.store import MIGRATIONS
+
+    engine = create_engine(store_url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0007")
+        conn.execute(text("INSERT INTO nonces (signer, nonce, ts) VALUES ('a', 'n1', 10.0), ('a', 'n2', 500.0)"))
+    engine.dispose()
+
+    s = Store(store_url)
+    try:
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
+        assert not s.write(lambda tx: nonces.record_nonce(tx, "a", "n1", 10.0))
+        assert s.write(lambda tx: nonces.record_nonce(tx, "b", "n1", 10.0))
+        assert s.write(lambda tx: nonces.prune_nonces(tx, older_than=100.0)) == 2
+        assert not s.write(lambda tx: nonces.record_nonce(tx, "a", "n2", 500.0))
     finally:
         s.close()
 

@@ -66,12 +66,15 @@ nodes = Table(
     Index("nodes_last_seen", "last_seen"),
 )
 
+# Keyed by time first: a request's signed timestamp is close to now, so a new record goes next to the last ones
+# (not into a page of its own picked at random, which the commit would write whole), and pruning cuts the oldest
+# end. A replay carries the timestamp it was signed with, so it finds its record all the same.
 nonces = Table(
     "nonces", metadata,
+    Column("ts", Double, primary_key=True, autoincrement=False),
     Column("signer", Text, primary_key=True),
     Column("nonce", Text, primary_key=True),
-    Column("ts", Double, nullable=False),
-    Index("nonces_ts", "ts"),
+    sqlite_with_rowid=False,
 )
 
 leases = Table(
@@ -126,8 +129,7 @@ rollout_groups = Table(
     UniqueConstraint("lease_id", "prompt_id"),
     CheckConstraint("status IN ('pending', 'accepted', 'rejected')", name="rollout_groups_status_values"),
     Index("rollout_groups_status", "status", "id"),
-    Index("rollout_groups_node", "node_id", "status"),
-    Index("rollout_groups_held", "node_id", "held", "id"),
+    Index("rollout_groups_node", "node_id", "status", "held", "id"),  # one page per new group, not two
     sqlite_autoincrement=True,
 )
 
