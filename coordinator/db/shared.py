@@ -27,7 +27,7 @@ log = logging.getLogger("swarmrl.coordinator.db")
 
 class WriterLock:
     """An exclusive lock across processes (`flock` on `path`, made if missing), held around each write transaction.
-    Within a process only one thread asks at a time (the group commit's leader)."""
+    Within a process only one thread asks at a time (the group commit's committer)."""
 
     def __init__(self, path: Path):
         self.path = path
