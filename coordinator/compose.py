@@ -90,9 +90,10 @@ class LeaseComposer:
         return self.compose(None, node_id, version, now, [], n)
 
     def prompt_rng(self, tx: Tx | None, lease_id: str) -> random.Random:
-        """The prompt stream of a new lease: drawn from the run's secret and the lease's random id (nobody can tell
-        what the next lease holds, and no shared counter row makes lease requests wait on each other), or, when the
-        operator fixed `prompt_seed` for a reproducible stream, from it and the lease counter (moved in `tx`)."""
+        """The prompt stream of a new lease: drawn from the run's secret and the lease's id (unguessable:
+        `new_lease_id`; nobody can tell what the next lease holds, and no shared counter row makes lease requests wait
+        on each other), or, when the operator fixed `prompt_seed` for a reproducible stream, from it and the lease
+        counter (moved in `tx`)."""
         seed = self.config.prompt_seed
         if seed is not None:
             assert tx is not None, "a reproducible prompt stream is drawn inside the granting transaction"
@@ -111,7 +112,7 @@ class RecentLeases:
 
     def add(self, granted: Composed) -> None:
         """Keep `granted`'s terms, as its lease is stored (should that transaction roll back, the lease was never sent,
-        and nobody submits against its random id)."""
+        and nobody submits against its unguessable id)."""
         lease = granted.lease
         prompts = {p: LeasePromptRow(lease.lease_id, p, i, text, answer, seeds, False)
                    for i, (p, text, answer, seeds) in enumerate(granted.prompts)}
