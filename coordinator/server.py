@@ -153,17 +153,17 @@ def _serve_worker(config: CoordinatorConfig, identity: Identity, port: int, firs
     first.close()  # the first worker's socket: it accepts its own connections
     sock = _listen(config.host, port, shared=True)
     app = build_app(config, identity)
-    lower_request_priority(config)
+    lower_request_priority(app.state.coordinator.store, config.request_nice)
     uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
 
 
-def lower_request_priority(config: CoordinatorConfig) -> None:
+def lower_request_priority(store: Store, nice: int) -> None:
     """On SQLite, run this thread (the server's event loop) and every thread it starts from now on (the request
-    threads) `config.request_nice` steps below the threads started before it, the store's committer among them
+    threads) `nice` steps below the threads started before it, `store`'s committer among them
     (`CoordinatorConfig.request_nice`). Only in a server process of its own: it changes the calling thread."""
-    if config.request_nice and config.resolved_store_url.startswith("sqlite"):
+    if nice and store.dialect == "sqlite":
         me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + config.request_nice)
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + nice)
 
 
 def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
@@ -197,7 +197,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
         server = uvicorn.Server(uvicorn_config(app))
         if workers is not None:
             workers.watch(lambda: setattr(server, "should_exit", True))
-        lower_request_priority(config)
+        lower_request_priority(app.state.coordinator.store, config.request_nice)
         server.run(sockets=[sock])
     finally:
         if workers is not None:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import sqlite3
 import stat
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 
 from swarmrl.coordinator import admission, feed, leases, nonces, registry, status, verification
 from swarmrl.coordinator.checkpoints import current_version, get_manifest, latest_manifests
@@ -301,29 +303,40 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         s.close()
 
 
-def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noqa: F811
-    """A coordinator's database from before admission (revision 0005: idempotency keys and liveness) upgrades to
-    head: its rows stay, nodes get zero lease counters and the source '', the stored challenges go."""
+@contextmanager
+def _database_at(store_url: str, revision: str) -> Iterator[Connection]:
+    """A connection to `store_url`'s database, migrated to `revision` only, in a transaction committed on exit."""
     from alembic import command
     from alembic.config import Config
-    from sqlalchemy import create_engine, inspect
+    from sqlalchemy import create_engine
 
     from swarmrl.coordinator.db.store import MIGRATIONS
 
     engine = create_engine(store_url)
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0005")
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+            yield conn
+    finally:
+        engine.dispose()
+
+
+def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noqa: F811
+    """A coordinator's database from before admission (revision 0005: idempotency keys and liveness) upgrades to
+    head: its rows stay, nodes get zero lease counters and the source '', the stored challenges go."""
+    from sqlalchemy import inspect
+
+    with _database_at(store_url, "0005") as conn:
         conn.execute(text("INSERT INTO nodes (id, public_key, registered_at, last_seen, gone_since) "
                           "VALUES ('n1', 'k1', 1.0, 2.0, 3.0)"))
         conn.execute(text("INSERT INTO leases (id, node_id, policy_version, issued_at, expires_at, sampling) "
                           "VALUES ('L1', 'n1', 0, 1.0, 99.0, '{}')"))
         conn.execute(text("INSERT INTO idempotency_keys VALUES ('n1', 'key-1', 'd', 200, '{}', 1.0)"))
         conn.execute(text("INSERT INTO challenges VALUES ('c', 'k1', 9.0)"))
-    assert "challenges" in inspect(engine).get_table_names()
-    engine.dispose()
+        assert "challenges" in inspect(conn).get_table_names()
 
     s = Store(store_url)
     try:
@@ -343,18 +356,7 @@ def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: 
     """A database from before the in-flight counters (revision 0006) with leases open upgrades to head with
     counters equal to a recount of the open leases (a proven node's, 8 accepted groups, and an unproven one's by
     source), and settling a migrated lease takes back exactly what the migration counted."""
-    from alembic import command
-    from alembic.config import Config
-    from sqlalchemy import create_engine
-
-    from swarmrl.coordinator.db.store import MIGRATIONS
-
-    engine = create_engine(store_url)
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0006")
+    with _database_at(store_url, "0006") as conn:
         conn.execute(text("INSERT INTO nodes (id, public_key, registered_at, last_seen, groups_accepted, source) "
                           "VALUES ('p', 'kp', 1.0, 2.0, 9, 'a'), ('u', 'ku', 1.0, 2.0, 3, 'b'), "
                           "('v', 'kv', 1.0, 2.0, 0, 'b')"))
@@ -366,7 +368,6 @@ def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: 
                 conn.execute(text(f"INSERT INTO lease_prompts (lease_id, prompt_id, position, text, answer, seeds, "
                                   f"submitted) VALUES ('{lease}', '{lease}.{i}', {i}, 't', 'a', '[]', "
                                   f"{'TRUE' if state == 'done' else 'FALSE'})"))
-    engine.dispose()
 
     s = Store(store_url)
     try:
@@ -391,20 +392,8 @@ def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: 
 def test_a_database_at_0007_keeps_its_nonces_keyed_by_time(store_url: str) -> None:  # noqa: F811
     """The nonces recorded before revision 0008 (keyed by signer and nonce) are still there after it (keyed by time
     first): a replay of those requests is still refused, and pruning by time still works."""
-    from alembic import command
-    from alembic.config import Config
-    from sqlalchemy import create_engine
-
-    from swarmrl.coordinator.db.store import MIGRATIONS
-
-    engine = create_engine(store_url)
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0007")
+    with _database_at(store_url, "0007") as conn:
         conn.execute(text("INSERT INTO nonces (signer, nonce, ts) VALUES ('a', 'n1', 10.0), ('a', 'n2', 500.0)"))
-    engine.dispose()
 
     s = Store(store_url)
     try:

@@ -14,7 +14,6 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from swarmrl.coordinator.auth import Refused
-from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.schema import kv, leases
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
 from swarmrl.coordinator.server import lower_request_priority
@@ -123,14 +122,13 @@ def test_request_threads_run_below_the_committer(tmp_path: Path) -> None:
     """A server process opens its store, then lowers the thread that serves requests (and the ones it starts): the
     committer, started with the store, keeps the priority it had. Done in a thread of its own, since it changes
     the calling thread for good."""
-    config = CoordinatorConfig(data_dir=tmp_path, request_nice=3)
     seen: dict[str, int] = {}
 
     def server() -> None:
-        store = Store(config.resolved_store_url)
+        store = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
         try:
             seen["before"] = _nice(threading.get_native_id())
-            lower_request_priority(config)
+            lower_request_priority(store, 3)
             seen["server"] = _nice(threading.get_native_id())
             child = threading.Thread(target=lambda: seen.__setitem__("request", _nice(threading.get_native_id())))
             child.start()
