@@ -127,12 +127,20 @@ class FaultRun:
             if dead:
                 raise RuntimeError(f"{dead[0]} exited while waiting for {what}:\n{self.procs[dead[0]].tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}; trainer log:\n{self.procs['trainer'].tail()}")
+                logs = "\n".join(f"-- {n}:\n{p.tail(12)}" for n, p in self.procs.items())
+                raise TimeoutError(f"timed out waiting for {what}; the last lines of each role's log:\n{logs}")
             time.sleep(0.2)  # the polling interval of an observable condition
 
+    def trainer_finished(self) -> bool:
+        """Whether the trainer has taken its max_steps and exited: the run is over, and groups stop flowing once
+        the coordinator's buffer of untrained ones is full."""
+        trainer = self.procs["trainer"].proc
+        return trainer is not None and trainer.poll() == 0
+
     def wait_at_least(self, measure: Callable[[], int], target: int, what: str, timeout: float = 300.0) -> int:
-        """Until `measure()` reaches `target`; its value then."""
-        self.wait(lambda: measure() >= target, f"{what} to reach {target}", timeout)
+        """Until `measure()` reaches `target`, or the trainer has finished (no more progress is due after it);
+        the measure's value then."""
+        self.wait(lambda: self.trainer_finished() or measure() >= target, f"{what} to reach {target}", timeout)
         return measure()
 
     def wait_done(self, timeout: float = 900.0) -> None:
