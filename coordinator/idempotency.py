@@ -9,6 +9,10 @@ kind or payload) is refused (422). Two tries of one request running at once (a c
 while its first try was still being served) are settled by the key's primary key: the second to store its answer
 finds the first one's, rolls back its own effect and answers with the first one's answer.
 
+The answers are keyed by (key, signer), the key first: an honest client's keys begin with the time, so the answers
+stored in one commit sit side by side in that index. A key is the client's choice; one that does not begin so only
+costs that client's own answers a page of their own.
+
 Only answers of requests that changed something are stored (refusals change nothing but the nonce, and are
 evaluated again on a retry); keys are kept for `idempotency_ttl_s` (`prune`), long after any client gives up
 retrying one request.
@@ -29,7 +33,8 @@ from swarmrl.coordinator.db.schema import idempotency_keys
 from swarmrl.coordinator.db.store import Tx, insert
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{8,128}$")
-"""What an Idempotency-Key may look like (the client sends 32 hex digits)."""
+"""What an Idempotency-Key may look like (the client sends 27 hex digits, its time first:
+`runtime.client.new_idempotency_key`)."""
 
 
 @dataclass(frozen=True)

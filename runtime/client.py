@@ -48,6 +48,15 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 REGISTER_TRIES = 3
 
 
+def new_idempotency_key(now: float | None = None) -> str:
+    """The Idempotency-Key of a new logical request (sent again, unchanged, with each of its retries): 27 hex
+    digits, the time in milliseconds (11) then 64 random bits (16). The time first lets the coordinator store the
+    answers to one moment's requests side by side (`coordinator.idempotency`); the random part keeps two requests
+    apart."""
+    ms = int((time.time() if now is None else now) * 1000)
+    return f"{max(ms, 0):011x}{secrets.randbits(64):016x}"
+
+
 class CoordinatorError(Exception):
     """The coordinator refused a request (`status` is the HTTP status, `reason` its explanation).
 
@@ -111,7 +120,7 @@ class CoordinatorClient:
                  **kw: Any) -> httpx.Response:
         """Send a request, retrying per `self.retry`. `build`, when given, makes keyword arguments afresh for
         each try (a signed body or header is signed again); `kw` are the same for every try."""
-        idempotency_key = secrets.token_hex(16) if method in _STATE_CHANGING else None
+        idempotency_key = new_idempotency_key() if method in _STATE_CHANGING else None
         policy, started, attempt, internal, maybe_sent = self.retry, time.monotonic(), 0, 0, False
         while True:
             args = {**kw, **(build() if build is not None else {})}

@@ -10,7 +10,9 @@ would notice). `concurrency` connections per process carry the requests, each no
 real node's go over its own keep-alive connection), so the node count sets how many identities, rows and heartbeats
 the coordinator handles, not how many sockets it holds.
 
-Every request is signed for the pool `plan.pool` (`protocol.signing`), and, with `plan.source_header`, names its
+Every request is signed for the pool `plan.pool` (`protocol.signing`) and carries an Idempotency-Key, as a real
+node's client sends with every request that changes something (the coordinator stores each answer with the request's
+effect), and, with `plan.source_header`, names its
 node's own address in that header, as a reverse proxy in front of a coordinator does for its clients: the
 coordinator's per-source rate limits and admission then see one source per node, as they would in a deployment.
 
@@ -44,7 +46,7 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol import proofs
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import SIGNATURE_HEADER, canonical_json, sign
-from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.runtime.client import IDEMPOTENCY_HEADER, CoordinatorClient, new_idempotency_key
 from swarmrl.testing.http1 import Connection, ProtocolError
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
@@ -173,7 +175,7 @@ class LoadSwarm:
         """One POST from `node` on `conn` (reopened when closed), signed as a `signed` request when given;
         (connection, status, body), status 0 for a transport error. Counted under `kind` while measuring."""
         t0 = time.perf_counter()
-        headers = dict(JSON)
+        headers = {**JSON, IDEMPOTENCY_HEADER: new_idempotency_key()}  # as a real node's client sends (no retries here)
         if self.plan.source_header is not None:
             headers[self.plan.source_header] = node.address
         if signed is not None:

@@ -28,6 +28,9 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
 from tests.support.postgres import fresh_database, needs_pg
 
+HEAD = "0009"
+"""The newest migration's revision."""
+
 
 @pytest.fixture
 def store(store_url: str):  # noqa: F811
@@ -298,14 +301,15 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
         assert s.write(feed.next_position) == 2  # the feed continues, never reuses a position
         assert s.read(lambda tx: counter(tx, "feed_acked")) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
     finally:
         s.close()
 
 
 @contextmanager
-def _database_at(store_url: str, revision: str) -> Iterator[Connection]:
-    """A connection to `store_url`'s database, migrated to `revision` only, in a transaction committed on exit."""
+def _database_at(store_url: str, revision: str, down: bool = False) -> Iterator[Connection]:
+    """A connection to `store_url`'s database, migrated up (or `down`) to `revision` only, in a transaction committed
+    on exit."""
     from alembic import command
     from alembic.config import Config
     from sqlalchemy import create_engine
@@ -318,7 +322,7 @@ def _database_at(store_url: str, revision: str) -> Iterator[Connection]:
     try:
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
+            (command.downgrade if down else command.upgrade)(cfg, revision)
             yield conn
     finally:
         engine.dispose()
@@ -346,7 +350,7 @@ def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noq
         assert s.read(lambda tx: leases.get_lease(tx, "L1")).signature is None
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
         assert s.read(admission.queued) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
         assert "challenges" not in inspect(s.engine).get_table_names()
     finally:
         s.close()
@@ -371,7 +375,7 @@ def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: 
 
     s = Store(store_url)
     try:
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
 
         def seen_by(node_id: str, min_version: int):
             return s.read(lambda tx: admission.in_flight(tx, registry.get_node(tx, node_id), min_version))
@@ -397,13 +401,40 @@ def test_a_database_at_0007_keeps_its_nonces_keyed_by_time(store_url: str) -> No
 
     s = Store(store_url)
     try:
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == "0008"
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
         assert not s.write(lambda tx: nonces.record_nonce(tx, "a", "n1", 10.0))
         assert s.write(lambda tx: nonces.record_nonce(tx, "b", "n1", 10.0))
         assert s.write(lambda tx: nonces.prune_nonces(tx, older_than=100.0)) == 2
         assert not s.write(lambda tx: nonces.record_nonce(tx, "a", "n2", 500.0))
     finally:
         s.close()
+
+
+def test_answers_stored_before_0009_stay_through_it_both_ways(store_url: str) -> None:  # noqa: F811
+    """The stored answers of revision 0008 (keyed by signer, then key) are still there after 0009 (key first) and
+    after a downgrade back to 0008; the key still admits one answer per (key, signer)."""
+    from sqlalchemy.exc import IntegrityError
+
+    row = "('n1', 'key-1', 'd', 200, '{\"a\": 1}', 1.0)"
+    columns = "(signer, key, digest, status, body, created_at)"
+    with _database_at(store_url, "0008") as conn:
+        conn.execute(text(f"INSERT INTO idempotency_keys {columns} VALUES {row}, ('n2', 'key-1', 'e', 204, '', 2.0)"))
+
+    def answers(conn: Connection) -> list[tuple]:
+        return [tuple(r) for r in conn.execute(text("SELECT signer, key, digest, status, body FROM idempotency_keys "
+                                                    "ORDER BY signer"))]
+
+    want = [("n1", "key-1", "d", 200, '{"a": 1}'), ("n2", "key-1", "e", 204, "")]
+    s = Store(store_url)
+    try:
+        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
+        assert s.read(answers) == want
+        with pytest.raises(IntegrityError):
+            s.write(lambda tx: tx.execute(text(f"INSERT INTO idempotency_keys {columns} VALUES {row}")))
+    finally:
+        s.close()
+    with _database_at(store_url, "0008", down=True) as conn:
+        assert answers(conn) == want
 
 
 def test_the_migrations_make_what_the_schema_says(store: Store) -> None:

@@ -180,8 +180,10 @@ metrics = Table(
 
 idempotency_keys = Table(
     "idempotency_keys", metadata,
-    Column("signer", Text, primary_key=True),
+    # The key first: a client's key starts with the request's time (`runtime.client.new_idempotency_key`), so new
+    # answers are stored next to each other in this index, not at a page picked by their signer.
     Column("key", Text, primary_key=True),
+    Column("signer", Text, primary_key=True),
     Column("digest", Text, nullable=False),
     Column("status", Integer, nullable=False),
     Column("body", Text, nullable=False),
