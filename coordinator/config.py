@@ -57,6 +57,13 @@ class CoordinatorConfig(BaseModel):
         "holds the write lock, which every write waits for) the process's other threads run, in nice steps; 0: the "
         "same. Only raises their nice value (no privilege needed). With the request threads level with it, the "
         "committer often waits for a core while holding the lock (bench/RESULTS.md).")
+    realtime_committer: bool = Field(
+        True, description="SQLite: run the store's committer thread (the one that holds the write lock, which every "
+        "write waits for) under the real-time FIFO policy at its lowest priority, where the process may (Linux with "
+        "CAP_SYS_NICE: root, or a container granted it; elsewhere it runs as any thread, and the log says so). It "
+        "then takes a core the moment it can run instead of waiting behind request threads and other processes "
+        "while every write waits for it (bench/RESULTS.md). It only commits queued writes, and the kernel's "
+        "real-time throttling leaves other threads a share of every core.")
     store_group_commit: int = Field(
         64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
         "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "

@@ -52,7 +52,8 @@ class Coordinator:
         self.config, self.identity, self.clock = config, identity, clock
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(config.resolved_store_url, pool_size=config.store_pool_size,
-                           group_commit=config.store_group_commit, processes=config.workers)
+                           group_commit=config.store_group_commit, processes=config.workers,
+                           realtime_committer=config.realtime_committer)
         self.shards = ShardStore(config.data_dir / "shards", durable=True)  # a published manifest refers to them
         self.secret = RunSecret(config.data_dir)
         self.pool = pool_id(config.run.run_id, identity.public_key_hex)

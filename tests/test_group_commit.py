@@ -5,6 +5,8 @@ none of it is stored. Batches are made deterministic by holding the first write 
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from swarmrl.coordinator.auth import Refused
+from swarmrl.coordinator.db.groupcommit import make_realtime
 from swarmrl.coordinator.db.schema import kv, leases
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
 from swarmrl.coordinator.server import lower_request_priority
@@ -144,3 +147,40 @@ def test_request_threads_run_below_the_committer(tmp_path: Path) -> None:
     t.join(timeout=60)
     assert seen["server"] == seen["request"] == min(seen["before"] + 3, 19)
     assert seen["committer"] == seen["before"] < seen["server"]
+
+
+def _fifo_permitted() -> bool:
+    """Whether this process may put a thread under real-time FIFO scheduling (asked from a throwaway thread)."""
+    allowed: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
+        except OSError:
+            allowed.append(False)
+        else:
+            allowed.append(True)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return allowed[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies are Linux's")
+def test_the_committer_runs_real_time_where_the_process_may(tmp_path: Path) -> None:
+    """Asked to, the committer runs under SCHED_FIFO when the process may (and says so), at normal priority when
+    it may not; not asked, it always runs at normal priority. Writes go through either way."""
+    permitted = _fifo_permitted()
+    for asked in (True, False):
+        store = Store(f"sqlite:///{tmp_path / f'{asked}.sqlite'}", realtime_committer=asked)
+        try:
+            group = store._group
+            assert group is not None and group._thread.native_id is not None
+            policy = os.sched_getscheduler(group._thread.native_id)
+            assert group.realtime == (asked and permitted)
+            assert policy == (os.SCHED_FIFO if asked and permitted else os.SCHED_OTHER)
+            assert store.write(lambda tx: add_to_counter(tx, "accepted_seq")) == 1
+        finally:
+            store.close()
+    assert not make_realtime(2**22 + 1)  # refused (no such thread: beyond any pid): False, nothing raised

@@ -19,6 +19,8 @@ that error and none of them happened. A batch is durable (synchronous=FULL) when
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -27,6 +29,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 
 T = TypeVar("T")
+log = logging.getLogger("swarmrl.coordinator.db")
 BEGIN_KEY = "swarmrl_begin"
 """`Connection.info` key naming the statement that begins the connection's next transaction."""
 
@@ -53,9 +56,11 @@ class GroupCommit:
     their write and wait for its outcome. The thread that holds SQLite's write lock is then always the same one, and
     a batch is whatever queued while the previous commit ran."""
 
-    def __init__(self, engine: Engine, max_batch: int, across: AbstractContextManager[Any] | None = None):
+    def __init__(self, engine: Engine, max_batch: int, across: AbstractContextManager[Any] | None = None,
+                 realtime: bool = False):
         """`across`: held around each commit's transaction, when other processes write to the same database
-        (`coordinator.db.shared.WriterLock`)."""
+        (`coordinator.db.shared.WriterLock`). `realtime`: run the committer under the real-time FIFO policy where
+        the process may (`make_realtime`); `self.realtime` says whether it does."""
         self.engine, self.max_batch = engine, max(1, max_batch)
         self._across = across if across is not None else nullcontext()
         self._ready = threading.Condition(threading.Lock())
@@ -69,6 +74,7 @@ class GroupCommit:
         # started later may run below (`coordinator.server`).
         self._thread = threading.Thread(target=self._commit_queued, name="group-commit", daemon=True)
         self._thread.start()
+        self.realtime = realtime and self._thread.native_id is not None and make_realtime(self._thread.native_id)
 
     @property
     def queued(self) -> int:
@@ -176,3 +182,21 @@ class GroupCommit:
             # Raises when SQLite ended the whole transaction (e.g. a full disk): then the batch fails as a whole.
             raw.execute("ROLLBACK TO batched_write")
         raw.execute("RELEASE batched_write")
+
+
+def make_realtime(thread_id: int) -> bool:
+    """Run the thread `thread_id` (a native id) under the real-time FIFO policy at its lowest priority, if this
+    process may (Linux with CAP_SYS_NICE: root, or a container granted it); whether it now does.
+
+    Why the committer: every write of every process waits for the one thread that holds the write lock, and on a
+    machine whose cores are all busy it was often runnable but waiting for a core while holding it (a quarter of
+    its hold, measured: bench/RESULTS.md). A real-time thread takes a core the moment it can run. It runs only to
+    commit queued writes, and the kernel's real-time throttling leaves other threads a share of every core even
+    if it never stopped."""
+    try:
+        os.sched_setscheduler(thread_id, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
+    except (OSError, AttributeError) as e:  # not permitted here, or not Linux: it runs as any thread does
+        log.info("the store's committer runs at normal priority (real-time FIFO not permitted: %s)", e)
+        return False
+    log.info("the store's committer runs under real-time FIFO scheduling")
+    return True

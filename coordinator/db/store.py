@@ -150,9 +150,11 @@ class Store:
     """One engine over `url`; see the module docstring for what `write` and `read` promise. `group_commit`: on
     SQLite, writes committed together at most (1: one commit per write). `processes`: how many processes of this
     machine open the same SQLite database (`coordinator.db.shared`: they take turns at writing, and see each other's
-    changes)."""
+    changes). `realtime_committer`: on SQLite, the thread that commits every write runs under real-time scheduling
+    where the process may (`coordinator.db.groupcommit.make_realtime`)."""
 
-    def __init__(self, url: str, pool_size: int = 40, group_commit: int = 64, processes: int = 1):
+    def __init__(self, url: str, pool_size: int = 40, group_commit: int = 64, processes: int = 1,
+                 realtime_committer: bool = False):
         parsed = make_url(url)
         self.dialect = parsed.get_backend_name()
         self._group: GroupCommit | None = None
@@ -171,7 +173,7 @@ class Store:
             event.listen(self.engine, "begin", _sqlite_begin)
             if processes > 1:
                 self._writer_lock = WriterLock(Path(f"{parsed.database}-writer.lock"))
-            self._group = GroupCommit(self.engine, group_commit, self._writer_lock)
+            self._group = GroupCommit(self.engine, group_commit, self._writer_lock, realtime=realtime_committer)
         elif self.dialect == "postgresql":
             self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, pool_pre_ping=True, **json_args)
         else:
