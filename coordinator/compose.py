@@ -31,6 +31,7 @@ from swarmrl.coordinator.db.store import Tx, add_to_counter
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.signing import time_ordered_id
 from swarmrl.protocol.tasks import Task
 
 __all__ = ["Composed", "LeaseComposer", "RecentLeases"]
@@ -49,11 +50,9 @@ class Composed:
 
 
 def new_lease_id(now: float) -> str:
-    """A lease id: 24 hex digits, the issuing time in milliseconds (11) then 52 random bits (13). Nobody can guess
-    one, and leases issued together sit together in the indexes keyed by it (`leases`, `lease_prompts`): storing a
-    new one writes to the pages the ones before it went to, not to a page of its own picked at random, which the
-    commit would write to the log whole."""
-    return f"{max(int(now * 1000), 0):011x}{secrets.randbits(52):013x}"
+    """A lease id: 24 hex digits, the issuing time then 52 random bits (`time_ordered_id`). Nobody can guess one,
+    and leases issued together sit together in the indexes keyed by it (`leases`, `lease_prompts`)."""
+    return time_ordered_id(now, 13)
 
 
 class LeaseComposer:

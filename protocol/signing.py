@@ -102,6 +102,13 @@ class Signature(BaseModel):
         return self.model_dump_json()
 
 
+def time_ordered_id(now: float, random_digits: int) -> str:
+    """An id that nobody can guess and that sorts by when it was made: `now` in milliseconds as 11 hex digits, then
+    `random_digits` random hex digits (4 bits each). Ids made together sit together in an index keyed by them, so
+    storing a new one writes to the page the ones before it went to, not to one picked at random."""
+    return f"{max(int(now * 1000), 0):011x}{secrets.randbits(4 * random_digits):0{random_digits}x}"
+
+
 def _message(kind: str, pool: str, key: str, nonce: str, ts: float, body: str) -> bytes:
     return DOMAIN + canonical_json({"v": PROTOCOL_VERSION, "kind": kind, "pool": pool, "key": key, "nonce": nonce,
                                     "ts": ts, "body": body})

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from swarmrl.protocol.ledger import LedgerPage
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.overview import Overview
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
-from swarmrl.protocol.signing import PAYLOAD_HEADER, SIGNATURE_HEADER, SignatureError, sign
+from swarmrl.protocol.signing import PAYLOAD_HEADER, SIGNATURE_HEADER, SignatureError, sign, time_ordered_id
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
 
 log = logging.getLogger("swarmrl.client")
@@ -53,8 +52,7 @@ def new_idempotency_key(now: float | None = None) -> str:
     digits, the time in milliseconds (11) then 64 random bits (16). The time first lets the coordinator store the
     answers to one moment's requests side by side (`coordinator.idempotency`); the random part keeps two requests
     apart."""
-    ms = int((time.time() if now is None else now) * 1000)
-    return f"{max(ms, 0):011x}{secrets.randbits(64):016x}"
+    return time_ordered_id(time.time() if now is None else now, 16)
 
 
 class CoordinatorError(Exception):

@@ -11,10 +11,10 @@ real node's go over its own keep-alive connection), so the node count sets how m
 the coordinator handles, not how many sockets it holds.
 
 Every request is signed for the pool `plan.pool` (`protocol.signing`) and carries an Idempotency-Key, as a real
-node's client sends with every request that changes something (the coordinator stores each answer with the request's
-effect), and, with `plan.source_header`, names its
-node's own address in that header, as a reverse proxy in front of a coordinator does for its clients: the
-coordinator's per-source rate limits and admission then see one source per node, as they would in a deployment.
+node's client sends with every request that changes something (the coordinator stores each answer with the
+request's effect). With `plan.source_header`, each names its node's own address in that header, as a reverse proxy
+in front of a coordinator does for its clients: the coordinator's per-source rate limits and admission then see one
+source per node, as they would in a deployment.
 
 A submission's canonical JSON is spliced from per-rollout pieces encoded once (a generator process shares the
 cores with the server it measures); `SubmissionEncoder` checks at start that the splice equals

@@ -32,6 +32,11 @@ HEAD = "0009"
 """The newest migration's revision."""
 
 
+def _revision(store: Store) -> str:
+    """The migration revision `store`'s database is at."""
+    return store.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one())
+
+
 @pytest.fixture
 def store(store_url: str):  # noqa: F811
     s = Store(store_url)
@@ -301,7 +306,7 @@ def test_state_survives_reopen(store_url: str) -> None:  # noqa: F811
         assert s.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
         assert s.write(feed.next_position) == 2  # the feed continues, never reuses a position
         assert s.read(lambda tx: counter(tx, "feed_acked")) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
+        assert _revision(s) == HEAD
     finally:
         s.close()
 
@@ -350,7 +355,7 @@ def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noq
         assert s.read(lambda tx: leases.get_lease(tx, "L1")).signature is None
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
         assert s.read(admission.queued) == 0
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
+        assert _revision(s) == HEAD
         assert "challenges" not in inspect(s.engine).get_table_names()
     finally:
         s.close()
@@ -375,7 +380,7 @@ def test_a_database_at_0006_with_open_leases_gets_in_flight_counters(store_url: 
 
     s = Store(store_url)
     try:
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
+        assert _revision(s) == HEAD
 
         def seen_by(node_id: str, min_version: int):
             return s.read(lambda tx: admission.in_flight(tx, registry.get_node(tx, node_id), min_version))
@@ -401,7 +406,7 @@ def test_a_database_at_0007_keeps_its_nonces_keyed_by_time(store_url: str) -> No
 
     s = Store(store_url)
     try:
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
+        assert _revision(s) == HEAD
         assert not s.write(lambda tx: nonces.record_nonce(tx, "a", "n1", 10.0))
         assert s.write(lambda tx: nonces.record_nonce(tx, "b", "n1", 10.0))
         assert s.write(lambda tx: nonces.prune_nonces(tx, older_than=100.0)) == 2
@@ -427,7 +432,7 @@ def test_answers_stored_before_0009_stay_through_it_both_ways(store_url: str) ->
     want = [("n1", "key-1", "d", 200, '{"a": 1}'), ("n2", "key-1", "e", 204, "")]
     s = Store(store_url)
     try:
-        assert s.read(lambda tx: tx.execute(text("SELECT version_num FROM alembic_version")).scalar_one()) == HEAD
+        assert _revision(s) == HEAD
         assert s.read(answers) == want
         with pytest.raises(IntegrityError):
             s.write(lambda tx: tx.execute(text(f"INSERT INTO idempotency_keys {columns} VALUES {row}")))
