@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import LeasePromptRow
 from swarmrl.coordinator.db.schema import LEASE_COUNTER
-from swarmrl.coordinator.db.store import Tx, add_to_counter
+from swarmrl.coordinator.db.store import EncodedJSON, Tx, add_to_counter, encode_json
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
@@ -39,14 +39,26 @@ __all__ = ["Composed", "LeaseComposer", "RecentLeases"]
 
 @dataclass(frozen=True)
 class Composed:
-    """A signed lease, and what the coordinator keeps of its prompts: (prompt_id, text, answer, seeds)."""
+    """A signed lease, what the coordinator keeps of its prompts: (prompt_id, text, answer, seeds), and the lease's
+    JSON columns as they are stored (`coordinator.leases.insert_lease`), encoded when it is composed: a draft's
+    are encoded before the transaction that stores it."""
 
     lease: m.Lease
     prompts: list[tuple[str, str, str, list[int]]]
+    sampling: EncodedJSON
+    signature: EncodedJSON
+    digests: EncodedJSON
 
     def fits(self, n: int, version: int) -> bool:
         """Whether this draft is the lease a grant of `n` new prompts at `version` would compose."""
         return len(self.prompts) == n and self.lease.policy_version == version
+
+
+def new_seeds(n: int) -> list[int]:
+    """`n` sampling seeds of 63 random bits each, from one read of the system's random source (not one per seed:
+    that is a system call each)."""
+    raw = secrets.token_bytes(8 * n)
+    return [int.from_bytes(raw[i:i + 8], "big") >> 1 for i in range(0, 8 * n, 8)]
 
 
 def new_lease_id(now: float) -> str:
@@ -60,6 +72,7 @@ class LeaseComposer:
 
     def __init__(self, config: CoordinatorConfig, task: Task, identity: Identity, pool: str, secret: RunSecret):
         self.config, self.task, self.identity, self.pool, self.secret = config, task, identity, pool, secret
+        self._sampling = encode_json(config.run.sampling.model_dump(mode="json"))  # the same in every lease
 
     def compose(self, tx: Tx | None, node_id: str, version: int, now: float, queued: list[tuple[str, str]],
                 n: int) -> Composed:
@@ -73,12 +86,12 @@ class LeaseComposer:
                 problem = self.task.sample(rng)
                 drawn.append((problem.prompt, problem.answer))
         group_size = self.config.run.sampling.group_size
-        prompts = [(f"{lease_id}.{i}", text, answer, [secrets.randbits(63) for _ in range(group_size)])
-                   for i, (text, answer) in enumerate(drawn)]
+        prompts = [(f"{lease_id}.{i}", text, answer, new_seeds(group_size)) for i, (text, answer) in enumerate(drawn)]
         lease = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=node_id, policy_version=version,
                               expires_at=now + self.config.lease_ttl_s, sampling=self.config.run.sampling,
                               prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
-        return Composed(lease, prompts)
+        return Composed(lease, prompts, self._sampling, encode_json(lease.signature.model_dump(mode="json")),
+                        encode_json(lease.digests()))
 
     def draft(self, node_id: str, n: int, version: int, now: float) -> Composed | None:
         """A lease of `n` new prompts, composed outside any transaction (module docstring); None when the prompt

@@ -23,8 +23,8 @@ from swarmrl.coordinator.compose import Composed, LeaseComposer, RecentLeases
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow, NodeRow
-from swarmrl.coordinator.db.schema import lease_prompts, leases, rollout_groups
-from swarmrl.coordinator.db.store import EncodedJSON, Store, Tx
+from swarmrl.coordinator.db.schema import CURRENT_VERSION, lease_prompts, leases, rollout_groups
+from swarmrl.coordinator.db.store import EncodedJSON, Store, Tx, counter_query
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.registry import require_node, touch_settled
@@ -41,9 +41,9 @@ SWEEP_EVERY_S = 1.0
 _l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
 _OPEN_LEASES = Prepared(select(func.count()).select_from(leases).where(
     _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double)))
-_GET_LEASE = select(leases).where(_l.id == bindparam("b_lease"))
-_GET_LEASE_LOCKED = Prepared(_GET_LEASE.with_for_update())
-_GET_LEASE = Prepared(_GET_LEASE)
+# A submission's lease, locked, with the current version beside it: one statement where it was two.
+_LEASE_AND_VERSION = Prepared(select(leases, counter_query(CURRENT_VERSION).scalar_subquery()).where(
+    _l.id == bindparam("b_lease")).with_for_update())
 _PROMPTS = Prepared(select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position))
 _MARK = Prepared(update(lease_prompts).where(
     _p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"), _p.submitted.is_(False)
@@ -63,8 +63,8 @@ def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
 
 
 def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
-                 sampling: dict[str, Any], prompts: list[tuple[str, str, str, list[int]]],
-                 signature: dict[str, Any] | None = None, digests: list[str] | None = None,
+                 sampling: dict[str, Any] | EncodedJSON, prompts: list[tuple[str, str, str, list[int]]],
+                 signature: dict[str, Any] | EncodedJSON | None = None, digests: list[str] | EncodedJSON | None = None,
                  counted_as: tuple[str, str] = ("", "")) -> dict[inflight.Key, int]:
     """Store a lease (with its signature and its prompts' digests, as signed) and its prompts, each (prompt_id,
     text, answer, seeds), counted in flight as `counted_as` (`inflight.counted_as`; ('', ''): nowhere). The
@@ -82,9 +82,11 @@ def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issue
     return deltas
 
 
-def get_lease(tx: Tx, lease_id: str, *, lock: bool = False) -> LeaseRow | None:
-    """The lease; with `lock`, locked until the transaction ends (submissions of one lease take turns)."""
-    return (_GET_LEASE_LOCKED if lock else _GET_LEASE).first_as(LeaseRow, tx, b_lease=lease_id)
+def lock_lease(tx: Tx, lease_id: str) -> tuple[LeaseRow, int] | None:
+    """The lease, locked until the transaction ends (submissions of one lease take turns), and the current policy
+    version (`current_version`); None for an unknown lease."""
+    found = _LEASE_AND_VERSION.first_as_with(LeaseRow, tx, b_lease=lease_id)
+    return None if found is None else (found[0], int(found[1][-1]))
 
 
 def get_prompts(tx: Tx, lease_id: str) -> dict[str, LeasePromptRow]:
@@ -219,14 +221,13 @@ class Leases:
     def _sign_and_store(self, tx: Tx, node: NodeRow, n: int, version: int, now: float,
                         deltas: dict[inflight.Key, int], draft: Composed | None = None) -> m.Lease:
         """Compose (or take the `draft` of, when it fits: `coordinator.compose`) and store a lease of `n` prompts."""
-        adm, sampling = self.config.admission, self.config.run.sampling
+        adm = self.config.admission
         queued = admission.take_queued(tx, node.id, n)
         if queued or draft is None or not draft.fits(n, version):
             draft = self.composer.compose(tx, node.id, version, now, queued, n)
         signed = draft.lease
-        counted = insert_lease(tx, signed.lease_id, node.id, version, now, signed.expires_at,
-                               sampling.model_dump(mode="json"), draft.prompts,
-                               signed.signature.model_dump(mode="json"), signed.digests(),
+        counted = insert_lease(tx, signed.lease_id, node.id, version, now, signed.expires_at, draft.sampling,
+                               draft.prompts, draft.signature, draft.digests,
                                inflight.counted_as(admission.is_proven(node, adm), node.source))
         admission.count_leased(tx, node.id, n)
         for key, d in counted.items():
@@ -294,11 +295,12 @@ class Leases:
             admit(tx, req)
             # An unknown or banned node is told so before anything else; on the way that takes the lease's groups,
             # its own row says so (`touch_settled`), and the transaction rolls back.
-            lease = get_lease(tx, sub.lease_id, lock=True)
-            if lease is None or lease.node_id != req.signer:
+            found = lock_lease(tx, sub.lease_id)
+            if found is None or found[0].node_id != req.signer:
                 require_node(tx, req.signer)
-                raise Refused(404, "unknown lease") if lease is None else Refused(403, "lease belongs to another node")
-            version = self._version_seen = current_version(tx)
+                raise Refused(404, "unknown lease") if found is None else Refused(403, "lease belongs to another node")
+            lease, version = found
+            self._version_seen = version
             if lease.state != "open":  # a late or repeated submission: each group says why, nothing else changes
                 prompts = get_prompts(tx, sub.lease_id)
                 late = m.SubmitResult(accepted=[], rejected={g.prompt_id: _too_late(prompts.get(g.prompt_id))

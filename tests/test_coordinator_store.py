@@ -129,8 +129,11 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     assert open_at(150.0) == 1  # L2 expired
     prompts = store.read(lambda tx: leases.get_prompts(tx, "L1"))
     assert list(prompts) == ["L1.0", "L1.1"] and prompts["L1.1"].seeds == [11, 21]
-    assert prompts["L1.1"].answer == "2" and store.read(lambda tx: leases.get_lease(tx, "L1")).sampling == {
-        "group_size": 2}
+    store.write(lambda tx: raise_counter(tx, CURRENT_VERSION, 4))
+    lease, version = store.write(lambda tx: leases.lock_lease(tx, "L1"))
+    assert prompts["L1.1"].answer == "2" and lease.sampling == {"group_size": 2} and lease.id == "L1"
+    assert version == 4  # the current version, read with the lease
+    assert store.write(lambda tx: leases.lock_lease(tx, "L9")) is None
     mark = lambda p: store.write(lambda tx: leases.mark_submitted(tx, "L1", p))  # noqa: E731
     assert mark("L1.0")
     assert not mark("L1.0")
@@ -352,7 +355,7 @@ def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noq
         node = _get_node(s)
         assert node is not None and node.gone_since == 3.0
         assert (node.prompts_leased, node.prompts_abandoned, node.source) == (0, 0, "")
-        assert s.read(lambda tx: leases.get_lease(tx, "L1")).signature is None
+        assert s.write(lambda tx: leases.lock_lease(tx, "L1"))[0].signature is None
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
         assert s.read(admission.queued) == 0
         assert _revision(s) == HEAD

@@ -121,6 +121,11 @@ class Prepared:
         row = self.first(tx, **params)
         return None if row is None else cls(*(row[i] for i in _indexes(cls, self._plan(tx.dialect))))
 
+    def first_as_with(self, cls: type[T], tx: Connection, **params: Any) -> tuple[T, tuple[Any, ...]] | None:
+        """The first row as `cls`, and the whole row (for the columns `cls` does not hold)."""
+        row = self.first(tx, **params)
+        return None if row is None else (cls(*(row[i] for i in _indexes(cls, self._plan(tx.dialect)))), row)
+
 
 def _getter(order: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     """values -> the values of `order`, as a tuple (in C: `itemgetter`)."""

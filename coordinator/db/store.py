@@ -58,6 +58,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql import Select
 
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.groupcommit import BEGIN_KEY, GroupCommit
@@ -95,6 +96,11 @@ def insert(tx: Tx | str, table: Table) -> Any:
 
 # Statements used on every request are built once (building one costs more than running it on SQLite), with
 # bind parameters for what varies.
+def counter_query(key: str) -> Select[tuple[int]]:
+    """The select of counter `key`'s value (to read it inside another statement: `counter` reads it alone)."""
+    return select(kv.c.value).where(kv.c.key == key)
+
+
 _COUNTER = select(kv.c.value).where(kv.c.key == bindparam("b_key"))
 _COUNTER_LOCKED = Prepared(_COUNTER.with_for_update())
 _COUNTER = Prepared(_COUNTER)
@@ -136,6 +142,11 @@ def migrate(engine: Engine) -> None:
 class EncodedJSON(str):
     """A value already encoded as JSON text: a JSON column stores it as it is. Lets a large value (a submitted group)
     be encoded before its write transaction, while other writes are not waiting for it."""
+
+
+def encode_json(obj: Any) -> EncodedJSON:
+    """`obj` encoded as a JSON column stores it: to encode a value before its write transaction."""
+    return EncodedJSON(orjson.dumps(obj).decode())
 
 
 def _json_dumps(obj: Any) -> str:
