@@ -39,13 +39,14 @@ Rows at zero are deleted as they reach it, so the table holds only what is in fl
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sqlalchemy import BigInteger, Integer, and_, bindparam, case, delete, func, or_, select, update
+from sqlalchemy import BigInteger, Integer, and_, bindparam, case, delete, exists, func, or_, select, update
 
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import in_flight as table
+from swarmrl.coordinator.db.schema import prompt_queue
 from swarmrl.coordinator.db.store import Tx, insert
 
 STRIPES = 16
@@ -69,6 +70,9 @@ class InFlight:
     """Unproven identities', of a usable policy version."""
     unproven_same_source: int
     """Unproven identities' registered from the requester's source (any version)."""
+    queued: bool = field(default=True, compare=False)
+    """Whether a prompt waits in the queue that the requester did not abandon (read with the counters, in the same
+    statement, so that a grant reads the queue only when one does: `admission.take_queued`). Not a count."""
 
 
 def stripe(node_id: str) -> int:
@@ -135,13 +139,14 @@ _SUMS = Prepared(select(
     func.coalesce(func.sum(case((_c.cls == UNPROVEN, _c.n), else_=0)), 0),
     func.coalesce(func.sum(case((and_(_c.cls == UNPROVEN, _c.policy_version >= _min), _c.n), else_=0)), 0),
     func.coalesce(func.sum(case((_c.cls == SOURCE, _c.n), else_=0)), 0),
+    exists().where(prompt_queue.c.abandoned_by != bindparam("b_node")),
 ).where(or_(_c.cls == PROVEN, _c.cls == UNPROVEN, and_(_c.cls == SOURCE, _c.source == _src))))
 
 
 def read(tx: Tx, node: NodeRow, min_version: int, pending: dict[Key, int] | None = None) -> InFlight:
     """What is in flight, as seen by `node` (its row as read in this transaction) asking for a lease; usable: of
     policy version >= `min_version`. `pending`: counter moves of this transaction not yet applied, counted too."""
-    proven, unproven, usable, same = _SUMS.first(tx, b_min=min_version, b_src=node.source) or (0, 0, 0, 0)
+    proven, unproven, usable, same, queued = _SUMS.first(tx, b_min=min_version, b_src=node.source, b_node=node.id)
     for (cls, source, version, _), n in (pending or {}).items():
         if cls == PROVEN:
             proven += n if version >= min_version else 0
@@ -150,4 +155,4 @@ def read(tx: Tx, node: NodeRow, min_version: int, pending: dict[Key, int] | None
             usable += n if version >= min_version else 0
         elif cls == SOURCE and source == node.source:
             same += n
-    return InFlight(node.in_flight, int(proven), int(unproven), int(usable), int(same))
+    return InFlight(node.in_flight, int(proven), int(unproven), int(usable), int(same), bool(queued))

@@ -214,15 +214,17 @@ class Leases:
             granted = None
         else:
             granted = self._sign_and_store(tx, node, min(body.max_prompts, allowed - flight.own), version, now,
-                                           deltas, draft)
+                                           deltas, draft, flight.queued)
         inflight.apply(tx, deltas)
         return granted
 
     def _sign_and_store(self, tx: Tx, node: NodeRow, n: int, version: int, now: float,
-                        deltas: dict[inflight.Key, int], draft: Composed | None = None) -> m.Lease:
-        """Compose (or take the `draft` of, when it fits: `coordinator.compose`) and store a lease of `n` prompts."""
+                        deltas: dict[inflight.Key, int], draft: Composed | None = None, queue: bool = True
+                        ) -> m.Lease:
+        """Compose (or take the `draft` of, when it fits: `coordinator.compose`) and store a lease of `n` prompts,
+        queued ones first (`queue`: whether any may wait for this node)."""
         adm = self.config.admission
-        queued = admission.take_queued(tx, node.id, n)
+        queued = admission.take_queued(tx, node.id, n) if queue else []
         if queued or draft is None or not draft.fits(n, version):
             draft = self.composer.compose(tx, node.id, version, now, queued, n)
         signed = draft.lease

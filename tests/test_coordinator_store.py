@@ -144,6 +144,11 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     node = _get_node(store)
     assert node.prompts_abandoned == 1
     assert store.write(lambda tx: admission.take_queued(tx, "n1", 5)) == []  # not back to the node that left it
+    # A grant reads the queue only when the counters' statement says a prompt waits there for its node.
+    _node(store, "n2")
+    waits_for = lambda node_id: store.read(lambda tx: admission.in_flight(  # noqa: E731
+        tx, registry.get_node(tx, node_id), 0).queued)
+    assert not waits_for("n1") and waits_for("n2")
     # An expired lease is settled by the sweep the same way.
     assert store.write(lambda tx: admission.sweep_expired(tx, now=150.0, limit=10)) == 2
     assert _get_node(store).prompts_abandoned == 3
