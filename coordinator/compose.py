@@ -87,11 +87,12 @@ class LeaseComposer:
                 drawn.append((problem.prompt, problem.answer))
         group_size = self.config.run.sampling.group_size
         prompts = [(f"{lease_id}.{i}", text, answer, new_seeds(group_size)) for i, (text, answer) in enumerate(drawn)]
-        lease = m.Lease.issue(self.identity, self.pool, lease_id=lease_id, node_id=node_id, policy_version=version,
-                              expires_at=now + self.config.lease_ttl_s, sampling=self.config.run.sampling,
-                              prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
+        lease, digests = m.Lease.issue_with_digests(
+            self.identity, self.pool, lease_id=lease_id, node_id=node_id, policy_version=version,
+            expires_at=now + self.config.lease_ttl_s, sampling=self.config.run.sampling,
+            prompts=[m.LeasedPrompt(prompt_id=p, text=t, seeds=s) for p, t, _, s in prompts])
         return Composed(lease, prompts, self._sampling, encode_json(lease.signature.model_dump(mode="json")),
-                        encode_json(lease.digests()))
+                        encode_json(digests))
 
     def draft(self, node_id: str, n: int, version: int, now: float) -> Composed | None:
         """A lease of `n` new prompts, composed outside any transaction (module docstring); None when the prompt

@@ -58,9 +58,20 @@ class Lease(_Strict):
     def issue(cls, coordinator: Identity, pool: str, *, lease_id: str, node_id: str, policy_version: int,
               expires_at: float, sampling: SamplingSpec, prompts: list[LeasedPrompt]) -> Lease:
         """A lease signed by `coordinator` for `pool`."""
-        body = _terms(lease_id, node_id, policy_version, expires_at, sampling, [prompt_digest(p) for p in prompts])
-        return cls(lease_id=lease_id, node_id=node_id, policy_version=policy_version, expires_at=expires_at,
-                   sampling=sampling, prompts=prompts, signature=sign(coordinator, KIND_GRANT, pool, body))
+        return cls.issue_with_digests(coordinator, pool, lease_id=lease_id, node_id=node_id,
+                                      policy_version=policy_version, expires_at=expires_at, sampling=sampling,
+                                      prompts=prompts)[0]
+
+    @classmethod
+    def issue_with_digests(cls, coordinator: Identity, pool: str, *, lease_id: str, node_id: str,
+                           policy_version: int, expires_at: float, sampling: SamplingSpec,
+                           prompts: list[LeasedPrompt]) -> tuple[Lease, list[str]]:
+        """`issue`, and the prompts' digests it signed (`digests()`, without computing them again)."""
+        digests = [prompt_digest(p) for p in prompts]
+        body = _terms(lease_id, node_id, policy_version, expires_at, sampling, digests)
+        lease = cls(lease_id=lease_id, node_id=node_id, policy_version=policy_version, expires_at=expires_at,
+                    sampling=sampling, prompts=prompts, signature=sign(coordinator, KIND_GRANT, pool, body))
+        return lease, digests
 
     def digests(self) -> list[str]:
         return [prompt_digest(p) for p in self.prompts]
