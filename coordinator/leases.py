@@ -219,18 +219,16 @@ class Leases:
         return granted
 
     def _sign_and_store(self, tx: Tx, node: NodeRow, n: int, version: int, now: float,
-                        deltas: dict[inflight.Key, int], draft: Composed | None = None, queue: bool = True
-                        ) -> m.Lease:
+                        deltas: dict[inflight.Key, int], draft: Composed | None, queue: bool) -> m.Lease:
         """Compose (or take the `draft` of, when it fits: `coordinator.compose`) and store a lease of `n` prompts,
         queued ones first (`queue`: whether any may wait for this node)."""
-        adm = self.config.admission
         queued = admission.take_queued(tx, node.id, n) if queue else []
         if queued or draft is None or not draft.fits(n, version):
             draft = self.composer.compose(tx, node.id, version, now, queued, n)
         signed = draft.lease
         counted = insert_lease(tx, signed.lease_id, node.id, version, now, signed.expires_at, draft.sampling,
                                draft.prompts, draft.signature, draft.digests,
-                               inflight.counted_as(admission.is_proven(node, adm), node.source))
+                               inflight.counted_as(admission.is_proven(node, self.config.admission), node.source))
         admission.count_leased(tx, node.id, n)
         for key, d in counted.items():
             deltas[key] = deltas.get(key, 0) + d
@@ -267,9 +265,8 @@ class Leases:
 
     def _precheck(self, signer: str, sub: m.RolloutSubmission, now: float) -> _Prechecked | None:
         """What a submission's transaction would work out from its lease's terms (`_judged`), worked out before it
-        (on SQLite the writes take turns), with the next lease's draft for the version last seen
-        (`coordinator.compose`). None for a lease this process does not know, or not the signer's: the transaction
-        then works it out, or says why."""
+        (writes take turns on SQLite), with the next lease's draft for the version last seen (`coordinator.compose`).
+        None for a lease this process does not know, or not the signer's: the transaction works it out, or says why."""
         known = self.recent.take(sub.lease_id)
         if known is None or known[0].node_id != signer:
             return None
