@@ -1,0 +1,187 @@
+"""Benchmark: the CPU of a submission's write transaction, this checkout against a baseline commit, side by side.
+
+On SQLite the coordinator's writes take turns, one transaction at a time across its processes, so what one
+submission's transaction costs bounds the submissions per second (`bench/coordinator_load.py` measures those end to
+end). On a shared machine whose speed moves by 2x within minutes, end-to-end figures of two versions measured one
+after the other cannot tell a 10% change from the machine's. Here both versions run at the same time, each in a
+process of its own: an in-process coordinator (the app's signed routes, its store and group commit on an SQLite
+file of its own; no HTTP) and `--nodes` simulated nodes that submit one after another, each submission with its
+next lease, as nodes send them. Whatever the machine does, it does to both. Each round reports, per submission,
+the CPU seconds of its write transaction (the committer thread's, from the first statement to the last, the commit
+excluded) and of the whole process (the simulated nodes' signing included); the medians of the rounds' ratios are
+the figures.
+
+    python bench/write_path.py --baseline HEAD~1            # this checkout against its parent commit
+    python bench/write_path.py --baseline HEAD --rounds 4   # the same code twice: how far apart pairs land
+
+The baseline is checked out into a temporary worktree (removed at the end); it must be recent enough to have the
+in-process pieces used here (`coordinator.app.build_app` with `SignedDispatch`, the group commit's committer).
+The last line printed is one JSON object: `write_cpu_ratio`, `process_cpu_ratio` (this / baseline), the medians
+of both versions' `write_cpu_us` and `process_cpu_us`, and each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
+    """Run the in-process coordinator and its nodes (imports from whichever checkout PYTHONPATH names)."""
+    import orjson
+
+    from swarmrl.coordinator.admission import AdmissionConfig
+    from swarmrl.coordinator.app import build_app
+    from swarmrl.coordinator.config import CoordinatorConfig
+    from swarmrl.coordinator.db import groupcommit
+    from swarmrl.coordinator.db.schema import CURRENT_VERSION
+    from swarmrl.coordinator.db.store import raise_counter
+    from swarmrl.coordinator.pipeline import SignedDispatch
+    from swarmrl.coordinator.ratelimit import RateLimitConfig
+    from swarmrl.protocol import messages as m
+    from swarmrl.protocol.identity import Identity
+    from swarmrl.protocol.run import RunSpec
+    from swarmrl.protocol.signing import canonical_json, sign
+    from swarmrl.runtime.client import new_idempotency_key
+    from swarmrl.testing.load import SubmissionEncoder
+
+    work = Path(tempfile.mkdtemp(prefix="write-path-"))
+    config = CoordinatorConfig(
+        data_dir=work / "coord", store_url=f"sqlite:///{work / 'coordinator.sqlite'}", realtime_committer=False,
+        run=RunSpec(run_id="write-path", sampling=m.SamplingSpec(group_size=8, max_tokens=64)),
+        operator_keys=[Identity.generate().public_key_hex], rate_limits=RateLimitConfig.off(),
+        admission=AdmissionConfig(max_unproven_prompts=max(nodes, 1)))
+    app = build_app(config, config.load_identity())
+    svc = app.state.coordinator
+    dispatch = next(mw for mw in app.user_middleware if mw.cls is SignedDispatch)
+    routes = dispatch.kwargs["routes"].routes
+
+    # The committer runs a write alone when nothing else is queued (always, here: one node at a time).
+    spent = {"cpu": 0.0, "writes": 0}
+    run_alone = groupcommit.GroupCommit._run_alone
+
+    def timed(conn: Any, write: Any) -> None:
+        start = time.thread_time()
+        try:
+            run_alone(conn, write)
+        finally:
+            spent["cpu"] += time.thread_time() - start
+            spent["writes"] += 1
+
+    groupcommit.GroupCommit._run_alone = staticmethod(timed)  # type: ignore[method-assign]
+    sources: dict[str, str] = {}
+
+    def post(identity: Identity, path: str, kind: str, body: bytes) -> Any:
+        route = routes[path]
+        source = sources.setdefault(identity.node_id, f"10.0.{len(sources) >> 8}.{len(sources) & 255}")
+        sig = route.check(sign(identity, kind, svc.pool, body).header(), True)
+        answer = route.handle(sig, body, new_idempotency_key(), source)
+        if answer.status != 200:
+            raise RuntimeError(f"{path}: {answer.status} {answer.body[:200]!r}")
+        return orjson.loads(answer.body)
+
+    encoder = SubmissionEncoder(8, 64, 64)
+    ask = {"held_version": 0, "max_prompts": 1}
+    svc.store.write(lambda tx: raise_counter(tx, CURRENT_VERSION, 0))  # version 0 published (no weights needed)
+    held: list[tuple[Identity, dict[str, Any]]] = []
+    for i in range(nodes):
+        identity = Identity.generate()
+        challenge = svc.registry.challenge(m.ChallengeRequest(public_key=identity.public_key_hex)).challenge
+        post(identity, "/v1/register", m.KIND_REGISTER,
+             canonical_json({"challenge": challenge, "engine": "sim", "name": f"n{i}"}))
+        held.append((identity, post(identity, "/v1/lease", m.KIND_LEASE, canonical_json(ask))))
+
+    def submit(i: int) -> None:
+        identity, lease = held[i % nodes]
+        prompts = [(p["prompt_id"], p["seeds"]) for p in lease["prompts"]]
+        result = post(identity, "/v1/submit", m.KIND_SUBMIT, encoder.encode(lease["lease_id"], 0, prompts, ask))
+        if not result["accepted"] or result.get("next_lease") is None:
+            raise RuntimeError(f"submission not taken whole: {result}")
+        held[i % nodes] = (identity, result["next_lease"])
+
+    for i in range(warmup):
+        submit(i)
+    spent.update(cpu=0.0, writes=0)
+    cpu0 = time.process_time()
+    for i in range(warmup, warmup + submissions):
+        submit(i)
+    cpu = time.process_time() - cpu0
+    svc.close()
+    return {"write_cpu_us": round(spent["cpu"] / spent["writes"] * 1e6, 1),
+            "process_cpu_us": round(cpu / submissions * 1e6, 1), "writes": spent["writes"]}
+
+
+def _worktree(rev: str, into: Path) -> Path:
+    path = into / "baseline"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
+                   capture_output=True)
+    return path
+
+
+def _round(checkouts: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Both versions at once; each one's figures."""
+    procs = {}
+    for name, root in checkouts.items():
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--nodes", str(args.nodes),
+               "--warmup", str(args.warmup), "--submissions", str(args.submissions)]
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{stderr[-3000:]}")
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", default="HEAD~1", help="the commit to compare this checkout with (git revision)")
+    p.add_argument("--rounds", type=int, default=6, help="pairs run side by side")
+    p.add_argument("--nodes", type=int, default=50, help="simulated nodes, taking turns")
+    p.add_argument("--warmup", type=int, default=200, help="submissions before measuring, per round")
+    p.add_argument("--submissions", type=int, default=800, help="measured submissions per round and version")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.nodes, args.warmup, args.submissions)))
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory(prefix="write-path-") as tmp:
+        base = _worktree(args.baseline, Path(tmp))
+        try:
+            rounds = []
+            for i in range(args.rounds):
+                with console.status(f"round {i + 1}/{args.rounds}: both versions at once"):
+                    got = _round({"this": ROOT, "baseline": base}, args)
+                rounds.append(got)
+                console.print(f"round {i + 1}: write CPU {got['this']['write_cpu_us']:.0f} us (this) vs "
+                              f"{got['baseline']['write_cpu_us']:.0f} us (baseline); process CPU "
+                              f"{got['this']['process_cpu_us']:.0f} vs {got['baseline']['process_cpu_us']:.0f} us")
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False,
+                           capture_output=True)
+    result: dict[str, Any] = {"baseline": args.baseline, "rounds": len(rounds), "submissions": args.submissions}
+    for key in ("write_cpu_us", "process_cpu_us"):
+        ratios = [r["this"][key] / r["baseline"][key] for r in rounds]
+        result[key.replace("_us", "_ratio")] = round(statistics.median(ratios), 3)
+        result[f"{key[:-3]}_ratios"] = [round(x, 3) for x in ratios]
+        result[key] = {name: round(statistics.median(r[name][key] for r in rounds), 1) for name in ("this", "baseline")}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
