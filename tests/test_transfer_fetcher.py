@@ -216,7 +216,8 @@ def test_resume_after_a_killed_download(tmp_path, published, coordinator):
     # One of the shards on disk has been damaged since: it is fetched again, not written into the files.
     damaged = sorted(held)[0]
     path = store.path(damaged)
-    path.write_bytes(b"x" + path.read_bytes()[1:])
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # its first byte changed, whatever it was ("x" was, 1 in 256)
 
     origin = StoreSource(origin_store)
     f = CheckpointFetcher(root, coordinator.public_key_hex, [origin])
