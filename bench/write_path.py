@@ -177,8 +177,9 @@ def main() -> None:
     result: dict[str, Any] = {"baseline": args.baseline, "rounds": len(rounds), "submissions": args.submissions}
     for key in ("write_cpu_us", "process_cpu_us"):
         ratios = [r["this"][key] / r["baseline"][key] for r in rounds]
-        result[key.replace("_us", "_ratio")] = round(statistics.median(ratios), 3)
-        result[f"{key[:-3]}_ratios"] = [round(x, 3) for x in ratios]
+        name = key.removesuffix("_us")
+        result[f"{name}_ratio"] = round(statistics.median(ratios), 3)
+        result[f"{name}_ratios"] = [round(x, 3) for x in ratios]
         result[key] = {name: round(statistics.median(r[name][key] for r in rounds), 1) for name in ("this", "baseline")}
     print(json.dumps(result))
 

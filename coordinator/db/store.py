@@ -96,11 +96,6 @@ def insert(tx: Tx | str, table: Table) -> Any:
 
 # Statements used on every request are built once (building one costs more than running it on SQLite), with
 # bind parameters for what varies.
-def counter_query(key: str) -> Select[tuple[int]]:
-    """The select of counter `key`'s value (to read it inside another statement: `counter` reads it alone)."""
-    return select(kv.c.value).where(kv.c.key == key)
-
-
 _COUNTER = select(kv.c.value).where(kv.c.key == bindparam("b_key"))
 _COUNTER_LOCKED = Prepared(_COUNTER.with_for_update())
 _COUNTER = Prepared(_COUNTER)
@@ -113,6 +108,11 @@ _RAISE = Prepared(update(kv).where(kv.c.key == bindparam("b_key"), kv.c.value < 
 def counter(tx: Tx, key: str, *, lock: bool = False) -> int:
     """The value of counter `key`; with `lock`, its row stays locked until the transaction ends (PostgreSQL)."""
     return int((_COUNTER_LOCKED if lock else _COUNTER).scalar(tx, b_key=key))
+
+
+def counter_query(key: str) -> Select[tuple[int]]:
+    """The select of counter `key`'s value (to read it inside another statement: `counter` reads it alone)."""
+    return select(kv.c.value).where(kv.c.key == key)
 
 
 def add_to_counter(tx: Tx, key: str, n: int = 1) -> int:
