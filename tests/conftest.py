@@ -31,6 +31,24 @@ STORES = ["sqlite", pytest.param("postgresql", marks=needs_pg)]
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_stores: run each test on SQLite and on PostgreSQL (skipped without "
                                        "SWARMRL_TEST_PG_URL)")
+    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the order above (its own puts big files first)
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest runs first: files in the order of their longest test (`slow(minutes=N)`), then by how many tests
+    they hold, and each file's slow tests before its quick ones. With `-n 2 --dist loadfile` the two workers then
+    start on the two longest runs at once and the many short files fill in behind them; in collection order, a
+    long run that started last was the suite's tail, one worker busy and the other idle for many minutes."""
+    def minutes(item: pytest.Item) -> float:
+        marker = item.get_closest_marker("slow")
+        return float(marker.kwargs.get("minutes", 1)) if marker is not None else 0.0
+
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    ordered = sorted(files.values(), key=lambda f: (-max(map(minutes, f)), -len(f)))
+    items[:] = [item for f in ordered for item in sorted(f, key=lambda i: -minutes(i))]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

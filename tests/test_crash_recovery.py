@@ -68,15 +68,15 @@ def test_every_role_killed_once_loses_nothing(tmp_path: Path, checkpoint: Path) 
     _check(run_with_kills(tmp_path / "run", checkpoint, seed=1, rounds=1, max_steps=8), rounds=1)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2)
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("seed", [2, 3])
-def test_roles_killed_again_and_again_lose_nothing(tmp_path: Path, checkpoint: Path, seed: int) -> None:
-    _check(run_with_kills(tmp_path / "run", checkpoint, seed=seed, rounds=3, max_steps=14), rounds=3)
+def test_roles_killed_again_and_again_lose_nothing(tmp_path: Path, checkpoint: Path) -> None:
+    # One seed (2): a second one doubled the minutes this test adds to CI. Other seeds run the same way by hand.
+    _check(run_with_kills(tmp_path / "run", checkpoint, seed=2, rounds=3, max_steps=14), rounds=3)
 
 
 @needs_pg
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2)
 @pytest.mark.timeout(3600)
 def test_killed_roles_lose_nothing_on_postgres(tmp_path: Path, checkpoint: Path) -> None:
     with fresh_database() as url:

@@ -13,7 +13,7 @@ import pytest
 from swarmrl.demo import DemoConfig, run_demo
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=4)
 @pytest.mark.timeout(1500)
 def test_local_swarm_learns(tmp_path):
     report_path = tmp_path / "report.json"

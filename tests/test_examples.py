@@ -1,7 +1,7 @@
 """examples/ work as written: every run config loads (`swarmrl demo --print-config`), the data scripts write the
 bytes the configs pin, the addition example is the zero-argument demo, and the GPU recipe runs here as written,
 on the CPU, with the model path swapped for a small random Qwen2 built by `swarmrl model` and the data for a tiny
-GSM8K-format file. The small examples' full runs are tests/test_e2e_tasks.py (math, code) and
+GSM8K-format file. The small examples' full runs are tests/test_e2e_math.py and tests/test_e2e_code.py, and
 tests/test_e2e_swarm.py (addition: the zero-argument demo).
 """
 
@@ -67,7 +67,7 @@ def write_gsm8k_like(path: Path, n: int, offset: int) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1)
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_the_gpu_gsm8k_recipe_runs_on_the_cpu_with_a_small_random_qwen2(tmp_path):
