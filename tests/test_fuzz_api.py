@@ -48,9 +48,11 @@ SIGNED = {"/v1/register": (m.KIND_REGISTER, None), "/v1/lease": (m.KIND_LEASE, "
 def _config(data_dir: Path, operator: Identity) -> CoordinatorConfig:
     run = RunSpec(run_id="fuzz", sampling=m.SamplingSpec(group_size=GROUP, max_tokens=MAX_TOKENS))
     # Rate limits off: every drawn request should reach the rules it is drawn for (tests/test_admission.py tests them).
+    # No long polls: a drawn wait_s is still validated, but answered at once instead of holding the test for up to
+    # 10 s of an empty queue per example (tests/test_coordinator_api.py and the swarm runs wait for real).
     return CoordinatorConfig(data_dir=data_dir, run=run, operator_keys=[operator.public_key_hex],
                              max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024,
-                             rate_limits=RateLimitConfig.off())
+                             rate_limits=RateLimitConfig.off(), max_long_polls=0)
 
 
 @cache
