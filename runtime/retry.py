@@ -55,11 +55,13 @@ class Outage:
     """Whether the coordinator at `url` is reachable, as the requests of every thread sharing it see it.
 
     `failed` and `ok` are called after each try; only transitions are logged: one warning when an outage starts
-    (with `context()`, e.g. what the node keeps meanwhile) and one line when it ends, with its length.
+    (with `context()`, e.g. what the node keeps meanwhile) and one line when it ends, with its length. `quiet`:
+    nothing is logged (a caller waiting for a coordinator it has just started expects it to be down a while).
     """
 
     url: str
     context: Callable[[], str] = lambda: ""
+    quiet: bool = False
     down_since: float | None = None  # time.monotonic() of the outage's first failure; None while reachable
     last_error: str = ""
     tries: int = 0  # failed tries during the current outage
@@ -75,6 +77,8 @@ class Outage:
                 return
             self.down_since = time.monotonic()
             self.outages += 1
+        if self.quiet:
+            return
         extra = self.context()
         log.warning("coordinator %s unreachable (%s); waiting it out with backoff%s", self.url, error,
                     f", {extra}" if extra else "")
@@ -88,7 +92,8 @@ class Outage:
             lasted = time.monotonic() - self.down_since
             tries, self.down_since, self.tries = self.tries, None, 0
             self.longest_s = max(self.longest_s, lasted)
-        log.warning("coordinator %s reachable again after %.1f s (%d failed tries)", self.url, lasted, tries)
+        if not self.quiet:
+            log.warning("coordinator %s reachable again after %.1f s (%d failed tries)", self.url, lasted, tries)
 
     @property
     def down_for_s(self) -> float | None:

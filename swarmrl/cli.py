@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s",
                         handlers=[RichHandler(console=Console(stderr=True), show_time=True, show_path=False,
                                               rich_tracebacks=True)])
-    for noisy in ("httpx", "vllm", "hivemind", "urllib3", "transformers"):
+    for noisy in ("httpx", "vllm", "hivemind", "urllib3", "transformers", "alembic.runtime.plugins"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args.fn(args)
 

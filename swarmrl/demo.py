@@ -198,7 +198,7 @@ def start_roles(swarm: Swarm, cfg: DemoConfig, run: RunSpec, url: str, port: int
         "p2p": {"host_maddrs": LOOPBACK_MADDRS} if cfg.p2p else None,
         "operator_keys": [keys[name].public_key_hex for name in ["trainer", *verifier_names]],
     }, CoordinatorConfig)
-    wait_until_up(CoordinatorClient(url, retries=0), swarm)
+    wait_until_up(url, swarm)
     # Nodes start now: importing vLLM and registering overlaps building and warming up the model.
     for i in range(cfg.nodes):
         swarm.start(f"node{i}", "node", {

@@ -2,7 +2,7 @@
 
     swarm = Swarm(run_dir, overrides={"trainer": {"threads": 2}}, cwd=data_dir)
     swarm.start("coordinator", "coordinator", {...}, CoordinatorConfig)
-    wait_until_up(CoordinatorClient(url, retries=0), swarm)
+    wait_until_up(url, swarm)
     ...
     swarm.stop()
 
@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.runtime.config import deep_update, dump_toml
 from swarmrl.runtime.lifetime import PARENT_PID_ENV
+from swarmrl.runtime.retry import Outage
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
 ROLES = ("coordinator", "node", "verifier", "trainer")
@@ -102,9 +103,10 @@ class Swarm:
                 p.wait()
 
 
-def wait_until_up(client: CoordinatorClient, swarm: Swarm, timeout_s: float = 120.0) -> None:
-    """Block until the coordinator answers (it starts its DHT seed before serving); RuntimeError with its log
-    when it dies or does not answer in `timeout_s`."""
+def wait_until_up(url: str, swarm: Swarm, timeout_s: float = 120.0) -> None:
+    """Block until the coordinator at `url` answers (it starts its DHT seed before serving); RuntimeError with its
+    log when it dies or does not answer in `timeout_s`. Its refusals while it starts are expected: not logged."""
+    client = CoordinatorClient(url, retries=0, outage=Outage(url, quiet=True))
     deadline = time.time() + timeout_s
     while True:
         try:

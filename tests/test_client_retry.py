@@ -1,7 +1,7 @@
 """The coordinator client's request plumbing against a real HTTP server on loopback that answers what each test
 scripts: which failures are retried (transport errors, 5xx; 500 only a few times; a 429 after its Retry-After), which
-are not (other 4xx), the Idempotency-Key kept across the retries of one request, the outage logged once, and a stop
-that ends the wait."""
+are not (other 4xx), the Idempotency-Key kept across the retries of one request, the outage logged once (or not at
+all when quiet), and a stop that ends the wait."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunInfo, RunSpec
 from swarmrl.protocol.signing import SIGNATURE_HEADER
 from swarmrl.runtime.client import IDEMPOTENCY_HEADER, CoordinatorClient, CoordinatorError
-from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, RetryPolicy
+from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, Outage, RetryPolicy
 
 FAST = dict(base_s=0.001, cap_s=0.01)
 
@@ -106,6 +106,17 @@ def test_unavailable_is_waited_out_with_one_key_and_one_log_line(scripted, caplo
     assert len(logged) == 2 and "unreachable (HTTP 503)" in logged[0] and "reachable again" in logged[1]
     client.heartbeat(3)  # the next request has its own key
     assert server.seen[-1][2] not in keys
+
+
+def test_a_quiet_outage_is_counted_but_not_logged(scripted, caplog) -> None:
+    """A caller waiting for a coordinator it has just started (`swarmrl.localswarm.wait_until_up`) expects refusals:
+    the outage is still kept (tries, outages) but no warning is printed."""
+    caplog.set_level(logging.INFO, logger="swarmrl.client")
+    server = scripted([503, 200])
+    outage = Outage(server.url, quiet=True)
+    signing_client(server.url, retry=RetryPolicy(attempts=None, **FAST), outage=outage).heartbeat(3)
+    assert len(server.seen) == 2 and outage.outages == 1 and outage.down_since is None
+    assert not [r for r in caplog.records if r.name == "swarmrl.client"]
 
 
 def test_internal_errors_retried_a_few_times_and_refusals_not_at_all(scripted) -> None:
