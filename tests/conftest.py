@@ -31,15 +31,16 @@ STORES = ["sqlite", pytest.param("postgresql", marks=needs_pg)]
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_stores: run each test on SQLite and on PostgreSQL (skipped without "
                                        "SWARMRL_TEST_PG_URL)")
-    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the order above (its own puts big files first)
+    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the order made below (its own: most tests first)
         config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest runs first: files in the order of their longest test (`slow(minutes=N)`), then by how many tests
     they hold, and each file's slow tests before its quick ones. With `-n 2 --dist loadfile` the two workers then
-    start on the two longest runs at once and the many short files fill in behind them; in collection order, a
-    long run that started last was the suite's tail, one worker busy and the other idle for many minutes."""
+    start on the two longest runs at once and the many short files fill in behind them. In xdist's own order (the
+    files with the most tests first), the long runs' small file started late and was the suite's tail: one worker
+    busy and the other idle for many minutes."""
     def minutes(item: pytest.Item) -> float:
         marker = item.get_closest_marker("slow")
         return float(marker.kwargs.get("minutes", 1)) if marker is not None else 0.0
