@@ -245,7 +245,11 @@ def main(argv: list[str] | None = None) -> None:
                                               rich_tracebacks=True)])
     for noisy in ("httpx", "vllm", "hivemind", "urllib3", "transformers", "alembic.runtime.plugins"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: what it stopped was cleaned up on the way out; no traceback for it
+        Console(stderr=True).print("interrupted")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

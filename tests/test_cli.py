@@ -1,0 +1,27 @@
+"""The `swarmrl` command line as a user meets it: Ctrl-C stops a command with one word and exit status 130, not a
+Python traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_ctrl_c_stops_a_command_without_a_traceback(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "demo", "--set", f"run_dir={tmp_path / 'run'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # the demo is under way (warming its model up) once it says so
+        seen.append(line)
+        if "warm start on" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out
+    assert out.rstrip().endswith("interrupted") and "Traceback" not in out, out
