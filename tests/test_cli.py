@@ -10,18 +10,30 @@ import sys
 from pathlib import Path
 
 
+def _as_from_a_terminal() -> None:
+    # A test worker may run with SIGINT ignored (pytest-xdist's do), and a child inherits that: Python then leaves
+    # Ctrl-C ignored too. A shell starts a command with SIGINT at its default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_command_without_a_traceback(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "demo", "--set", f"run_dir={tmp_path / 'run'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:  # the demo is under way (warming its model up) once it says so
-        seen.append(line)
-        if "warm start on" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=120)
-    out = "".join(seen) + rest
-    assert proc.returncode == 130, out
-    assert out.rstrip().endswith("interrupted") and "Traceback" not in out, out
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+                            preexec_fn=_as_from_a_terminal, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:  # the demo is under way (warming its model up) once it says so
+            seen.append(line)
+            if "warm start on" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        out = "".join(seen) + rest
+        assert proc.returncode == 130, out
+        assert out.rstrip().endswith("interrupted") and "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:  # it did not stop: take it and what it started down
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
