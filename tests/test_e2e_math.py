@@ -12,8 +12,9 @@ sandboxed tests for code) of the warm-started model and of the newest checkpoint
 Margins: the held-out sets have 422 (math) and 270 (code) problems, so one measurement's standard error is at most
 0.024 and 0.030 (sqrt(p(1 - p) / n) at p = 0.5): the rise asserted, 0.1, is four and three of them, while the runs
 measured rose by 0.17-0.21 (math) and 0.32-0.38 (code) (bench/RESULTS.md, "Bring your own model and task"). The
-warm start is seeded and single-threaded, so every run starts from the same model. Wall time on 2 busy cores:
-3-7 min (math), about 9 min (code, where every rollout's program runs in a fresh sandbox).
+warm start is seeded and single-threaded, so every run starts from the same model. Wall time on 2 cores: 3-7 min
+(math) and 6-9 min (code, where every rollout's program runs in a fresh sandbox) alone; in the suite, where the two
+run side by side, about 8 and 17 min.
 """
 
 from __future__ import annotations
