@@ -20,7 +20,8 @@ whole machine's busy share, and the coordinator's and the load processes' CPU se
 
 Each store runs at every `--nodes` count (the scaling curve), and the baselines beside it at the largest count
 (`--baselines`): nodes that send a lease request before each submission instead, one coordinator process, and on
-SQLite group commit off (`store_group_commit=1`: one commit, one fsync, per write).
+SQLite group commit off (`store_group_commit=1`: one commit, one fsync, per write) and no writer process (each
+worker commits its own submissions, in turn: `store_writer_process=false`).
 
     python bench/coordinator_load.py                                   # the recorded run: both stores, 100..10,000
     python bench/coordinator_load.py --stores sqlite --nodes 100 --duration 5 --warmup 2   # a smoke run
@@ -66,11 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=1, help="prompts per lease (= groups per submission)")
     p.add_argument("--tokens", type=int, default=32, help="completion tokens per rollout")
     p.add_argument("--heartbeat-s", type=float, default=30.0, help="seconds between a node's heartbeats")
-    p.add_argument("--baselines", default="separate-leases,one-worker,no-group-commit",
+    p.add_argument("--baselines", default="separate-leases,one-worker,no-group-commit,no-writer-process",
                    help="comma-separated baselines, each run beside the headline at the largest node count: "
                         "separate-leases (a lease request before each submission instead of the next lease asked "
                         "for with it), one-worker (one coordinator process), no-group-commit (SQLite: one commit "
-                        "per write); empty: none")
+                        "per write), no-writer-process (SQLite: each worker commits its own submissions, in turn, "
+                        "instead of the store's writer process); empty: none")
     p.add_argument("--no-baseline", action="store_true", help="run no baseline (as --baselines '')")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a top-level coordinator setting (TOML value), e.g. --set worker_threads=4; repeatable")
@@ -139,7 +141,7 @@ def coordinator_settings(nodes: int, prompts: int) -> str:
 
 
 def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool, workers: int, next_lease: bool,
-            work: Path) -> dict[str, Any]:
+            writer_process: bool, work: Path) -> dict[str, Any]:
     """One coordinator, one load: the figures of its measured window."""
     operator = Identity.generate()
     run_id = "load"
@@ -155,6 +157,7 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
             f'host = "127.0.0.1"\nport = 0\ndata_dir = "{work / "data"}"\nstore_url = "{store_url}"\n'
             f'operator_keys = ["{operator.public_key_hex}"]\nlease_ttl_s = 3600.0\nclock_skew_s = 600.0\n'
             f"store_group_commit = {64 if group_commit else 1}\nworkers = {workers}\n"
+            f"store_writer_process = {'true' if writer_process else 'false'}\n"
             + "".join(f"{setting}\n" for setting in args.set) +
             f"node_gone_after_s = {max(120.0, 4 * args.heartbeat_s)}\n"
             f"{coordinator_settings(nodes, args.prompts)}"
@@ -210,7 +213,7 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
     seconds = args.duration
     return {
         "store": store, "nodes": nodes, "group_commit": group_commit, "coordinator_workers": workers,
-        "next_lease": next_lease,
+        "next_lease": next_lease, "writer_process": writer_process and store == "sqlite" and workers > 1,
         "submissions_per_s": round(sub["ok"] / seconds, 1),
         "requests_per_s": round(sum(t["ok"] for t in tallies.values()) / seconds, 1),
         "p50_ms": round(percentile(sub["latencies_ms"], 0.50), 2),
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     counts = [int(n) for n in args.nodes.split(",")]
     baselines = set() if args.no_baseline else {b.strip() for b in args.baselines.split(",") if b.strip()}
-    unknown = baselines - {"separate-leases", "one-worker", "no-group-commit"}
+    unknown = baselines - {"separate-leases", "one-worker", "no-group-commit", "no-writer-process"}
     if unknown:
         raise SystemExit(f"unknown baselines: {', '.join(sorted(unknown))}")
     runs = []
@@ -246,19 +249,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # The baselines run at the largest node count; no-group-commit only where group commit applies
         # (PostgreSQL commits each transaction itself, and groups concurrent commits' WAL flushes on its own).
         many, top = args.coordinator_workers, max(counts)
-        plans = [(n, True, many, True) for n in counts]
-        plans += [(top, True, many, False)] if "separate-leases" in baselines else []
-        plans += [(top, True, 1, True)] if "one-worker" in baselines and many > 1 else []
-        plans += [(top, False, many, True)] if "no-group-commit" in baselines and store == "sqlite" else []
-        for nodes, group_commit, workers, next_lease in plans:
+        plans = [(n, True, many, True, True) for n in counts]
+        plans += [(top, True, many, False, True)] if "separate-leases" in baselines else []
+        plans += [(top, True, 1, True, True)] if "one-worker" in baselines and many > 1 else []
+        plans += [(top, False, many, True, True)] if "no-group-commit" in baselines and store == "sqlite" else []
+        sqlite_workers = store == "sqlite" and many > 1
+        plans += [(top, True, many, True, False)] if "no-writer-process" in baselines and sqlite_workers else []
+        for nodes, group_commit, workers, next_lease, writer_process in plans:
             with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
-                result = run_one(args, store, nodes, group_commit, workers, next_lease, Path(tmp))
+                result = run_one(args, store, nodes, group_commit, workers, next_lease, writer_process, Path(tmp))
             runs.append(result)
             print(json.dumps({k: v for k, v in result.items() if k not in ("per_kind", "error_reasons")}), flush=True)
             if result["error_reasons"]:
                 print("  errors:", json.dumps(result["error_reasons"])[:2000], flush=True)
     headline = next((r for r in runs if r["store"] == "sqlite" and r["group_commit"] and r["nodes"] == max(counts)
-                     and r["coordinator_workers"] == args.coordinator_workers and r["next_lease"]), runs[0])
+                     and r["coordinator_workers"] == args.coordinator_workers and r["next_lease"]
+                     and r["writer_process"] == (args.coordinator_workers > 1)), runs[0])
     summary = {k: headline[k] for k in ("submissions_per_s", "p99_ms", "errors", "lost", "nodes", "store")}
     summary["runs"] = runs
     if args.out is not None:

@@ -56,12 +56,14 @@ def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> J
     return JSONResponse({"detail": reason}, status_code=status, headers=headers)
 
 
-def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time) -> FastAPI:
-    """The coordinator app over `config.data_dir` and `config.store_url`, signing manifests with `identity`.
+def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time,
+              writer: str | None = None) -> FastAPI:
+    """The coordinator app over `config.data_dir` and `config.store_url`, signing manifests with `identity`;
+    `writer`: the socket of the store's writer process, when one runs (`coordinator.db.writer`).
 
     The store opens now (so `app.state.coordinator` is usable at once) and closes on app shutdown.
     """
-    svc = Coordinator(config, identity, clock=clock)
+    svc = Coordinator(config, identity, clock=clock, writer=writer)
     offload = Offload(config.worker_threads)
     operator_offload = Offload(config.operator_threads)
 

@@ -42,6 +42,14 @@ class Replayed(Refused):
         super().__init__(409, "replayed request")
 
 
+class StaleSubmission(Refused):
+    """A submission against a policy version too old to train on (409): nothing of it is taken, and its lease is
+    settled (`coordinator.leases`)."""
+
+    def __init__(self, reason: str):
+        super().__init__(409, f"stale submission, against the current version: {reason}")
+
+
 @dataclass(frozen=True)
 class Signed:
     """An authenticated request: its signature header, typed payload (the raw body for byte endpoints), and (when

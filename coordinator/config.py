@@ -49,8 +49,9 @@ class CoordinatorConfig(BaseModel):
         "requests have operator_threads of their own.")
     workers: int = Field(
         1, ge=1, le=64, description="Server processes, one core each, sharing the port (SO_REUSEPORT: the kernel "
-        "spreads connections over them) and the store. On SQLite they take turns at writing (each still commits the "
-        "writes queued in it together); on PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
+        "spreads connections over them) and the store. On SQLite one more process, the store's writer, commits the "
+        "submissions of all of them together (store_writer_process), and their other writes take turns; on "
+        "PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
         "metrics and long-poll slots are per process. With [p2p], the first process runs the DHT seed.")
     request_nice: int = Field(
         5, ge=0, le=19, description="SQLite: how much lower than the store's committer thread (the one thread that "
@@ -64,6 +65,11 @@ class CoordinatorConfig(BaseModel):
         "then takes a core the moment it can run instead of waiting behind request threads and other processes "
         "while every write waits for it (bench/RESULTS.md). It only commits queued writes, and the kernel's "
         "real-time throttling leaves other threads a share of every core.")
+    store_writer_process: bool = Field(
+        True, description="SQLite with workers > 1: one more process, the store's writer, writes the submissions "
+        "(the hottest write) of every worker in one group commit, instead of each worker committing its own in turn "
+        "(`coordinator.db.writer`; side by side in bench/RESULTS.md). Other writes stay in the worker that serves "
+        "them.")
     store_group_commit: int = Field(
         64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
         "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "

@@ -27,6 +27,15 @@ _PG_DISK_FULL = "53100"
 _PG_UNAVAILABLE_CLASSES = ("08", "53", "57")  # connection exceptions, insufficient resources, operator intervention
 
 
+class StorageUnavailable(Exception):
+    """A storage failure told by another process (`coordinator.db.writer`): `status` (503 or 507) and `reason`, as
+    `storage_failure` gave them there."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(f"{status}: {reason}")
+        self.status, self.reason = status, reason
+
+
 def storage_failure(e: BaseException) -> tuple[int, str] | None:
     """(status, reason) when `e` is a failure of the coordinator's storage rather than of the request or the code;
     None otherwise."""
@@ -59,6 +68,9 @@ def refusal_of(e: BaseException, what: str) -> tuple[int, str, dict[str, str]] |
     "POST /v1/submit"): a refusal, or a failure of the storage (logged); None for anything else (a bug)."""
     if isinstance(e, Refused):
         return e.status, e.reason, e.headers
+    if isinstance(e, StorageUnavailable):
+        log.warning("%s: %s", what, e.reason)
+        return e.status, e.reason, {"Retry-After": str(RETRY_AFTER_S)}
     if not isinstance(e, OSError | SQLAlchemyError):
         return None
     failure = storage_failure(e)

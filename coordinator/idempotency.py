@@ -45,8 +45,10 @@ class Answer:
     body: bytes
 
     @classmethod
-    def of(cls, result: BaseModel | None) -> Answer:
-        """200 with the model as JSON, or 204 for None."""
+    def of(cls, result: BaseModel | Answer | None) -> Answer:
+        """200 with the model as JSON, or 204 for None; an answer made already, as it is."""
+        if isinstance(result, Answer):
+            return result
         return cls(204, b"") if result is None else cls(200, result.model_dump_json().encode())
 
 

@@ -11,13 +11,12 @@ not deliver is leased again to someone else. Deciding on groups is `coordinator.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Double, and_, bindparam, func, or_, select, update
 
 from swarmrl.coordinator import admission, feed, inflight
-from swarmrl.coordinator.auth import Refused, Signed
+from swarmrl.coordinator.auth import Refused, Signed, StaleSubmission
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.compose import Composed, LeaseComposer, RecentLeases
 from swarmrl.coordinator.config import CoordinatorConfig
@@ -25,14 +24,16 @@ from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow, NodeRow
 from swarmrl.coordinator.db.schema import CURRENT_VERSION, lease_prompts, leases, rollout_groups
 from swarmrl.coordinator.db.store import EncodedJSON, Store, Tx, counter_query
+from swarmrl.coordinator.db.writer import RemoteWriter
 from swarmrl.coordinator.gate import admit
-from swarmrl.coordinator.idempotency import remember
+from swarmrl.coordinator.idempotency import Answer, remember
 from swarmrl.coordinator.registry import require_node, touch_settled
 from swarmrl.coordinator.run_secret import RunSecret
+from swarmrl.coordinator.submitwrite import Prechecked, SubmissionWrite, from_wire, judged, to_wire
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.tasks import Task
-from swarmrl.protocol.validation import group_problem, staleness_problem
+from swarmrl.protocol.validation import staleness_problem
 
 SWEEP_EVERY_S = 1.0
 
@@ -134,6 +135,8 @@ class Leases:
         self.store, self.config, self.clock, self.task = store, config, clock, task
         self.composer = LeaseComposer(config, task, identity, pool, secret)
         self.recent = RecentLeases()
+        self.writer: RemoteWriter | None = None
+        """Where prechecked submissions are written, when a writer process runs them (`coordinator.db.writer`)."""
         self._version_seen = -1  # the current version, as a transaction of this process last read it
         self._last_sweep = float("-inf")
 
@@ -263,7 +266,7 @@ class Leases:
             cursor.execute("RELEASE SAVEPOINT next_lease")
         return {"next_lease": granted} if granted is not None else {"next_lease_refused": why}
 
-    def _precheck(self, signer: str, sub: m.RolloutSubmission, now: float) -> _Prechecked | None:
+    def _precheck(self, signer: str, sub: m.RolloutSubmission, now: float) -> Prechecked | None:
         """What a submission's transaction would work out from its lease's terms (`_judged`), worked out before it
         (writes take turns on SQLite), with the next lease's draft for the version last seen (`coordinator.compose`).
         None for a lease this process does not know, or not the signer's: the transaction works it out, or says why."""
@@ -273,89 +276,112 @@ class Leases:
         lease, prompts = known
         ask = sub.next_lease
         draft = self.composer.draft(signer, ask.max_prompts, self._version_seen, now) if ask is not None else None
-        return _judged(sub, prompts, lease.sampling, draft)
+        return judged(sub.groups, prompts, lease.sampling, draft)
 
-    def submit(self, req: Signed) -> m.SubmitResult:
+    def submit(self, req: Signed) -> m.SubmitResult | Answer:
         """Take the submission's valid groups for verification and say why each other group was refused. The
         submission settles its lease: every leased prompt it does not deliver is abandoned (queued for another
         identity, and counted against this one). When it asks for its next lease, the answer holds that lease (or
-        why there is none), granted after the settlement, in the same transaction."""
+        why there is none), granted after the settlement, in the same transaction. With a writer process
+        (`coordinator.db.writer`), a prechecked submission is written there and answered with the answer it
+        stored."""
         sub: m.RolloutSubmission = req.payload
         now = self.clock()
         ids = [g.prompt_id for g in sub.groups]
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
-        max_staleness = self.config.run.max_staleness
-        held = sub.next_lease.held_version if sub.next_lease is not None else None
-        pre = self._precheck(req.signer, sub, now)
-
-        def take(tx: Tx) -> m.SubmitResult:
-            admit(tx, req)
-            # An unknown or banned node is told so before anything else; on the way that takes the lease's groups,
-            # its own row says so (`touch_settled`), and the transaction rolls back.
-            found = lock_lease(tx, sub.lease_id)
-            if found is None or found[0].node_id != req.signer:
-                require_node(tx, req.signer)
-                raise Refused(404, "unknown lease") if found is None else Refused(403, "lease belongs to another node")
-            lease, version = found
-            self._version_seen = version
-            if lease.state != "open":  # a late or repeated submission: each group says why, nothing else changes
-                prompts = get_prompts(tx, sub.lease_id)
-                late = m.SubmitResult(accepted=[], rejected={g.prompt_id: _too_late(prompts.get(g.prompt_id))
-                                                             for g in sub.groups})
-                node = touch_settled(tx, req.signer, now, held)  # heard from (live again, if it was gone)
-                late = late.model_copy(update=self._next_lease(tx, node, sub.next_lease, now, version, {}))
-                remember(tx, req, late, now)
-                return late
-            if lease.expires_at < now:
-                require_node(tx, req.signer)
-                raise Refused(410, "lease expired")
-            stale = staleness_problem(sub.policy_version, version, max_staleness)
-            if stale is not None:
-                require_node(tx, req.signer)
-                raise _Stale(stale)
-            # An open lease has no prompt submitted (module docstring): its prompts as read before are as they are.
-            judged = pre if pre is not None else _judged(
-                sub, get_prompts(tx, sub.lease_id), m.SamplingSpec.model_validate(lease.sampling), None)
-            prompts = judged.prompts
-            accepted: list[str] = []
-            rejected: dict[str, str] = {}
-            for group in sub.groups:
-                leased = prompts.get(group.prompt_id)
-                if leased is None:
-                    reason: str | None = "unknown prompt id for this lease"
-                elif leased.submitted:
-                    reason = "already submitted"
-                else:
-                    reason = judged.problems[group.prompt_id]
-                if reason is None and not mark_submitted(tx, sub.lease_id, group.prompt_id):
-                    reason = "already submitted"
-                if reason is not None:
-                    rejected[group.prompt_id] = reason
-                    continue
-                insert_group(tx, req.signer, sub.lease_id, group.prompt_id, sub.policy_version,
-                             judged.payloads[group.prompt_id], now)
-                accepted.append(group.prompt_id)
-            delivered = set(accepted)
-            # The lease is settled, the node's row moved by it and touched in one statement, and the counter rows
-            # moved once, with its next lease's.
-            settled = admission.close_leases(tx, [sub.lease_id], now, unused={sub.lease_id: [
-                (p.text, p.answer) for pid, p in prompts.items() if not p.submitted and pid not in delivered]})
-            node = touch_settled(tx, req.signer, now, held, settled.nodes.get(req.signer))
-            answer = m.SubmitResult(accepted=accepted, rejected=rejected, **self._next_lease(
-                tx, node, sub.next_lease, now, version, settled.counters, judged.draft))
-            remember(tx, req, answer, now)
-            return answer
-
+        w = SubmissionWrite.of(req, now, self._precheck(req.signer, sub, now))
         try:
-            return self.store.write(take, notify=True)
-        except _Stale as e:
+            if self.writer is None or w.pre is None:
+                return self.store.write(lambda tx: self._take(tx, w), notify=True)
+            body, self._version_seen, draft_granted = self.writer.call("submit", to_wire(w))
+            if draft_granted:
+                assert w.pre.draft is not None
+                self.recent.add(w.pre.draft)
+            self.store.notify()
+            return Answer(200, body.encode())
+        except StaleSubmission:
             # None of the lease's groups can be accepted any more: settle it so that it stops holding the node's
             # allowance, its prompts leased again, without counting them against the node (the one change a refused
             # submission makes); then say why.
             self.store.write(lambda tx: admission.settle_lease(tx, sub.lease_id, now, penalise=False))
-            raise Refused(409, f"stale submission, against the current version: {e.reason}") from None
+            raise
+
+    def write_sent(self, *wire: Any) -> Callable[[Tx], list[Any]]:
+        """In the writer process: the write of a submission `to_wire` sent (rebuilt now, before its turn), which
+        answers [the stored answer's body, the current version, whether the draft was granted]."""
+        w = from_wire(list(wire))
+        assert w.pre is not None
+
+        def write(tx: Tx) -> list[Any]:
+            result = self._take(tx, w)
+            granted = result.next_lease
+            if granted is not None:
+                self.recent.take(granted.lease_id)  # the process that serves the node keeps it
+            draft = w.pre.draft if w.pre is not None else None
+            return [Answer.of(result).body.decode(), self._version_seen,
+                    granted is not None and draft is not None and granted.lease_id == draft.lease.lease_id]
+
+        return write
+
+    def _take(self, tx: Tx, w: SubmissionWrite) -> m.SubmitResult:
+        """A submission's transaction (`submit`)."""
+        req, now, held = w.req, w.now, w.held
+        admit(tx, req)
+        # An unknown or banned node is told so before anything else; on the way that takes the lease's groups,
+        # its own row says so (`touch_settled`), and the transaction rolls back.
+        found = lock_lease(tx, w.lease_id)
+        if found is None or found[0].node_id != req.signer:
+            require_node(tx, req.signer)
+            raise Refused(404, "unknown lease") if found is None else Refused(403, "lease belongs to another node")
+        lease, version = found
+        self._version_seen = version
+        if lease.state != "open":  # a late or repeated submission: each group says why, nothing else changes
+            prompts = get_prompts(tx, w.lease_id)
+            late = m.SubmitResult(accepted=[], rejected={p: _too_late(prompts.get(p)) for p in w.prompt_ids})
+            node = touch_settled(tx, req.signer, now, held)  # heard from (live again, if it was gone)
+            late = late.model_copy(update=self._next_lease(tx, node, w.ask, now, version, {}))
+            remember(tx, req, late, now)
+            return late
+        if lease.expires_at < now:
+            require_node(tx, req.signer)
+            raise Refused(410, "lease expired")
+        stale = staleness_problem(w.policy_version, version, self.config.run.max_staleness)
+        if stale is not None:
+            require_node(tx, req.signer)
+            raise StaleSubmission(stale)
+        # An open lease has no prompt submitted (module docstring): its prompts as read before are as they are.
+        checked = w.pre if w.pre is not None else judged(
+            w.groups, get_prompts(tx, w.lease_id), m.SamplingSpec.model_validate(lease.sampling), None)
+        prompts = checked.prompts
+        accepted: list[str] = []
+        rejected: dict[str, str] = {}
+        for prompt_id in w.prompt_ids:
+            leased = prompts.get(prompt_id)
+            if leased is None:
+                reason: str | None = "unknown prompt id for this lease"
+            elif leased.submitted:
+                reason = "already submitted"
+            else:
+                reason = checked.problems[prompt_id]
+            if reason is None and not mark_submitted(tx, w.lease_id, prompt_id):
+                reason = "already submitted"
+            if reason is not None:
+                rejected[prompt_id] = reason
+                continue
+            insert_group(tx, req.signer, w.lease_id, prompt_id, w.policy_version, checked.payloads[prompt_id], now)
+            accepted.append(prompt_id)
+        delivered = set(accepted)
+        # The lease is settled, the node's row moved by it and touched in one statement, and the counter rows
+        # moved once, with its next lease's.
+        settled = admission.close_leases(tx, [w.lease_id], now, unused={w.lease_id: [
+            (p.text, p.answer) for pid, p in prompts.items() if not p.submitted and pid not in delivered]})
+        node = touch_settled(tx, req.signer, now, held, settled.nodes.get(req.signer))
+        answer = m.SubmitResult(accepted=accepted, rejected=rejected, **self._next_lease(
+            tx, node, w.ask, now, version, settled.counters, checked.draft))
+        remember(tx, req, answer, now)
+        return answer
 
 
 NO_WORK = "no work now (no published version yet, or enough work in flight): ask again later"
@@ -368,33 +394,3 @@ def _too_late(leased: LeasePromptRow | None) -> str:
     if leased is None:
         return "unknown prompt id for this lease"
     return "already submitted" if leased.submitted else SETTLED
-
-
-@dataclass(frozen=True)
-class _Prechecked:
-    """A submission's groups judged against their lease's terms (`_judged`), and its next lease's draft."""
-
-    prompts: dict[str, LeasePromptRow]
-    problems: dict[str, str | None]  # by prompt id, for the groups of leased prompts
-    payloads: dict[str, EncodedJSON]  # by prompt id, the stored form of the groups with no problem
-    draft: Composed | None
-
-
-def _judged(sub: m.RolloutSubmission, prompts: dict[str, LeasePromptRow], sampling: m.SamplingSpec,
-            draft: Composed | None) -> _Prechecked:
-    """Each group of a leased prompt: its problem (`group_problem`) and, if none, its stored form."""
-    problems: dict[str, str | None] = {}
-    payloads: dict[str, EncodedJSON] = {}
-    for group in sub.groups:
-        leased = prompts.get(group.prompt_id)
-        if leased is not None:
-            problems[group.prompt_id] = problem = group_problem(group, leased.seeds, sampling)
-            if problem is None:
-                payloads[group.prompt_id] = EncodedJSON(group.model_dump_json())
-    return _Prechecked(prompts, problems, payloads, draft)
-
-
-class _Stale(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason

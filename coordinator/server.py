@@ -4,9 +4,10 @@ in a thread for tests.
 With `workers` > 1 the first process binds the port with SO_REUSEPORT, brings the store up to date, and forks the
 other workers before it opens anything else (no thread and no database connection exists yet to be copied). Each
 worker binds the same port (the kernel spreads new connections over the workers' sockets), builds its own app over
-the same store and data dir, and dies with the first process. A worker that ends stops the whole coordinator, so
-that whatever supervises it (systemd, Docker) restarts it whole rather than running on at a fraction of its
-capacity.
+the same store and data dir, and dies with the first process. On SQLite it forks the store's writer process first
+(`coordinator.db.writer`), which writes the submissions of every worker. A worker (or the writer) that ends stops
+the whole coordinator, so that whatever supervises it (systemd, Docker) restarts it whole rather than running on
+at a fraction of its capacity.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,9 +30,12 @@ from fastapi import FastAPI
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.store import Store
+from swarmrl.coordinator.db.writer import WriterServer
 from swarmrl.coordinator.pool import attach_pool
+from swarmrl.coordinator.run_secret import RunSecret
+from swarmrl.coordinator.service import build_leases, open_store
 from swarmrl.protocol.identity import Identity
-from swarmrl.runtime.lifetime import die_with_parent
+from swarmrl.runtime.lifetime import die_with_parent, name_process
 
 if TYPE_CHECKING:
     from swarmrl.transfer.seed import DhtSeed
@@ -110,13 +115,22 @@ class VersionFollower:
 
 
 class Workers:
-    """The workers after the first of a coordinator with `config.workers` > 1 (module docstring), forked now."""
+    """The workers after the first of a coordinator with `config.workers` > 1 (module docstring), and on SQLite the
+    store's writer process before them, forked now when `writer` (`self.writer`: its socket, or None)."""
 
-    def __init__(self, config: CoordinatorConfig, identity: Identity, first: socket.socket):
+    def __init__(self, config: CoordinatorConfig, identity: Identity, first: socket.socket, writer: bool):
         self._stopping = False
         port = first.getsockname()[1]
         context = mp.get_context("fork")  # before any thread or connection exists in this process
-        self.procs = [context.Process(target=_serve_worker, args=(config, identity, port, first, os.getpid()),
+        self.writer: str | None = None
+        self.writer_proc: mp.process.BaseProcess | None = None
+        if writer:
+            self.writer = writer_socket(config)
+            self.writer_proc = context.Process(target=_run_writer, args=(config, identity, self.writer, os.getpid()),
+                                               name="coordinator-writer")
+            self.writer_proc.start()
+        self.procs = [context.Process(target=_serve_worker, args=(config, identity, port, first, os.getpid(),
+                                                                  self.writer),
                                       name=f"coordinator-worker-{i}") for i in range(1, config.workers)]
         for proc in self.procs:
             proc.start()
@@ -124,35 +138,60 @@ class Workers:
     def watch(self, on_end: Callable[[], None]) -> None:
         """Call `on_end` (from a thread of its own) when a worker ends before `stop`."""
 
+        every = [*self.procs, *([self.writer_proc] if self.writer_proc is not None else [])]
+
         def run() -> None:
-            ended = multiprocessing.connection.wait([p.sentinel for p in self.procs])
+            ended = multiprocessing.connection.wait([p.sentinel for p in every])
             if not self._stopping:
-                which = [p for p in self.procs if p.sentinel in ended]
+                which = [p for p in every if p.sentinel in ended]
                 log.error("%s ended (exit code %s): stopping the coordinator", which[0].name, which[0].exitcode)
                 on_end()
 
         threading.Thread(target=run, name="coordinator-workers", daemon=True).start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM every worker (each finishes its requests in flight), then SIGKILL those still running."""
+        """SIGTERM every worker (each finishes its requests in flight), then SIGKILL those still running; then the
+        writer, which their requests in flight needed."""
         self._stopping = True
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        for group in (self.procs, [self.writer_proc] if self.writer_proc is not None else []):
+            for proc in group:
+                if proc.is_alive():
+                    proc.terminate()
+            deadline = time.monotonic() + timeout_s
+            for proc in group:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+
+
+def writer_socket(config: CoordinatorConfig) -> str:
+    """Where the store's writer process listens: in the data dir, or where a Unix socket's path fits (a 0700
+    directory of its own) when the data dir's path is too long for one."""
+    path = (config.data_dir / "writer.sock").resolve()
+    if len(str(path)) <= 100:
+        return str(path)
+    return os.path.join(tempfile.mkdtemp(prefix="swarmrl-writer-"), "writer.sock")
+
+
+def _run_writer(config: CoordinatorConfig, identity: Identity, path: str, parent: int) -> None:
+    die_with_parent(parent)
+    name_process("swarmrl-writer")
+    store = open_store(config)
+    leases = build_leases(store, config, identity, time.time, RunSecret(config.data_dir))
+    assert store.group_commit is not None
+    try:
+        WriterServer(path, store.group_commit, {"submit": leases.write_sent}).serve_forever()
+    finally:
+        store.close()
 
 
 def _serve_worker(config: CoordinatorConfig, identity: Identity, port: int, first: socket.socket,
-                  parent: int) -> None:
+                  parent: int, writer: str | None) -> None:
     die_with_parent(parent)
     first.close()  # the first worker's socket: it accepts its own connections
     sock = _listen(config.host, port, shared=True)
-    app = build_app(config, identity)
+    app = build_app(config, identity, writer=writer)
     lower_request_priority(app.state.coordinator.store, config.request_nice)
     uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
 
@@ -176,9 +215,10 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     sock = _listen(config.host, config.port, shared=config.workers > 1)
     workers = None
     if config.workers > 1:
-        Store(config.resolved_store_url, pool_size=1).close()  # migrations run once, before the workers open it
-        workers = Workers(config, identity, sock)
-    app = build_app(config, identity)
+        store = Store(config.resolved_store_url, pool_size=1)  # migrations run once, before the workers open it
+        store.close()
+        workers = Workers(config, identity, sock, writer=store.dialect == "sqlite" and config.store_writer_process)
+    app = build_app(config, identity, writer=workers.writer if workers is not None else None)
     seed = attach_seed(app, config)
     follower = VersionFollower(app, seed) if seed is not None and workers is not None else None
     pool = None

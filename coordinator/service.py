@@ -27,6 +27,7 @@ from swarmrl.coordinator.auth import Signed
 from swarmrl.coordinator.checkpoints import Checkpoints
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.store import Store
+from swarmrl.coordinator.db.writer import RemoteWriter
 from swarmrl.coordinator.feed import Feed
 from swarmrl.coordinator.gate import Gate
 from swarmrl.coordinator.leases import Leases
@@ -48,12 +49,12 @@ from swarmrl.transfer.store import ShardStore
 class Coordinator:
     """One run's coordinator over the store at `config.store_url` and the shards in `config.data_dir`."""
 
-    def __init__(self, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time):
+    def __init__(self, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time,
+                 writer: str | None = None):
+        """`writer`: the socket of the store's writer process, which then writes the prechecked submissions
+        (`coordinator.db.writer`)."""
         self.config, self.identity, self.clock = config, identity, clock
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = Store(config.resolved_store_url, pool_size=config.store_pool_size,
-                           group_commit=config.store_group_commit, processes=config.workers,
-                           realtime_committer=config.realtime_committer)
+        self.store = open_store(config)
         self.shards = ShardStore(config.data_dir / "shards", durable=True)  # a published manifest refers to them
         self.secret = RunSecret(config.data_dir)
         self.pool = pool_id(config.run.run_id, identity.public_key_hex)
@@ -61,7 +62,8 @@ class Coordinator:
         self.gate = Gate(self.store, config, clock, self.pool,
                          lambda node_id: self.store.read(lambda tx: require_node(tx, node_id)))
         self.registry = Registry(self.store, config, clock, self.secret)
-        self.leases = Leases(self.store, config, clock, load_task(config.run.task), identity, self.pool, self.secret)
+        self.leases = build_leases(self.store, config, identity, clock, self.secret)
+        self.leases.writer = RemoteWriter(writer) if writer is not None else None
         self.verification = Verification(self.store, config, clock, long_polls)
         self.feed = Feed(self.store, long_polls, clock)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)
@@ -74,8 +76,24 @@ class Coordinator:
 
     def close(self) -> None:
         self.housekeeping.close()
+        if self.leases.writer is not None:
+            self.leases.writer.close()
         self.store.close()
 
     def register(self, req: Signed) -> m.Registered:
         """Register the signer from the request's source (`Registry.register`) and tell it about the run."""
         return self.registry.register(req, self.status.run_info_in)
+
+
+def open_store(config: CoordinatorConfig) -> Store:
+    """The run's store, as `config` says (its data dir made first)."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    return Store(config.resolved_store_url, pool_size=config.store_pool_size, group_commit=config.store_group_commit,
+                 processes=config.workers, realtime_committer=config.realtime_committer)
+
+
+def build_leases(store: Store, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float],
+                 secret: RunSecret) -> Leases:
+    """The run's leases over `store`: in every server process, and in the store's writer process."""
+    return Leases(store, config, clock, load_task(config.run.task), identity,
+                  pool_id(config.run.run_id, identity.public_key_hex), secret)

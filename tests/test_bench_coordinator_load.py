@@ -1,7 +1,7 @@
 """bench/coordinator_load.py runs end to end at a toy size: a real coordinator process, load processes of signed
 nodes, the coordinator killed with SIGKILL, its database read; its last line is the JSON object that
-bench/RESULTS.md records, and nothing answered was lost, with two coordinator processes on one SQLite database as
-with one. (What it measures is the bench's business; no speed is
+bench/RESULTS.md records, and nothing answered was lost, with two coordinator processes on one SQLite database (with
+the store's writer process and without) as with one. (What it measures is the bench's business; no speed is
 asserted here.)"""
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def test_the_load_bench_runs_and_loses_nothing(tmp_path: Path) -> None:
     assert {"submissions_per_s", "p99_ms", "errors", "lost", "nodes", "store"} <= set(last)
     assert (last["nodes"], last["store"], last["lost"]) == (20, "sqlite", 0)
     runs = last["runs"]
-    # Two coordinator processes, nodes asking for the next lease with each submission; beside the baselines: a
-    # lease request per submission, one process, one commit per write.
-    assert [(r["nodes"], r["group_commit"], r["coordinator_workers"], r["next_lease"]) for r in runs] == [
-        (20, True, 2, True), (20, True, 2, False), (20, True, 1, True), (20, False, 2, True)]
+    # Two coordinator processes and the store's writer, nodes asking for the next lease with each submission;
+    # beside the baselines: a lease request per submission, one process, one commit per write, no writer process.
+    assert [(r["nodes"], r["group_commit"], r["coordinator_workers"], r["next_lease"], r["writer_process"])
+            for r in runs] == [(20, True, 2, True, True), (20, True, 2, False, True), (20, True, 1, True, False),
+                               (20, False, 2, True, True), (20, True, 2, True, False)]
     assert all(r["lost"] == 0 and r["accepted_total"] > 0 for r in runs), runs
     assert json.loads(out.read_text()) == last

@@ -1,12 +1,15 @@
 """A coordinator with `workers = 2` on SQLite: two real server processes share the port and the database. The kernel
 spreads connections over both, and one node's requests may land on either: a challenge made by one is taken by the
 other (the run's secret is shared), a lease granted by one is submitted to the other. And processes that share
-the SQLite file take turns at writing, and hear of each other's commits (long polls wake on them)."""
+the SQLite file take turns at writing, and hear of each other's commits (long polls wake on them). A third process,
+the store's writer, writes the submissions whose lease the serving process granted (`coordinator.db.writer`); when
+it ends, the coordinator stops."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +21,7 @@ from swarmrl.coordinator.db.store import Store, add_to_counter
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import SIGNATURE_HEADER, canonical_json, sign
-from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.runtime.client import IDEMPOTENCY_HEADER, CoordinatorClient, new_idempotency_key
 from swarmrl.testing.http1 import Connection
 from swarmrl.testing.load import publish_version_zero
 from swarmrl.testing.processes import RoleProcess
@@ -83,12 +86,18 @@ def _serving_pid(server_port: int, client_port: int, pids: list[int]) -> int:
     raise AssertionError(f"no worker holds the connection from port {client_port}")
 
 
-async def _post(conn: Connection, identity: Identity, pool: str, path: str, kind: str | None, payload: dict
-                ) -> dict:
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+async def _post(conn: Connection, identity: Identity, pool: str, path: str, kind: str | None, payload: dict,
+                key: str | None = None) -> dict:
     body = canonical_json(payload)
     headers = {"content-type": "application/json"}
     if kind is not None:
-        headers[SIGNATURE_HEADER] = sign(identity, kind, pool, body).header()
+        headers[SIGNATURE_HEADER] = sign(identity, kind, pool, body).header()  # a fresh nonce on every try
+    if key is not None:
+        headers[IDEMPOTENCY_HEADER] = key
     resp = await conn.request("POST", path, body, headers)
     assert resp.status == 200, (path, resp.status, resp.body[:300])
     return orjson.loads(resp.body)
@@ -107,8 +116,10 @@ def test_two_workers_share_the_port_and_one_nodes_requests(tmp_path: Path) -> No
         publish_version_zero(url, operator, tmp_path, "workers")
         with CoordinatorClient(url) as anyone:
             pool = anyone.info().pool
-        workers = [coord.pid, *_children(coord.pid)]
-        assert len(workers) == 2
+        children = _children(coord.pid)
+        writers = [c for c in children if _comm(c) == "swarmrl-writer"]
+        workers = [coord.pid, *(c for c in children if c not in writers)]
+        assert len(workers) == 2 and len(writers) == 1, [_comm(c) for c in children]
 
         async def scenario() -> None:
             conns = [await Connection.open("127.0.0.1", port) for _ in range(32)]
@@ -131,12 +142,34 @@ def test_two_workers_share_the_port_and_one_nodes_requests(tmp_path: Path) -> No
                                                                sub.model_dump(mode="json")))
             assert sorted(result.accepted) == sorted(p.prompt_id for p in lease.prompts)
             assert result.next_lease is not None
+            # b granted that lease: its submission to b is written by the writer process. While the writer is
+            # stopped it waits (it cannot finish early, however fast); once the writer runs, it is taken.
+            nxt = submission(result.next_lease).model_copy(update={"next_lease": m.LeaseRequest(max_prompts=1)})
+            key = new_idempotency_key()
+            os.kill(writers[0], signal.SIGSTOP)
+            try:
+                pending = asyncio.ensure_future(_post(b, node, pool, "/v1/submit", m.KIND_SUBMIT,
+                                                      nxt.model_dump(mode="json"), key))
+                done, _ = await asyncio.wait([pending], timeout=1.0)
+                assert not done, "a submission to the process that granted its lease was not written by the writer"
+            finally:
+                os.kill(writers[0], signal.SIGCONT)
+            first = await pending
+            assert m.SubmitResult.model_validate(first).accepted == [result.next_lease.prompts[0].prompt_id]
+            assert first["next_lease"] is not None
+            # A retry (fresh signature, same key) after a lost answer gets the answer the writer stored.
+            again = await _post(a, node, pool, "/v1/submit", m.KIND_SUBMIT, nxt.model_dump(mode="json"), key)
+            assert again == first
             for conn in conns:
                 conn.close()
 
         asyncio.run(scenario())
         with CoordinatorClient(url, operator) as op:
             st = op.status()
-        assert st.groups_pending == 2 and st.nodes[0].prompts_leased == 3
+        assert st.groups_pending == 3 and st.nodes[0].prompts_leased == 4
+        # The writer ends: the whole coordinator stops, for its supervisor to restart it.
+        os.kill(writers[0], signal.SIGKILL)
+        assert coord.proc is not None
+        coord.proc.wait(timeout=60)
     finally:
         coord.kill()

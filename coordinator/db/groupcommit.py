@@ -34,11 +34,15 @@ BEGIN_KEY = "swarmrl_begin"
 """`Connection.info` key naming the statement that begins the connection's next transaction."""
 
 
-class _Write(Generic[T]):
-    __slots__ = ("fn", "durable", "result", "error", "wake")
+Done = Callable[[BaseException | None, Any], None]
+"""Called with a write's outcome, (error, result), once it is known (`GroupCommit.submit`)."""
 
-    def __init__(self, fn: Callable[[Connection], T], durable: bool):
-        self.fn, self.durable = fn, durable
+
+class _Write(Generic[T]):
+    __slots__ = ("fn", "durable", "result", "error", "wake", "done")
+
+    def __init__(self, fn: Callable[[Connection], T], durable: bool, done: Done | None = None):
+        self.fn, self.durable, self.done = fn, durable, done
         self.result: Any = None
         self.error: BaseException | None = None
         self.wake = threading.Event()  # set when the write is done
@@ -88,13 +92,21 @@ class GroupCommit:
     def run(self, fn: Callable[[Connection], T], durable: bool = True) -> T:
         """`fn(tx)` in the next commit; returns (or raises) once that commit is done."""
         op: _Write[T] = _Write(fn, durable)
+        self._enqueue(op)
+        op.wake.wait()
+        return op.outcome()
+
+    def submit(self, fn: Callable[[Connection], Any], durable: bool, done: Done) -> None:
+        """`fn(tx)` in the next commit, without waiting: `done(error, result)` is called from the committer once
+        that commit is done (it must not block; what `run` would raise is its `error`)."""
+        self._enqueue(_Write(fn, durable, done))
+
+    def _enqueue(self, op: _Write[Any]) -> None:
         with self._ready:
             if self._closed:
                 raise RuntimeError("the store is closed")
             self._queue.append(op)
             self._ready.notify()
-        op.wake.wait()
-        return op.outcome()
 
     def close(self) -> None:
         """Commit what is queued, then stop the committer and close its connection."""
@@ -122,6 +134,8 @@ class GroupCommit:
                         self.writes += len(batch)
                     for w in batch:
                         w.wake.set()
+                        if w.done is not None:
+                            w.done(w.error, w.result)
         finally:
             if self._conn is not None:
                 self._conn.close()

@@ -199,6 +199,11 @@ class Store:
         if self.dialect == "sqlite":
             self._checkpointer = WalCheckpointer(str(parsed.database))
 
+    @property
+    def group_commit(self) -> GroupCommit | None:
+        """What commits this process's writes on SQLite (None on PostgreSQL)."""
+        return self._group
+
     def close(self) -> None:
         if self._group is not None:
             self._group.close()
@@ -267,6 +272,11 @@ class Store:
         """Return once `generation` differs from `seen`, or after `timeout` seconds."""
         with self._changed:
             self._changed.wait_for(lambda: self._generation != seen, timeout=timeout)
+
+    def notify(self) -> None:
+        """Wake this process's long polls, as a notifying write does: for a write committed elsewhere on its behalf
+        (`coordinator.db.writer`; other processes hear of it from the database)."""
+        self._bump()
 
     def _bump(self) -> None:
         with self._changed:

@@ -1,0 +1,155 @@
+"""The store's writer process (`coordinator.db.writer`), its socket protocol tested in one process: a named write
+runs in the writer's group commit and its caller returns once that commit is done; refusals, stored answers and
+storage failures reach the caller as the same exceptions, and the write is rolled back; writes sent over several
+connections (several server processes) share commits; and when the writer goes away, every caller waiting on it
+gets a 503 instead of waiting for ever. The whole coordinator with its writer process is tested in
+`tests/test_coordinator_workers.py`."""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmrl.coordinator.auth import Refused, Replayed, StaleSubmission
+from swarmrl.coordinator.db.schema import kv
+from swarmrl.coordinator.db.store import Store, Tx
+from swarmrl.coordinator.db.writer import GONE, RemoteWriter, WriterServer
+from swarmrl.coordinator.failures import DISK_FULL, StorageUnavailable, refusal_of
+from swarmrl.coordinator.idempotency import Answer, Answered
+from swarmrl.testing.waiting import wait_for
+
+
+class Writer:
+    """A store, a writer serving it from a thread, and a way to hold its committer inside a write."""
+
+    def __init__(self, tmp_path: Path):
+        self.db = tmp_path / "c.sqlite"
+        self.store = Store(f"sqlite:///{self.db}")
+        assert self.store.group_commit is not None
+        self.group = self.store.group_commit
+        self.path = str(tmp_path / "writer.sock")
+        self.release = threading.Event()
+        self.server = WriterServer(self.path, self.group, {"put": self._put, "hold": self._hold, "fail": self._fail})
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+        self._before = set(self._rows())
+
+    @staticmethod
+    def _put(key: str, value: int) -> Callable[[Tx], Any]:
+        def write(tx: Tx) -> list[Any]:
+            tx.execute(kv.insert().values(key=key, value=value))
+            return [key, value]
+        return write
+
+    def _hold(self) -> Callable[[Tx], Any]:
+        def write(tx: Tx) -> str:
+            self.release.wait(60)
+            return "held"
+        return write
+
+    @staticmethod
+    def _fail(key: str, kind: str) -> Callable[[Tx], Any]:
+        errors: dict[str, BaseException] = {
+            "refused": Refused(429, "slow down", retry_after=2.0), "replayed": Replayed(),
+            "stale": StaleSubmission("2 versions behind"), "answered": Answered(Answer(200, b'{"ok":true}')),
+            "disk": OSError(errno.ENOSPC, "No space left on device"), "bug": KeyError("oops")}
+
+        def write(tx: Tx) -> None:
+            tx.execute(kv.insert().values(key=key, value=1))  # rolled back with the write
+            raise errors[kind]
+        return write
+
+    def _rows(self) -> dict[str, int]:
+        with sqlite3.connect(self.db) as conn:  # another connection: sees only what was committed
+            return dict(conn.execute("SELECT key, value FROM kv").fetchall())
+
+    def stored(self) -> dict[str, int]:
+        """The rows the test's writes committed (the store's own counters left out)."""
+        return {k: v for k, v in self._rows().items() if k not in self._before}
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.close()
+        self.store.close()
+
+
+@pytest.fixture
+def writer(tmp_path: Path) -> Iterator[Writer]:
+    w = Writer(tmp_path)
+    yield w
+    w.close()
+
+
+def test_a_write_is_committed_before_its_caller_returns(writer: Writer) -> None:
+    remote = RemoteWriter(writer.path)
+    assert remote.call("put", ["a", 1]) == ["a", 1]
+    assert writer.stored() == {"a": 1}
+    remote.close()
+
+
+@pytest.mark.parametrize("kind", ["refused", "replayed", "stale", "answered", "disk", "bug"])
+def test_a_refused_write_raises_the_same_in_its_caller_and_is_rolled_back(writer: Writer, kind: str) -> None:
+    remote = RemoteWriter(writer.path)
+    with pytest.raises(Exception) as raised:
+        remote.call("fail", ["x", kind])
+    e = raised.value
+    if kind == "refused":
+        assert type(e) is Refused and (e.status, e.reason, e.headers) == (429, "slow down", {"Retry-After": "2"})
+    elif kind == "replayed":
+        assert type(e) is Replayed and e.status == 409
+    elif kind == "stale":
+        assert type(e) is StaleSubmission and e.reason.endswith("2 versions behind")
+    elif kind == "answered":
+        assert type(e) is Answered and e.answer == Answer(200, b'{"ok":true}')
+    elif kind == "disk":  # a storage failure: the caller answers 507 with the reason, as if it had happened there
+        assert type(e) is StorageUnavailable and refusal_of(e, "test")[:2] == (507, DISK_FULL)
+    else:  # a bug in the write: a 500 in the caller (the writer logs it)
+        assert type(e) is RuntimeError and "KeyError" in str(e)
+    assert writer.stored() == {}
+    assert remote.call("put", ["after", 2]) == ["after", 2]  # the connection is still usable
+    remote.close()
+
+
+def test_writes_from_several_processes_share_a_commit(writer: Writer) -> None:
+    remotes = [RemoteWriter(writer.path) for _ in range(2)]
+    holder = threading.Thread(target=lambda: remotes[0].call("hold", []))
+    holder.start()
+    wait_for(lambda: writer.group.committing, "the held write to commit")
+    batches = writer.group.batches
+    callers = [threading.Thread(target=remotes[i % 2].call, args=("put", [f"k{i}", i])) for i in range(6)]
+    for t in callers:
+        t.start()
+    wait_for(lambda: writer.group.queued == 6, "six writes queued behind the held one")
+    writer.release.set()
+    for t in [holder, *callers]:
+        t.join(60)
+    assert writer.stored() == {f"k{i}": i for i in range(6)}
+    assert writer.group.batches == batches + 2  # the held write's, then one for all six
+    for r in remotes:
+        r.close()
+
+
+def test_callers_get_a_503_when_the_writer_goes_away(writer: Writer) -> None:
+    remote = RemoteWriter(writer.path)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            remote.call("hold", [])
+        except StorageUnavailable as e:
+            outcome.append(e)
+
+    waiting = threading.Thread(target=call)
+    waiting.start()
+    wait_for(lambda: writer.group.committing, "the held write to commit")
+    writer.server.close()  # as the writer process ending
+    waiting.join(60)
+    assert [(e.status, e.reason) for e in outcome] == [(503, GONE)]
+    with pytest.raises(StorageUnavailable):  # and every call after it, at once
+        remote.call("put", ["late", 1])
