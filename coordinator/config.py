@@ -70,6 +70,12 @@ class CoordinatorConfig(BaseModel):
         "(the hottest write) of every worker in one group commit, instead of each worker committing its own in turn "
         "(`coordinator.db.writer`; side by side in bench/RESULTS.md). Other writes stay in the worker that serves "
         "them.")
+    store_writer_commit_interval_ms: float = Field(
+        2.0, ge=0, le=100, description="The store's writer process (store_writer_process): under load, at most one "
+        "commit this often; a submission that arrives sooner after the previous commit waits for the rest of it "
+        "(at most this long), and the ones that arrive meanwhile share its commit. Fewer, larger commits cost less "
+        "CPU per submission (bench/RESULTS.md); an idle coordinator commits at once. 0: commit whatever is queued "
+        "as soon as the previous commit ends.")
     store_group_commit: int = Field(
         64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
         "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "

@@ -177,7 +177,7 @@ def writer_socket(config: CoordinatorConfig) -> str:
 def _run_writer(config: CoordinatorConfig, identity: Identity, path: str, parent: int) -> None:
     die_with_parent(parent)
     name_process("swarmrl-writer")
-    store = open_store(config)
+    store = open_store(config, writer=True)
     leases = build_leases(store, config, identity, time.time, RunSecret(config.data_dir))
     assert store.group_commit is not None
     try:

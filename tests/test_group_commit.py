@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from swarmrl.coordinator.auth import Refused
-from swarmrl.coordinator.db.groupcommit import make_realtime
+from swarmrl.coordinator.db.groupcommit import GroupCommit, make_realtime
 from swarmrl.coordinator.db.schema import kv, leases
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
 from swarmrl.coordinator.server import lower_request_priority
@@ -92,6 +92,49 @@ def test_a_failed_commit_fails_every_write_of_its_batch(store: Store) -> None:
     assert store.read(lambda tx: counter(tx, "lease_counter")) == 0  # the first write's change was not stored
     assert store.read(lambda tx: tx.execute(select(func.count()).select_from(leases)).scalar_one()) == 0
     assert store.write(lambda tx: add_to_counter(tx, "lease_counter", 1)) == 1  # and the store goes on
+
+
+def test_under_load_commits_are_paced_and_gather_what_queues_meanwhile(tmp_path: Path) -> None:
+    """With `min_interval_s`, a write queued right after a commit waits for the rest of the interval (here: until
+    the test has queued four more, as the interval's sleep) and those share its commit; an idle store commits at
+    once. The sleep is the test's, so nothing depends on how fast the machine is."""
+    asked: list[float] = []
+    go_on = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        asked.append(seconds)
+        go_on.wait(60)
+
+    s = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
+    group = GroupCommit(s.engine, 64, min_interval_s=30.0, sleep=sleep)
+    try:
+        assert group.run(lambda tx: add_to_counter(tx, "lease_counter", 1)) == 1  # idle: no wait
+        assert asked == []
+        results: list[int] = []
+        lock = threading.Lock()
+
+        def write() -> None:
+            value = group.run(lambda tx: add_to_counter(tx, "lease_counter", 1))
+            with lock:
+                results.append(value)
+
+        first = threading.Thread(target=write)
+        first.start()
+        wait_for(lambda: asked, "the committer to wait out the interval")
+        assert 0 < asked[0] <= 30.0
+        others = [threading.Thread(target=write) for _ in range(4)]
+        for t in others:
+            t.start()
+        wait_for(lambda: group.queued == 5, "five writes queued")
+        go_on.set()
+        for t in [first, *others]:
+            t.join(60)
+        assert sorted(results) == [2, 3, 4, 5, 6]
+        assert (group.batches, group.writes) == (2, 6)  # the idle write alone, then the five together
+    finally:
+        go_on.set()
+        group.close()
+        s.close()
 
 
 def test_many_threads_lose_nothing(store: Store) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, TypeVar
@@ -61,11 +62,18 @@ class GroupCommit:
     a batch is whatever queued while the previous commit ran."""
 
     def __init__(self, engine: Engine, max_batch: int, across: AbstractContextManager[Any] | None = None,
-                 realtime: bool = False):
+                 realtime: bool = False, min_interval_s: float = 0.0, sleep: Callable[[float], None] = time.sleep):
         """`across`: held around each commit's transaction, when other processes write to the same database
         (`coordinator.db.shared.WriterLock`). `realtime`: run the committer under the real-time FIFO policy where
-        the process may (`make_realtime`); `self.realtime` says whether it does."""
+        the process may (`make_realtime`); `self.realtime` says whether it does. `min_interval_s`: under load, at
+        most one commit that often: a write queued sooner after the end of the previous commit waits for the rest
+        of the interval, and the writes queued meanwhile join its commit (an idle store commits at once). Fewer,
+        larger commits cost less CPU per write (each commit has its own BEGIN, log pages and fsync), for at most
+        that much more latency; the writer process uses it (`coordinator.db.writer`), where nothing else makes a
+        batch wait."""
         self.engine, self.max_batch = engine, max(1, max_batch)
+        self.min_interval_s, self._sleep = min_interval_s, sleep
+        self._last_commit = float("-inf")
         self._across = across if across is not None else nullcontext()
         self._ready = threading.Condition(threading.Lock())
         self._queue: list[_Write[Any]] = []
@@ -123,11 +131,17 @@ class GroupCommit:
                         self._ready.wait()
                     if not self._queue:
                         return
+                    rest = 0.0 if len(self._queue) >= self.max_batch else \
+                        self._last_commit + self.min_interval_s - time.monotonic()
+                if rest > 0 and not self._closed:  # under load: let more writes join this commit
+                    self._sleep(rest)
+                with self._ready:
                     batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
                     self._committing = True
                 try:
                     self._commit(batch)
                 finally:
+                    self._last_commit = time.monotonic()
                     with self._ready:
                         self._committing = False
                         self.batches += 1

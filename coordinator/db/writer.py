@@ -49,35 +49,41 @@ Handler = Callable[..., Callable[[Any], Any]]
 the function the commit runs with the transaction, whose result is plain JSON data too."""
 
 
-def _send(sock: socket.socket, lock: threading.Lock, message: list[Any]) -> None:
-    data = orjson.dumps(message)
-    with lock:
-        sock.sendall(_LENGTH.pack(len(data)) + data)
+class _Channel:
+    """One connection's framed messages: a 4-byte length, then that many bytes of orjson. Reads go through a buffer
+    (a frame usually costs one system call); sends may come from several threads."""
 
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._reader = sock.makefile("rb", buffering=1 << 16)
+        self._send_lock = threading.Lock()
 
-def _receive(sock: socket.socket) -> list[Any] | None:
-    """The next message, or None once the other side has closed the connection."""
-    head = _read_exactly(sock, _LENGTH.size)
-    body = None if head is None else _read_exactly(sock, _LENGTH.unpack(head)[0])
-    return None if body is None else orjson.loads(body)
+    def send(self, message: list[Any]) -> None:
+        data = orjson.dumps(message)
+        with self._send_lock:
+            self.sock.sendall(_LENGTH.pack(len(data)) + data)
 
-
-def _receive_or_none(sock: socket.socket) -> list[Any] | None:
-    try:
-        return _receive(sock)
-    except OSError:  # shut down (`WriterServer.close`) or broken: the same as closed
-        return None
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
+    def receive(self) -> list[Any] | None:
+        """The next message, or None once the connection is closed, shut down or broken."""
+        try:
+            head = self._reader.read(_LENGTH.size)
+            if len(head) < _LENGTH.size:
+                return None
+            size = _LENGTH.unpack(head)[0]
+            body = self._reader.read(size)
+        except OSError:
             return None
-        got += k
-    return bytes(buf)
+        return orjson.loads(body) if len(body) == size else None
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
+
+    def close(self) -> None:
+        self._reader.close()
+        self.sock.close()
 
 
 def _outcome(error: BaseException | None, result: Any) -> list[Any]:
@@ -125,91 +131,90 @@ class WriterServer:
             self._sock.bind(path)
         finally:
             os.umask(old)
-        self._sock.listen(64)
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
+        self._sock.listen(256)
+        self._channels: set[_Channel] = set()
+        self._lock = threading.Lock()
 
     def serve_forever(self) -> None:
-        """Accept the server processes' connections, a thread each, until the socket is closed."""
+        """Accept connections (one per thread of each server process), a thread each, until `close`."""
         while True:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            with self._conns_lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="writer-connection", daemon=True).start()
+            channel = _Channel(conn)
+            with self._lock:
+                self._channels.add(channel)
+            threading.Thread(target=self._serve, args=(channel,), name="writer-connection", daemon=True).start()
 
     def close(self) -> None:
         """Stop serving: no new connection is taken, and every caller waiting on this writer gets
         StorageUnavailable, as if the process had ended (writes already queued may still commit)."""
         self._sock.close()
-        with self._conns_lock:
-            for conn in self._conns:
+        with self._lock:
+            for channel in self._channels:
+                channel.shutdown()
+
+    def _serve(self, channel: _Channel) -> None:
+        while (message := channel.receive()) is not None:
+            call_id, name, args, durable = message
+
+            def done(error: BaseException | None, result: Any, call_id: int = call_id) -> None:
                 try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:  # closed already
+                    channel.send([call_id, *_outcome(error, result)])
+                except OSError:  # that process is gone: nobody waits for this answer
                     pass
 
-    def _serve(self, conn: socket.socket) -> None:
-        lock = threading.Lock()
-        with conn:
-            while (message := _receive_or_none(conn)) is not None:
-                call_id, name, args, durable = message
-
-                def done(error: BaseException | None, result: Any, call_id: int = call_id) -> None:
-                    try:
-                        _send(conn, lock, [call_id, *_outcome(error, result)])
-                    except OSError:  # that process is gone: nobody waits for this answer
-                        pass
-
-                try:
-                    write = self.handlers[name](*args)
-                except Exception as e:  # noqa: BLE001 - told to the caller, as a write's own error would be
-                    done(e, None)
-                    continue
-                self.group.submit(write, durable, done)
-        with self._conns_lock:
-            self._conns.discard(conn)
+            try:
+                write = self.handlers[name](*args)
+            except Exception as e:  # noqa: BLE001 - told to the caller, as a write's own error would be
+                done(e, None)
+                continue
+            self.group.submit(write, durable, done)
+        with self._lock:
+            self._channels.discard(channel)
+        channel.close()
 
 
 class RemoteWriter:
-    """In a server process: runs named writes in the writer process listening at `path`. Thread-safe: the calls
-    of every thread share one connection, each waiting for its own outcome."""
+    """In a server process: runs named writes in the writer process listening at `path`. Thread-safe: each thread
+    has a connection of its own, on which it sends a write and waits for its outcome (no other thread in between)."""
 
     def __init__(self, path: str, connect_timeout_s: float = 60.0):
         self.path, self.connect_timeout_s = path, connect_timeout_s
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()  # connecting, and the table of calls waiting
-        self._send_lock = threading.Lock()
+        self._local = threading.local()
+        self._channels: list[_Channel] = []
+        self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._gone = False
 
     def call(self, name: str, args: list[Any], durable: bool = True) -> Any:
         """`name`'s handler run with `args` in the writer's next commit: its result once that commit is done, or
         the refusal it raised; StorageUnavailable (503) when the writer cannot be reached."""
-        done, outcome = threading.Event(), []
-        with self._lock:
-            sock = self._connection()
-            call_id = next(self._ids)
-            self._waiting[call_id] = (done, outcome)
+        channel = self._channel()
+        call_id = next(self._ids)
         try:
-            _send(sock, self._send_lock, [call_id, name, args, durable])
+            channel.send([call_id, name, args, durable])
         except OSError:
-            self._lost(sock)
-        done.wait()
-        return _raise(outcome)
+            pass  # the answer will not come either: told below
+        answer = channel.receive()
+        if answer is None:
+            self._gone = True  # every thread's connection is to the same process
+            raise StorageUnavailable(503, GONE)
+        assert answer[0] == call_id, "answers come in the order of the calls on one connection"
+        return _raise(answer[1:])
 
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                self._sock.close()
+            for channel in self._channels:
+                channel.shutdown()
+                channel.close()
 
-    def _connection(self) -> socket.socket:
+    def _channel(self) -> _Channel:
         if self._gone:
             raise StorageUnavailable(503, GONE)
-        if self._sock is None:
+        channel: _Channel | None = getattr(self._local, "channel", None)
+        if channel is None:
             deadline = time.monotonic() + self.connect_timeout_s
             while True:  # the writer starts beside the server processes: wait for it to listen
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -221,27 +226,7 @@ class RemoteWriter:
                     if time.monotonic() > deadline:
                         raise StorageUnavailable(503, GONE) from None
                     time.sleep(0.05)
-            self._sock = sock
-            threading.Thread(target=self._read, args=(sock,), name="writer-answers", daemon=True).start()
-        return self._sock
-
-    def _read(self, sock: socket.socket) -> None:
-        try:
-            while (message := _receive(sock)) is not None:
-                with self._lock:
-                    done, outcome = self._waiting.pop(message[0])
-                outcome.extend(message[1:])
-                done.set()
-        except OSError:
-            pass
-        self._lost(sock)
-
-    def _lost(self, sock: socket.socket) -> None:
-        """The writer is gone: every call waiting, and every call from now on, gets StorageUnavailable."""
-        with self._lock:
-            self._gone = True
-            waiting, self._waiting = self._waiting, {}
-        sock.close()
-        for done, outcome in waiting.values():
-            outcome.extend(["unavailable", 503, GONE])
-            done.set()
+            channel = self._local.channel = _Channel(sock)
+            with self._lock:
+                self._channels.append(channel)
+        return channel
