@@ -71,6 +71,17 @@ class Signed:
     def public_key(self) -> str:
         return self.sig.key
 
+    def to_wire(self) -> list[Any]:
+        """What a write in another process reads of this request (`coordinator.db.writer`): its signature header,
+        Idempotency-Key, digest and source, as plain data; not its payload."""
+        return [self.sig.header(), self.idempotency_key, self.digest, self.source]
+
+    @classmethod
+    def from_wire(cls, wire: list[Any]) -> Signed:
+        """The request `to_wire` sent, without its payload (None)."""
+        header, key, digest, source = wire
+        return cls(Signature.model_validate_json(header), None, key, digest, source)
+
 
 def describe_validation_error(e: ValidationError, limit: int = 5) -> str:
     """Pydantic's reasons as one line: `loc: message; ...` (input values left out, they may be huge)."""

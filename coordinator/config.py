@@ -50,7 +50,7 @@ class CoordinatorConfig(BaseModel):
     workers: int = Field(
         1, ge=1, le=64, description="Server processes, one core each, sharing the port (SO_REUSEPORT: the kernel "
         "spreads connections over them) and the store. On SQLite one more process, the store's writer, commits the "
-        "submissions of all of them together (store_writer_process), and their other writes take turns; on "
+        "submissions and heartbeats of all of them together (store_writer_process), and their other writes take turns; on "
         "PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
         "metrics and long-poll slots are per process. With [p2p], the first process runs the DHT seed.")
     request_nice: int = Field(
@@ -67,9 +67,9 @@ class CoordinatorConfig(BaseModel):
         "real-time throttling leaves other threads a share of every core.")
     store_writer_process: bool = Field(
         True, description="SQLite with workers > 1: one more process, the store's writer, writes the submissions "
-        "(the hottest write) of every worker in one group commit, instead of each worker committing its own in turn "
-        "(`coordinator.db.writer`; side by side in bench/RESULTS.md). Other writes stay in the worker that serves "
-        "them.")
+        "and heartbeats (the hottest writes) of every worker in one group commit, instead of each worker committing "
+        "its own in turn (`coordinator.db.writer`; side by side in bench/RESULTS.md). Other writes stay in the "
+        "worker that serves them.")
     store_writer_commit_interval_ms: float = Field(
         2.0, ge=0, le=100, description="The store's writer process (store_writer_process): under load, at most one "
         "commit this often; a submission that arrives sooner after the previous commit waits for the rest of it "

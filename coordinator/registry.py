@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import BigInteger, Double, bindparam, func, select, update
 
@@ -19,6 +20,7 @@ from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import nodes
 from swarmrl.coordinator.db.store import Store, Tx, insert, load
+from swarmrl.coordinator.db.writer import RemoteWriter
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.nonces import record_nonce
@@ -194,6 +196,8 @@ class Registry:
 
     def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], secret: RunSecret):
         self.store, self.config, self.clock, self.secret = store, config, clock, secret
+        self.writer: RemoteWriter | None = None
+        """Where heartbeats are written, when a writer process runs them (`coordinator.db.writer`)."""
 
     def challenge(self, req: m.ChallengeRequest) -> m.Challenge:
         """A fresh challenge that only `req.public_key` can redeem, once, within challenge_ttl_s. Nothing is stored:
@@ -238,20 +242,32 @@ class Registry:
         node's previous heartbeat (plus slack) are scaled down to it, so a lying node skews only its own share.
         """
         hb: m.Heartbeat = req.payload
-        now = self.clock()
+        beat = [hb.idle_s, hb.busy_s, hb.held_version, self.clock()]
+        # Not durable (coordinator.db.store): only metrics and liveness would be lost.
+        if self.writer is not None:
+            self.writer.call("heartbeat", [req.to_wire(), *beat], durable=False)
+        else:
+            self.store.write(self._beat(req, *beat), durable=False)
 
+    def write_heartbeat(self, req: list[Any], *beat: Any) -> Callable[[Tx], None]:
+        """In the writer process: the write of a heartbeat `heartbeat` sent."""
+        return self._beat(Signed.from_wire(req), *beat)
+
+    def _beat(self, req: Signed, idle_s: float, busy_s: float, held_version: int, now: float
+              ) -> Callable[[Tx], None]:
         def beat(tx: Tx) -> None:
             admit(tx, req)
             node = require_node(tx, req.signer, lock=True)  # locked: two heartbeats at once count once each
-            d_idle, d_busy = hb.idle_s - node.idle_s, hb.busy_s - node.busy_s
+            d_idle, d_busy = idle_s - node.idle_s, busy_s - node.busy_s
             if d_idle < 0 or d_busy < 0:  # restarted: the counters began again from 0
-                d_idle, d_busy = hb.idle_s, hb.busy_s
+                d_idle, d_busy = idle_s, busy_s
             since = node.counters_at if node.counters_at is not None else node.registered_at
             allowed = max(now - since, 0.0) * (1 + COUNTER_SLACK_FRAC) + COUNTER_SLACK_S
             if d_idle + d_busy > allowed:
                 scale = allowed / (d_idle + d_busy)
                 d_idle, d_busy = d_idle * scale, d_busy * scale
-            set_counters(tx, req.signer, hb.idle_s, hb.busy_s, d_idle, d_busy, now)
-            touch(tx, req.signer, now, hb.held_version)
+            set_counters(tx, req.signer, idle_s, busy_s, d_idle, d_busy, now)
+            touch(tx, req.signer, now, held_version)
 
-        self.store.write(beat, durable=False)  # see coordinator.db.store: only metrics and liveness would be lost
+        return beat
+

@@ -32,6 +32,7 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.db.writer import WriterServer
 from swarmrl.coordinator.pool import attach_pool
+from swarmrl.coordinator.registry import Registry
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.service import build_leases, open_store
 from swarmrl.protocol.identity import Identity
@@ -178,10 +179,13 @@ def _run_writer(config: CoordinatorConfig, identity: Identity, path: str, parent
     die_with_parent(parent)
     name_process("swarmrl-writer")
     store = open_store(config, writer=True)
-    leases = build_leases(store, config, identity, time.time, RunSecret(config.data_dir))
+    secret = RunSecret(config.data_dir)
+    leases = build_leases(store, config, identity, time.time, secret)
+    registry = Registry(store, config, time.time, secret)
     assert store.group_commit is not None
     try:
-        WriterServer(path, store.group_commit, {"submit": leases.write_sent}).serve_forever()
+        WriterServer(path, store.group_commit, {"submit": leases.write_sent, "heartbeat": registry.write_heartbeat}
+                     ).serve_forever()
     finally:
         store.close()
 

@@ -51,8 +51,8 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time,
                  writer: str | None = None):
-        """`writer`: the socket of the store's writer process, which then writes the prechecked submissions
-        (`coordinator.db.writer`)."""
+        """`writer`: the socket of the store's writer process, which then writes the prechecked submissions and the
+        heartbeats (`coordinator.db.writer`)."""
         self.config, self.identity, self.clock = config, identity, clock
         self.store = open_store(config)
         self.shards = ShardStore(config.data_dir / "shards", durable=True)  # a published manifest refers to them
@@ -63,7 +63,7 @@ class Coordinator:
                          lambda node_id: self.store.read(lambda tx: require_node(tx, node_id)))
         self.registry = Registry(self.store, config, clock, self.secret)
         self.leases = build_leases(self.store, config, identity, clock, self.secret)
-        self.leases.writer = RemoteWriter(writer) if writer is not None else None
+        self.leases.writer = self.registry.writer = RemoteWriter(writer) if writer is not None else None
         self.verification = Verification(self.store, config, clock, long_polls)
         self.feed = Feed(self.store, long_polls, clock)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)

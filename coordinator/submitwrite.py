@@ -18,7 +18,6 @@ from swarmrl.coordinator.compose import Composed
 from swarmrl.coordinator.db.rows import LeasePromptRow
 from swarmrl.coordinator.db.store import EncodedJSON
 from swarmrl.protocol import messages as m
-from swarmrl.protocol.signing import Signature
 from swarmrl.protocol.validation import group_problem
 
 __all__ = ["Prechecked", "SubmissionWrite", "from_wire", "judged", "to_wire"]
@@ -79,7 +78,7 @@ def to_wire(w: SubmissionWrite) -> list[Any]:
     """`w` as plain JSON data; only a prechecked write crosses (its groups are in `pre`'s stored forms)."""
     assert w.pre is not None, "only a prechecked submission crosses to the writer"
     pre, req, draft = w.pre, w.req, w.pre.draft
-    return [req.sig.header(), req.idempotency_key, req.digest, req.source, w.lease_id, w.prompt_ids,
+    return [req.to_wire(), w.lease_id, w.prompt_ids,
             w.policy_version, None if w.ask is None else w.ask.model_dump(), w.now,
             [[r.prompt_id, r.position, r.text, r.answer, r.seeds, r.submitted] for r in pre.prompts.values()],
             pre.problems, pre.payloads,
@@ -89,8 +88,8 @@ def to_wire(w: SubmissionWrite) -> list[Any]:
 
 def from_wire(a: list[Any]) -> SubmissionWrite:
     """The write `to_wire` sent."""
-    header, key, digest, source, lease_id, prompt_ids, version, ask, now, rows, problems, payloads, draft = a
-    req = Signed(Signature.model_validate_json(header), None, key, digest, source)
+    req, lease_id, prompt_ids, version, ask, now, rows, problems, payloads, draft = a
+    req = Signed.from_wire(req)
     composed = None if draft is None else Composed(
         m.Lease.model_validate_json(draft[0]), [(p, t, ans, s) for p, t, ans, s in draft[1]], EncodedJSON(draft[2]),
         EncodedJSON(draft[3]), EncodedJSON(draft[4]))

@@ -2,8 +2,8 @@
 spreads connections over both, and one node's requests may land on either: a challenge made by one is taken by the
 other (the run's secret is shared), a lease granted by one is submitted to the other. And processes that share
 the SQLite file take turns at writing, and hear of each other's commits (long polls wake on them). A third process,
-the store's writer, writes the submissions whose lease the serving process granted (`coordinator.db.writer`); when
-it ends, the coordinator stops."""
+the store's writer, writes the heartbeats and the submissions whose lease the serving process granted
+(`coordinator.db.writer`); when it ends, the coordinator stops."""
 
 from __future__ import annotations
 
@@ -146,14 +146,19 @@ def test_two_workers_share_the_port_and_one_nodes_requests(tmp_path: Path) -> No
             # stopped it waits (it cannot finish early, however fast); once the writer runs, it is taken.
             nxt = submission(result.next_lease).model_copy(update={"next_lease": m.LeaseRequest(max_prompts=1)})
             key = new_idempotency_key()
+            beat = canonical_json({"held_version": 0, "idle_s": 1.0, "busy_s": 2.0})
             os.kill(writers[0], signal.SIGSTOP)
             try:
                 pending = asyncio.ensure_future(_post(b, node, pool, "/v1/submit", m.KIND_SUBMIT,
                                                       nxt.model_dump(mode="json"), key))
-                done, _ = await asyncio.wait([pending], timeout=1.0)
-                assert not done, "a submission to the process that granted its lease was not written by the writer"
+                heartbeat = asyncio.ensure_future(a.request("POST", "/v1/heartbeat", beat, {
+                    "content-type": "application/json",
+                    SIGNATURE_HEADER: sign(node, m.KIND_HEARTBEAT, pool, beat).header()}))
+                done, _ = await asyncio.wait([pending, heartbeat], timeout=1.0)
+                assert not done, "a submission or a heartbeat was not written by the writer"
             finally:
                 os.kill(writers[0], signal.SIGCONT)
+            assert (await heartbeat).status == 204
             first = await pending
             assert m.SubmitResult.model_validate(first).accepted == [result.next_lease.prompts[0].prompt_id]
             assert first["next_lease"] is not None
@@ -167,6 +172,7 @@ def test_two_workers_share_the_port_and_one_nodes_requests(tmp_path: Path) -> No
         with CoordinatorClient(url, operator) as op:
             st = op.status()
         assert st.groups_pending == 3 and st.nodes[0].prompts_leased == 4
+        assert (st.nodes[0].idle_s, st.nodes[0].busy_s) == (1.0, 2.0)  # the heartbeat's
         # The writer ends: the whole coordinator stops, for its supervisor to restart it.
         os.kill(writers[0], signal.SIGKILL)
         assert coord.proc is not None

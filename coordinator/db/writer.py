@@ -4,9 +4,10 @@ On SQLite every write of every process is serialized. With each process committi
 (`coordinator.db.shared.WriterLock`), the lock was held 90-95% of the time under load (bench/RESULTS.md): batches
 of about 3.5 writes per process, the lock handed from process to process at every commit, and the holder's
 statements waiting for the GIL of its own process, which its request threads hold. Here a process of its own runs
-the submissions' writes (the coordinator's hottest, one per submission) in one group commit (`GroupCommit`):
-a batch gathers the writes of every server process, and nothing else in the writer competes with its committer.
-The other writes still run in the process that serves them, taking their turn at the same lock.
+the coordinator's hottest writes, the submissions' and the heartbeats', in one group commit (`GroupCommit`), its
+commits paced under load so that each gathers several: a batch holds the writes of every server process, and
+nothing else in the writer competes with its committer. The other writes still run in the process that serves
+them, taking their turn at the same lock.
 
 What crosses the socket: a write is named (a handler registered with the writer) and its arguments are plain JSON
 data (orjson), as is its outcome: the handler's result, or a refusal that the caller raises as if the write had
