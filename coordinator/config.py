@@ -50,8 +50,8 @@ class CoordinatorConfig(BaseModel):
     workers: int = Field(
         1, ge=1, le=64, description="Server processes, one core each, sharing the port (SO_REUSEPORT: the kernel "
         "spreads connections over them) and the store. On SQLite one more process, the store's writer, commits the "
-        "submissions and heartbeats of all of them together (store_writer_process), and their other writes take turns; on "
-        "PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
+        "submissions and heartbeats of all of them together (store_writer_process), and their other writes take "
+        "turns; on PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
         "metrics and long-poll slots are per process. With [p2p], the first process runs the DHT seed.")
     request_nice: int = Field(
         5, ge=0, le=19, description="SQLite: how much lower than the store's committer thread (the one thread that "
