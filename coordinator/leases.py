@@ -313,13 +313,13 @@ class Leases:
         answers [the stored answer's body, the current version, whether the draft was granted]."""
         w = from_wire(list(wire))
         assert w.pre is not None
+        draft = w.pre.draft
 
         def write(tx: Tx) -> list[Any]:
             result = self._take(tx, w)
             granted = result.next_lease
             if granted is not None:
                 self.recent.take(granted.lease_id)  # the process that serves the node keeps it
-            draft = w.pre.draft if w.pre is not None else None
             return [Answer.of(result).body.decode(), self._version_seen,
                     granted is not None and draft is not None and granted.lease_id == draft.lease.lease_id]
 
