@@ -31,6 +31,7 @@ from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.db.writer import WriterServer
+from swarmrl.coordinator.httpwrites import CoalescingHttpProtocol
 from swarmrl.coordinator.pool import attach_pool
 from swarmrl.coordinator.registry import Registry
 from swarmrl.coordinator.run_secret import RunSecret
@@ -70,8 +71,9 @@ def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
 
 def uvicorn_config(app: FastAPI) -> uvicorn.Config:
     # No access log and no proxy-header rewriting: per-request costs that nothing here uses (client addresses
-    # decide nothing; keys do).
-    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", proxy_headers=False)
+    # decide nothing; keys do). A response's head and body go out in one write (`coordinator.httpwrites`).
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", proxy_headers=False,
+                          http=CoalescingHttpProtocol)
 
 
 def _listen(host: str, port: int, shared: bool = False) -> socket.socket:
