@@ -137,6 +137,39 @@ def test_under_load_commits_are_paced_and_gather_what_queues_meanwhile(tmp_path:
         s.close()
 
 
+def test_without_a_committer_thread_its_owner_commits_when_due(tmp_path: Path) -> None:
+    """`threaded=False` (the writer process): nothing commits until the owner calls `commit_due`; `due_in` says
+    when: at once for an idle store, after the rest of the interval right after a commit, at once again once a batch
+    is full; `close` commits what is still queued."""
+    s = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
+    group = GroupCommit(s.engine, 3, min_interval_s=3600.0, threaded=False)
+    outcomes: list[tuple[BaseException | None, object]] = []
+
+    def add() -> None:
+        group.submit(lambda tx: add_to_counter(tx, "lease_counter", 1), True, lambda e, r: outcomes.append((e, r)))
+
+    try:
+        assert not group.threaded and group.due_in() is None  # nothing queued
+        add()
+        assert group.due_in() == 0.0 and outcomes == []  # idle: due now, and only the owner commits it
+        group.commit_due()
+        assert outcomes == [(None, 1)] and group.due_in() is None
+        add()
+        due = group.due_in()
+        assert due is not None and 3500 < due <= 3600  # right after a commit: the rest of the interval
+        add()
+        add()
+        assert group.due_in() == 0.0  # a full batch is due at once
+        group.commit_due()
+        assert outcomes[1:] == [(None, 2), (None, 3), (None, 4)] and (group.batches, group.writes) == (2, 4)
+        add()
+        assert group.due_in() > 0
+    finally:
+        group.close()  # commits the queued write
+        s.close()
+    assert outcomes[-1] == (None, 5) and group.writes == 5
+
+
 def test_many_threads_lose_nothing(store: Store) -> None:
     def bump(tx: Tx) -> int:
         return add_to_counter(tx, "accepted_seq", 1)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from swarmrl.coordinator.auth import Refused, Replayed, StaleSubmission
@@ -28,9 +29,9 @@ from swarmrl.testing.waiting import wait_for
 class Writer:
     """A store, a writer serving it from a thread, and a way to hold its committer inside a write."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, committer_thread: bool):
         self.db = tmp_path / "c.sqlite"
-        self.store = Store(f"sqlite:///{self.db}")
+        self.store = Store(f"sqlite:///{self.db}", committer_thread=committer_thread)
         assert self.store.group_commit is not None
         self.group = self.store.group_commit
         self.path = str(tmp_path / "writer.sock")
@@ -79,9 +80,11 @@ class Writer:
         self.store.close()
 
 
-@pytest.fixture
-def writer(tmp_path: Path) -> Iterator[Writer]:
-    w = Writer(tmp_path)
+@pytest.fixture(params=[False, True], ids=["one-thread", "committer-thread"])
+def writer(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Writer]:
+    """A writer whose serving thread commits the writes (as the writer process runs), or one that hands them to the
+    group commit's own committer thread."""
+    w = Writer(tmp_path, request.param)
     yield w
     w.close()
 
@@ -118,18 +121,32 @@ def test_a_refused_write_raises_the_same_in_its_caller_and_is_rolled_back(writer
 
 def test_writes_from_several_processes_share_a_commit(writer: Writer) -> None:
     remotes = [RemoteWriter(writer.path) for _ in range(2)]
+    connected, go = threading.Barrier(7), threading.Event()
+
+    def caller(i: int) -> None:  # a request thread: its own connection, made (and accepted) before the hold
+        remotes[i % 2].call("put", [f"w{i}", i])
+        connected.wait(60)
+        go.wait(60)
+        remotes[i % 2].call("put", [f"k{i}", i])
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(6)]
+    for t in callers:
+        t.start()
+    connected.wait(60)
     holder = threading.Thread(target=lambda: remotes[0].call("hold", []))
     holder.start()
     wait_for(lambda: writer.group.committing, "the held write to commit")
     batches = writer.group.batches
-    callers = [threading.Thread(target=remotes[i % 2].call, args=("put", [f"k{i}", i])) for i in range(6)]
-    for t in callers:
-        t.start()
-    wait_for(lambda: writer.group.queued == 6, "six writes queued behind the held one")
+    go.set()
+    if writer.group.threaded:
+        wait_for(lambda: writer.group.queued == 6, "six writes queued behind the held one")
+    else:  # the thread that reads them is inside the held commit: they wait in its connections
+        frame = 4 + len(orjson.dumps([1, "put", ["k0", 0], True]))  # each call id and i here is one digit
+        wait_for(lambda: writer.server.unread() == 6 * frame, "six writes sent behind the held one")
     writer.release.set()
     for t in [holder, *callers]:
         t.join(60)
-    assert writer.stored() == {f"k{i}": i for i in range(6)}
+    assert writer.stored() == {**{f"w{i}": i for i in range(6)}, **{f"k{i}": i for i in range(6)}}
     assert writer.group.batches == batches + 2  # the held write's, then one for all six
     for r in remotes:
         r.close()

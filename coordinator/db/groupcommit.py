@@ -46,7 +46,7 @@ class _Write(Generic[T]):
         self.fn, self.durable, self.done = fn, durable, done
         self.result: Any = None
         self.error: BaseException | None = None
-        self.wake = threading.Event()  # set when the write is done
+        self.wake = threading.Event() if done is None else None  # set when the write is done, for `run`
 
     def outcome(self) -> T:
         if self.error is not None:
@@ -62,7 +62,8 @@ class GroupCommit:
     a batch is whatever queued while the previous commit ran."""
 
     def __init__(self, engine: Engine, max_batch: int, across: AbstractContextManager[Any] | None = None,
-                 realtime: bool = False, min_interval_s: float = 0.0, sleep: Callable[[float], None] = time.sleep):
+                 realtime: bool = False, min_interval_s: float = 0.0, sleep: Callable[[float], None] = time.sleep,
+                 threaded: bool = True):
         """`across`: held around each commit's transaction, when other processes write to the same database
         (`coordinator.db.shared.WriterLock`). `realtime`: run the committer under the real-time FIFO policy where
         the process may (`make_realtime`); `self.realtime` says whether it does. `min_interval_s`: under load, at
@@ -70,7 +71,8 @@ class GroupCommit:
         of the interval, and the writes queued meanwhile join its commit (an idle store commits at once). Fewer,
         larger commits cost less CPU per write (each commit has its own BEGIN, log pages and fsync), for at most
         that much more latency; the writer process uses it (`coordinator.db.writer`), where nothing else makes a
-        batch wait."""
+        batch wait. `threaded=False`: no committer thread; the thread that owns this object commits what is queued
+        when it is due (`due_in`, `commit_due`), the writer process's one thread, which reads the writes too."""
         self.engine, self.max_batch = engine, max(1, max_batch)
         self.min_interval_s, self._sleep = min_interval_s, sleep
         self._last_commit = float("-inf")
@@ -82,11 +84,15 @@ class GroupCommit:
         self._conn: Connection | None = None
         self.batches = 0
         self.writes = 0
-        # Started now, by the thread that opens the store: it runs at that thread's priority, which request threads
-        # started later may run below (`coordinator.server`).
-        self._thread = threading.Thread(target=self._commit_queued, name="group-commit", daemon=True)
-        self._thread.start()
-        self.realtime = realtime and self._thread.native_id is not None and make_realtime(self._thread.native_id)
+        self.realtime = False
+        self._thread: threading.Thread | None = None
+        if threaded:
+            # Started now, by the thread that opens the store: it runs at that thread's priority, which request
+            # threads started later may run below (`coordinator.server`).
+            self._thread = threading.Thread(target=self._commit_queued, name="group-commit", daemon=True)
+            self._thread.start()
+            self.realtime = realtime and self._thread.native_id is not None and make_realtime(self._thread.native_id)
+        self._wants_realtime = realtime and not threaded
 
     @property
     def queued(self) -> int:
@@ -94,13 +100,20 @@ class GroupCommit:
         return len(self._queue)
 
     @property
+    def threaded(self) -> bool:
+        """Whether a committer thread of its own commits the writes (else its owner does: `commit_due`)."""
+        return self._thread is not None
+
+    @property
     def committing(self) -> bool:
         return self._committing
 
     def run(self, fn: Callable[[Connection], T], durable: bool = True) -> T:
-        """`fn(tx)` in the next commit; returns (or raises) once that commit is done."""
+        """`fn(tx)` in the next commit; returns (or raises) once that commit is done (without a committer thread:
+        once the owner commits it, from another thread)."""
         op: _Write[T] = _Write(fn, durable)
         self._enqueue(op)
+        assert op.wake is not None
         op.wake.wait()
         return op.outcome()
 
@@ -121,7 +134,33 @@ class GroupCommit:
         with self._ready:
             self._closed = True
             self._ready.notify()
-        self._thread.join(timeout=60)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            return
+        while self._queue:
+            self.commit_due()
+        self._close_connection()
+
+    def due_in(self) -> float | None:
+        """Without a committer thread: seconds until the queued writes are due for their commit (0: now), None when
+        none is queued."""
+        if not self._queue:
+            return None
+        if len(self._queue) >= self.max_batch or self._closed:
+            return 0.0
+        return max(0.0, self._last_commit + self.min_interval_s - time.monotonic())
+
+    def commit_due(self) -> None:
+        """Without a committer thread: commit the queued writes (up to `max_batch`) now, in the calling thread, and
+        hand each its outcome (`done`). The first call runs that thread under real-time scheduling when this
+        object was made with `realtime` and the process may (`make_realtime`)."""
+        if self._wants_realtime:
+            self._wants_realtime = False
+            self.realtime = make_realtime(threading.get_native_id())
+        with self._ready:
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
+            self._committing = True
+        self._commit_batch(batch)
 
     def _commit_queued(self) -> None:
         try:
@@ -138,22 +177,31 @@ class GroupCommit:
                 with self._ready:
                     batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
                     self._committing = True
-                try:
-                    self._commit(batch)
-                finally:
-                    self._last_commit = time.monotonic()
-                    with self._ready:
-                        self._committing = False
-                        self.batches += 1
-                        self.writes += len(batch)
-                    for w in batch:
-                        w.wake.set()
-                        if w.done is not None:
-                            w.done(w.error, w.result)
+                self._commit_batch(batch)
         finally:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            self._close_connection()
+
+    def _commit_batch(self, batch: list[_Write[Any]]) -> None:
+        """Commit `batch` (taken off the queue, `_committing` set), then hand each write its outcome."""
+        try:
+            self._commit(batch)
+        finally:
+            self._last_commit = time.monotonic()
+            with self._ready:
+                self._committing = False
+                self.batches += 1
+                self.writes += len(batch)
+            for w in batch:
+                if w.done is not None:
+                    w.done(w.error, w.result)
+                else:
+                    assert w.wake is not None
+                    w.wake.set()
+
+    def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def _connection(self) -> Connection:
         if self._conn is None:

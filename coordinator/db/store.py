@@ -163,10 +163,11 @@ class Store:
     machine open the same SQLite database (`coordinator.db.shared`: they take turns at writing, and see each other's
     changes). `realtime_committer`: on SQLite, the thread that commits every write runs under real-time scheduling
     where the process may (`coordinator.db.groupcommit.make_realtime`). `commit_interval_s`: on SQLite, under
-    load, at most one commit that often (`GroupCommit`'s `min_interval_s`)."""
+    load, at most one commit that often (`GroupCommit`'s `min_interval_s`). `committer_thread=False`: on SQLite,
+    the thread that owns the store commits its writes (`GroupCommit`'s `threaded`; the writer process's)."""
 
     def __init__(self, url: str, pool_size: int = 40, group_commit: int = 64, processes: int = 1,
-                 realtime_committer: bool = False, commit_interval_s: float = 0.0):
+                 realtime_committer: bool = False, commit_interval_s: float = 0.0, committer_thread: bool = True):
         parsed = make_url(url)
         self.dialect = parsed.get_backend_name()
         self._group: GroupCommit | None = None
@@ -186,7 +187,7 @@ class Store:
             if processes > 1:
                 self._writer_lock = WriterLock(Path(f"{parsed.database}-writer.lock"))
             self._group = GroupCommit(self.engine, group_commit, self._writer_lock, realtime=realtime_committer,
-                                      min_interval_s=commit_interval_s)
+                                      min_interval_s=commit_interval_s, threaded=committer_thread)
         elif self.dialect == "postgresql":
             self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, pool_pre_ping=True, **json_args)
         else:

@@ -23,11 +23,14 @@ The coordinator stops when its writer ends (`coordinator.server`), for its super
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import os
+import selectors
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -118,9 +121,57 @@ def _raise(outcome: list[Any]) -> Any:
     raise RuntimeError(f"the writer process failed a write: {outcome[1]}")
 
 
+class _Inbound:
+    """The writer's end of one connection: the bytes read so far (whole frames are taken off the front), and a lock
+    for sending answers (a group commit with a committer thread sends them from it)."""
+
+    __slots__ = ("sock", "buffer", "send_lock")
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buffer, self.send_lock = sock, bytearray(), threading.Lock()
+
+    def frames(self) -> list[list[Any]]:
+        """The whole frames in the buffer, taken off it."""
+        out, buf, at = [], self.buffer, 0
+        while len(buf) - at >= _LENGTH.size:
+            size = _LENGTH.unpack_from(buf, at)[0]
+            if len(buf) - at - _LENGTH.size < size:
+                break
+            out.append(orjson.loads(memoryview(buf)[at + _LENGTH.size: at + _LENGTH.size + size]))
+            at += _LENGTH.size + size
+        if at:
+            del buf[:at]
+        return out
+
+    def send(self, message: list[Any]) -> None:
+        data = orjson.dumps(message)
+        with self.send_lock:
+            self.sock.sendall(_LENGTH.pack(len(data)) + data)
+
+    def unread(self) -> int:
+        """Bytes received and not read yet."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:  # closed
+            return 0
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
+
+
 class WriterServer:
     """In the writer process: serves named writes on a Unix socket at `path`, each run in `group`'s next commit
-    and answered once that commit is done."""
+    and answered once that commit is done.
+
+    One thread does it all: it reads every connection (one per request thread of each server process) as it becomes
+    readable, rebuilds each write, commits the writes queued when their commit is due (`GroupCommit.due_in`, when
+    `group` has no committer thread of its own) and sends each answer. A thread per connection and a committer beside
+    them cost a wake-up and a turn at the GIL per write, and a hand-off per commit (bench/RESULTS.md); here one
+    wake-up reads whatever arrived on every connection meanwhile, and nothing else in the process competes with the
+    commits."""
 
     def __init__(self, path: str, group: GroupCommit, handlers: dict[str, Handler]):
         self.path, self.group, self.handlers = path, group, handlers
@@ -133,48 +184,97 @@ class WriterServer:
         finally:
             os.umask(old)
         self._sock.listen(256)
-        self._channels: set[_Channel] = set()
-        self._lock = threading.Lock()
+        self._sock.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()  # `close` wakes the loop through it
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._inbound: set[_Inbound] = set()
+        self._lock = threading.Lock()  # `_inbound`, which `close` reads from another thread
+        self._closed = False
 
     def serve_forever(self) -> None:
-        """Accept connections (one per thread of each server process), a thread each, until `close`."""
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            channel = _Channel(conn)
-            with self._lock:
-                self._channels.add(channel)
-            threading.Thread(target=self._serve, args=(channel,), name="writer-connection", daemon=True).start()
+        """Accept connections and serve their writes until `close`."""
+        drive = not self.group.threaded
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select(self.group.due_in() if drive else None):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif key.fileobj is not self._wake_r:
+                        self._read(key.data)
+                if drive and self.group.due_in() == 0:
+                    self.group.commit_due()
+        finally:
+            for key in list(self._selector.get_map().values()):
+                if isinstance(key.data, _Inbound):
+                    self._drop(key.data)
+            self._selector.close()
+            self._sock.close()
+            self._wake_r.close()
+            self._wake_w.close()
 
     def close(self) -> None:
         """Stop serving: no new connection is taken, and every caller waiting on this writer gets
         StorageUnavailable, as if the process had ended (writes already queued may still commit)."""
-        self._sock.close()
+        self._closed = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # the loop has ended already
+            pass
+        with self._lock:  # now, even while the loop is inside a commit
+            for inbound in self._inbound:
+                inbound.shutdown()
+
+    def unread(self) -> int:
+        """Bytes that reached this writer's connections and are not read yet (the next turn of its loop reads
+        them)."""
         with self._lock:
-            for channel in self._channels:
-                channel.shutdown()
+            return sum(inbound.unread() for inbound in self._inbound)
 
-    def _serve(self, channel: _Channel) -> None:
-        while (message := channel.receive()) is not None:
-            call_id, name, args, durable = message
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(True)  # read only when readable; answers are sent whole
+        inbound = _Inbound(conn)
+        with self._lock:
+            self._inbound.add(inbound)
+        self._selector.register(conn, selectors.EVENT_READ, inbound)
 
-            def done(error: BaseException | None, result: Any, call_id: int = call_id) -> None:
-                try:
-                    channel.send([call_id, *_outcome(error, result)])
-                except OSError:  # that process is gone: nobody waits for this answer
-                    pass
+    def _drop(self, inbound: _Inbound) -> None:
+        self._selector.unregister(inbound.sock)
+        with self._lock:
+            self._inbound.discard(inbound)
+        inbound.shutdown()
+        inbound.sock.close()
 
+    def _read(self, inbound: _Inbound) -> None:
+        try:
+            data = inbound.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:  # that process is gone, or closed this connection
+            self._drop(inbound)
+            return
+        inbound.buffer += data
+        for call_id, name, args, durable in inbound.frames():
+            self._submit(inbound, call_id, name, args, durable)
+
+    def _submit(self, inbound: _Inbound, call_id: int, name: str, args: list[Any], durable: bool) -> None:
+        def done(error: BaseException | None, result: Any) -> None:
             try:
-                write = self.handlers[name](*args)
-            except Exception as e:  # noqa: BLE001 - told to the caller, as a write's own error would be
-                done(e, None)
-                continue
-            self.group.submit(write, durable, done)
-        with self._lock:
-            self._channels.discard(channel)
-        channel.close()
+                inbound.send([call_id, *_outcome(error, result)])
+            except OSError:  # that process is gone: nobody waits for this answer
+                pass
+
+        try:
+            write = self.handlers[name](*args)
+        except Exception as e:  # noqa: BLE001 - told to the caller, as a write's own error would be
+            done(e, None)
+            return
+        self.group.submit(write, durable, done)
 
 
 class RemoteWriter:
