@@ -206,8 +206,10 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     signed.add("/v1/register", m.KIND_REGISTER, m.RegisterRequest, None, svc.register, answer=m.Registered)
     signed.add("/v1/lease", m.KIND_LEASE, m.LeaseRequest, "node", svc.leases.issue, answer=m.Lease,
                empty="No work now (no published version yet, or enough work in flight): ask again later.")
-    signed.add("/v1/submit", m.KIND_SUBMIT, m.RolloutSubmission, "node", svc.leases.submit, answer=m.SubmitResult)
-    signed.add("/v1/heartbeat", m.KIND_HEARTBEAT, m.Heartbeat, "node", svc.registry.heartbeat, idempotent=False)
+    signed.add("/v1/submit", m.KIND_SUBMIT, m.RolloutSubmission, "node", svc.leases.submit, answer=m.SubmitResult,
+               plan=svc.leases.plan_submit)
+    signed.add("/v1/heartbeat", m.KIND_HEARTBEAT, m.Heartbeat, "node", svc.registry.heartbeat, idempotent=False,
+               plan=svc.registry.plan_heartbeat)
 
     # -- verifier -------------------------------------------------------------------------------------
 

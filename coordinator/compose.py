@@ -40,7 +40,7 @@ __all__ = ["Composed", "LeaseComposer", "RecentLeases"]
 @dataclass(frozen=True)
 class Composed:
     """A signed lease, what the coordinator keeps of its prompts: (prompt_id, text, answer, seeds), and the lease's
-    JSON columns as they are stored (`coordinator.leases.insert_lease`), encoded when it is composed: a draft's
+    JSON columns as they are stored (`coordinator.leasequeries.insert_lease`), encoded when it is composed: a draft's
     are encoded before the transaction that stores it."""
 
     lease: m.Lease

@@ -126,6 +126,10 @@ class Gate:
         key = check_key(idempotency_key)
         return Signed(sig, payload, key, request_digest(sig.kind, sig.body) if key is not None else "", source)
 
+    def knows_node(self, signer: str) -> bool:
+        """Whether `open` takes `signer` for a node without reading the store (seen to be one lately)."""
+        return signer in self._nodes
+
     def admit_alone(self, req: Signed) -> None:
         """`admit` in a transaction of its own, for requests whose effect is not in the database (reads, shard
         files); a retry of those is harmless, so none of them stores an answer."""

@@ -4,7 +4,7 @@ What backpressure and the unproven share are judged on (`coordinator.admission`)
 flight: leased, in a lease still open, not submitted. It is kept as counters, moved in the transaction of every
 change that moves it:
 
-- a lease granted adds its prompts (`leases.insert_lease` records what it counts as, `add_to` and `apply` move the
+- a lease granted adds its prompts (`leasequeries.insert_lease` records what it counts as, `add_to` and `apply` move the
   counter rows, `admission.count_leased` the node's own `in_flight`);
 - a lease closed takes them back (`admission.settle_leases`): a submission settling it (the prompts it delivered
   and those it left out alike), a stale submission, the expiry sweep, the node's own next lease request after the

@@ -13,20 +13,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Double, and_, bindparam, func, or_, select, update
-
-from swarmrl.coordinator import admission, feed, inflight
+from swarmrl.coordinator import admission, inflight
 from swarmrl.coordinator.auth import Refused, Signed, StaleSubmission
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.compose import Composed, LeaseComposer, RecentLeases
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.db.fast import Prepared
-from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow, NodeRow
-from swarmrl.coordinator.db.schema import CURRENT_VERSION, lease_prompts, leases, rollout_groups
-from swarmrl.coordinator.db.store import EncodedJSON, Store, Tx, counter_query
+from swarmrl.coordinator.db.asyncwriter import RemoteCall
+from swarmrl.coordinator.db.rows import LeasePromptRow, NodeRow
+from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.db.writer import RemoteWriter
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import Answer, remember
+from swarmrl.coordinator.leasequeries import (
+    buffered_groups,
+    count_open_leases,
+    get_prompts,
+    insert_group,
+    insert_lease,
+    lock_lease,
+    mark_submitted,
+    until_a_lease_expires,
+)
 from swarmrl.coordinator.registry import require_node, touch_settled
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.submitwrite import Prechecked, SubmissionWrite, from_wire, judged, to_wire
@@ -36,93 +43,6 @@ from swarmrl.protocol.tasks import Task
 from swarmrl.protocol.validation import staleness_problem
 
 SWEEP_EVERY_S = 1.0
-
-# -- queries ----------------------------------------------------------------------------------------------
-
-_l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
-_OPEN_LEASES = Prepared(select(func.count()).select_from(leases).where(
-    _l.node_id == bindparam("b_node"), _l.state == "open", _l.expires_at > bindparam("b_now", type_=Double)))
-# A submission's lease, locked, with the current version beside it: one statement where it was two.
-_LEASE_AND_VERSION = Prepared(select(leases, counter_query(CURRENT_VERSION).scalar_subquery()).where(
-    _l.id == bindparam("b_lease")).with_for_update())
-_PROMPTS = Prepared(select(lease_prompts).where(_p.lease_id == bindparam("b_lease")).order_by(_p.position))
-_MARK = Prepared(update(lease_prompts).where(
-    _p.lease_id == bindparam("b_lease"), _p.prompt_id == bindparam("b_prompt"), _p.submitted.is_(False)
-).values(submitted=True))
-_INSERT_LEASE = Prepared(leases.insert(), keys=["id", "node_id", "policy_version", "issued_at", "expires_at",
-                                                "sampling", "signature", "digests", "flight_n", "flight_class",
-                                                "flight_source", "flight_stripe"])
-_INSERT_PROMPT = Prepared(lease_prompts.insert(), keys=["lease_id", "prompt_id", "position", "text", "answer", "seeds"])
-_INSERT_GROUP = Prepared(rollout_groups.insert().returning(_g.id),
-                         keys=["node_id", "lease_id", "prompt_id", "policy_version", "payload", "submitted_at"])
-_EARLIEST = select(func.min(_l.expires_at)).where(_l.node_id == bindparam("b_node"), _l.state == "open",
-                                                 _l.expires_at > bindparam("b_now", type_=Double))
-
-
-def count_open_leases(tx: Tx, node_id: str, now: float) -> int:
-    return int(_OPEN_LEASES.scalar(tx, b_node=node_id, b_now=now))
-
-
-def insert_lease(tx: Tx, lease_id: str, node_id: str, policy_version: int, issued_at: float, expires_at: float,
-                 sampling: dict[str, Any] | EncodedJSON, prompts: list[tuple[str, str, str, list[int]]],
-                 signature: dict[str, Any] | EncodedJSON | None = None, digests: list[str] | EncodedJSON | None = None,
-                 counted_as: tuple[str, str] = ("", "")) -> dict[inflight.Key, int]:
-    """Store a lease (with its signature and its prompts' digests, as signed) and its prompts, each (prompt_id,
-    text, answer, seeds), counted in flight as `counted_as` (`inflight.counted_as`; ('', ''): nowhere). The
-    counter moves, for `inflight.apply`."""
-    cls, source = counted_as
-    stripe = inflight.stripe(node_id)
-    _INSERT_LEASE.rowcount(tx, id=lease_id, node_id=node_id, policy_version=policy_version, issued_at=issued_at,
-                           expires_at=expires_at, sampling=sampling, signature=signature, digests=digests,
-                           flight_n=len(prompts), flight_class=cls, flight_source=source, flight_stripe=stripe)
-    deltas: dict[inflight.Key, int] = {}
-    inflight.add_to(deltas, cls, source, policy_version, stripe, len(prompts))
-    if prompts:
-        _INSERT_PROMPT.many(tx, [dict(lease_id=lease_id, prompt_id=p, position=i, text=t, answer=a, seeds=s)
-                                 for i, (p, t, a, s) in enumerate(prompts)])
-    return deltas
-
-
-def lock_lease(tx: Tx, lease_id: str) -> tuple[LeaseRow, int] | None:
-    """The lease, locked until the transaction ends (submissions of one lease take turns), and the current policy
-    version (`current_version`); None for an unknown lease."""
-    found = _LEASE_AND_VERSION.first_as_with(LeaseRow, tx, b_lease=lease_id)
-    return None if found is None else (found[0], int(found[1][-1]))
-
-
-def get_prompts(tx: Tx, lease_id: str) -> dict[str, LeasePromptRow]:
-    """The lease's prompts by prompt id, in leased order, answers included (server side only)."""
-    return {r.prompt_id: r for r in _PROMPTS.all_as(LeasePromptRow, tx, b_lease=lease_id)}
-
-
-def mark_submitted(tx: Tx, lease_id: str, prompt_id: str) -> bool:
-    """Flag a prompt submitted; False if it already was (so a racing duplicate cannot slip through)."""
-    return _MARK.rowcount(tx, b_lease=lease_id, b_prompt=prompt_id) == 1
-
-
-def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_version: int,
-                 payload: dict[str, Any] | EncodedJSON, now: float) -> int:
-    """A new pending group; its id."""
-    return int(_INSERT_GROUP.scalar(tx, node_id=node_id, lease_id=lease_id, prompt_id=prompt_id,
-                                    policy_version=policy_version, payload=payload, submitted_at=now))
-
-
-def buffered_groups(tx: Tx, min_version: int) -> int:
-    """Submitted groups in flight that the trainer may still use: submitted and not yet decided, or accepted and not
-    yet acknowledged by the trainer; all of policy version >= `min_version`. (Leased prompts in flight are
-    `coordinator.inflight`'s, counted per identity.)"""
-    g = rollout_groups.c
-    return int(tx.execute(select(func.count()).select_from(rollout_groups).where(
-        g.policy_version >= min_version,
-        or_(g.status == "pending", and_(g.status == "accepted", g.accepted_seq > feed.acked(tx))))).scalar_one())
-
-
-def until_a_lease_expires(tx: Tx, node_id: str, now: float) -> float:
-    """Seconds until the node's first open lease expires (at least 1): the Retry-After of a node whose leases are
-    all it may hold."""
-    earliest = tx.execute(_EARLIEST, {"b_node": node_id, "b_now": now}).scalar_one()
-    return max((earliest if earliest is not None else now) - now, 1.0)
-
 
 # -- rules ------------------------------------------------------------------------------------------------
 
@@ -285,6 +205,15 @@ class Leases:
         why there is none), granted after the settlement, in the same transaction. With a writer process
         (`coordinator.db.writer`), a prechecked submission is written there and answered with the answer it
         stored."""
+        planned = self.plan_submit(req)
+        if isinstance(planned, RemoteCall):
+            assert self.writer is not None
+            return planned.run(self.writer)
+        return planned()
+
+    def plan_submit(self, req: Signed) -> RemoteCall | Callable[[], m.SubmitResult]:
+        """`submit` up to its write, worked out now without blocking: the write for the writer process (when one
+        runs and the submission was prechecked here), or the function that writes it here (which blocks)."""
         sub: m.RolloutSubmission = req.payload
         now = self.clock()
         ids = [g.prompt_id for g in sub.groups]
@@ -292,21 +221,33 @@ class Leases:
             dup = next(i for i in ids if ids.count(i) > 1)
             raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
         w = SubmissionWrite.of(req, now, self._precheck(req.signer, sub, now))
-        try:
-            if self.writer is None or w.pre is None:
-                return self.store.write(lambda tx: self._take(tx, w), notify=True)
-            body, self._version_seen, draft_granted = self.writer.call("submit", to_wire(w))
+        if self.writer is None or w.pre is None:
+            def write_here() -> m.SubmitResult:
+                try:
+                    return self.store.write(lambda tx: self._take(tx, w), notify=True)
+                except StaleSubmission as e:
+                    self._settle_stale(req, e)
+                    raise
+            return write_here
+        draft = w.pre.draft
+
+        def finish(result: list[Any]) -> Answer:
+            body, self._version_seen, draft_granted = result
             if draft_granted:
-                assert w.pre.draft is not None
-                self.recent.add(w.pre.draft)
+                assert draft is not None
+                self.recent.add(draft)
             self.store.notify()
             return Answer(200, body.encode())
-        except StaleSubmission:
-            # None of the lease's groups can be accepted any more: settle it so that it stops holding the node's
-            # allowance, its prompts leased again, without counting them against the node (the one change a refused
-            # submission makes); then say why.
-            self.store.write(lambda tx: admission.settle_lease(tx, sub.lease_id, now, penalise=False))
-            raise
+
+        return RemoteCall("submit", to_wire(w), True, finish, lambda e: self._settle_stale(req, e))
+
+    def _settle_stale(self, req: Signed, error: BaseException) -> None:
+        """After a `StaleSubmission`: none of the lease's groups can be accepted any more. Settle it so that it
+        stops holding the node's allowance, its prompts leased again, without counting them against the node (the
+        one change a refused submission makes)."""
+        if isinstance(error, StaleSubmission):
+            lease_id, now = req.payload.lease_id, self.clock()
+            self.store.write(lambda tx: admission.settle_lease(tx, lease_id, now, penalise=False))
 
     def write_sent(self, *wire: Any) -> Callable[[Tx], list[Any]]:
         """In the writer process: the write of a submission `to_wire` sent (rebuilt now, before its turn), which

@@ -16,6 +16,7 @@ from sqlalchemy import BigInteger, Double, bindparam, func, select, update
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.asyncwriter import RemoteCall
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import nodes
@@ -241,13 +242,22 @@ class Registry:
         restarted (its new values are the deltas); deltas that add up to more than the wall time since the
         node's previous heartbeat (plus slack) are scaled down to it, so a lying node skews only its own share.
         """
+        planned = self.plan_heartbeat(req)
+        if isinstance(planned, RemoteCall):
+            assert self.writer is not None
+            planned.run(self.writer)
+        else:
+            planned()
+
+    def plan_heartbeat(self, req: Signed) -> RemoteCall | Callable[[], None]:
+        """`heartbeat` up to its write: the write for the writer process when one runs, or the function that writes
+        it here (which blocks)."""
         hb: m.Heartbeat = req.payload
         beat = [hb.idle_s, hb.busy_s, hb.held_version, self.clock()]
         # Not durable (coordinator.db.store): only metrics and liveness would be lost.
         if self.writer is not None:
-            self.writer.call("heartbeat", [req.to_wire(), *beat], durable=False)
-        else:
-            self.store.write(self._beat(req, *beat), durable=False)
+            return RemoteCall("heartbeat", [req.to_wire(), *beat], False, lambda _: None)
+        return lambda: self.store.write(self._beat(req, *beat), durable=False)
 
     def write_heartbeat(self, req: list[Any], *beat: Any) -> Callable[[Tx], None]:
         """In the writer process: the write of a heartbeat `heartbeat` sent."""

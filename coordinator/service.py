@@ -26,6 +26,7 @@ from collections.abc import Callable
 from swarmrl.coordinator.auth import Signed
 from swarmrl.coordinator.checkpoints import Checkpoints
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.db.asyncwriter import AsyncRemoteWriter
 from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.db.writer import RemoteWriter
 from swarmrl.coordinator.feed import Feed
@@ -64,6 +65,7 @@ class Coordinator:
         self.registry = Registry(self.store, config, clock, self.secret)
         self.leases = build_leases(self.store, config, identity, clock, self.secret)
         self.leases.writer = self.registry.writer = RemoteWriter(writer) if writer is not None else None
+        self.async_writer = AsyncRemoteWriter(writer) if writer is not None else None  # the event loop's
         self.verification = Verification(self.store, config, clock, long_polls)
         self.feed = Feed(self.store, long_polls, clock)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)
@@ -78,6 +80,8 @@ class Coordinator:
         self.housekeeping.close()
         if self.leases.writer is not None:
             self.leases.writer.close()
+        if self.async_writer is not None:
+            self.async_writer.close()
         self.store.close()
 
     def register(self, req: Signed) -> m.Registered:

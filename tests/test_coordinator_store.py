@@ -17,7 +17,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection, text
 
-from swarmrl.coordinator import admission, feed, leases, nonces, registry, status, verification
+from swarmrl.coordinator import admission, feed, leasequeries, nonces, registry, status, verification
 from swarmrl.coordinator.checkpoints import current_version, get_manifest, latest_manifests
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
@@ -49,13 +49,13 @@ def _node(store: Store, node_id: str = "n1") -> None:
 
 
 def _lease(store: Store, lease_id: str = "L1", node_id: str = "n1", prompts: int = 2, expires_at: float = 200.0):
-    store.write(lambda tx: leases.insert_lease(
+    store.write(lambda tx: leasequeries.insert_lease(
         tx, lease_id, node_id, 0, 100.0, expires_at, {"group_size": 2},
         [(f"{lease_id}.{i}", f"{i}+{i}=", str(2 * i), [10 + i, 20 + i]) for i in range(prompts)]))
 
 
 def _group(store: Store, lease_id: str = "L1", prompt: str = "L1.0", node_id: str = "n1") -> int:
-    return store.write(lambda tx: leases.insert_group(tx, node_id, lease_id, prompt, 0,
+    return store.write(lambda tx: leasequeries.insert_group(tx, node_id, lease_id, prompt, 0,
                                                       {"prompt_id": prompt, "rollouts": [{}, {}]}, now=101.0))
 
 
@@ -124,17 +124,17 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     _node(store)
     _lease(store, "L1", expires_at=200.0)
     _lease(store, "L2", expires_at=120.0)
-    open_at = lambda now: store.read(lambda tx: leases.count_open_leases(tx, "n1", now))  # noqa: E731
+    open_at = lambda now: store.read(lambda tx: leasequeries.count_open_leases(tx, "n1", now))  # noqa: E731
     assert open_at(110.0) == 2
     assert open_at(150.0) == 1  # L2 expired
-    prompts = store.read(lambda tx: leases.get_prompts(tx, "L1"))
+    prompts = store.read(lambda tx: leasequeries.get_prompts(tx, "L1"))
     assert list(prompts) == ["L1.0", "L1.1"] and prompts["L1.1"].seeds == [11, 21]
     store.write(lambda tx: raise_counter(tx, CURRENT_VERSION, 4))
-    lease, version = store.write(lambda tx: leases.lock_lease(tx, "L1"))
+    lease, version = store.write(lambda tx: leasequeries.lock_lease(tx, "L1"))
     assert prompts["L1.1"].answer == "2" and lease.sampling == {"group_size": 2} and lease.id == "L1"
     assert version == 4  # the current version, read with the lease
-    assert store.write(lambda tx: leases.lock_lease(tx, "L9")) is None
-    mark = lambda p: store.write(lambda tx: leases.mark_submitted(tx, "L1", p))  # noqa: E731
+    assert store.write(lambda tx: leasequeries.lock_lease(tx, "L9")) is None
+    mark = lambda p: store.write(lambda tx: leasequeries.mark_submitted(tx, "L1", p))  # noqa: E731
     assert mark("L1.0")
     assert not mark("L1.0")
     # Settling a lease queues what was not submitted, counted against its node; a settled lease stays settled.
@@ -360,7 +360,7 @@ def test_a_database_at_revision_0005_is_upgraded(store_url: str) -> None:  # noq
         node = _get_node(s)
         assert node is not None and node.gone_since == 3.0
         assert (node.prompts_leased, node.prompts_abandoned, node.source) == (0, 0, "")
-        assert s.write(lambda tx: leases.lock_lease(tx, "L1"))[0].signature is None
+        assert s.write(lambda tx: leasequeries.lock_lease(tx, "L1"))[0].signature is None
         assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM idempotency_keys")).scalar_one()) == 1
         assert s.read(admission.queued) == 0
         assert _revision(s) == HEAD

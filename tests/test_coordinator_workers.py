@@ -165,6 +165,20 @@ def test_two_workers_share_the_port_and_one_nodes_requests(tmp_path: Path) -> No
             # A retry (fresh signature, same key) after a lost answer gets the answer the writer stored.
             again = await _post(a, node, pool, "/v1/submit", m.KIND_SUBMIT, nxt.model_dump(mode="json"), key)
             assert again == first
+            # Refusals on the path served on the event loop (a node b knows): a replayed heartbeat (the same
+            # signature) and a submission naming a prompt twice; the connection stays usable.
+            hb = {"content-type": "application/json",
+                  SIGNATURE_HEADER: sign(node, m.KIND_HEARTBEAT, pool, beat).header()}
+            assert (await b.request("POST", "/v1/heartbeat", beat, hb)).status == 204
+            replayed = await b.request("POST", "/v1/heartbeat", beat, hb)
+            assert replayed.status == 409 and b"replayed" in replayed.body
+            twice = canonical_json(nxt.model_copy(update={"groups": [nxt.groups[0]] * 2}).model_dump(mode="json"))
+            refused = await b.request("POST", "/v1/submit", twice, {
+                "content-type": "application/json", SIGNATURE_HEADER: sign(node, m.KIND_SUBMIT, pool, twice).header()})
+            assert refused.status == 422 and b"appears twice" in refused.body
+            assert (await b.request("POST", "/v1/heartbeat", beat, {
+                "content-type": "application/json",
+                SIGNATURE_HEADER: sign(node, m.KIND_HEARTBEAT, pool, beat).header()})).status == 204
             for conn in conns:
                 conn.close()
 

@@ -7,6 +7,7 @@ gets a 503 instead of waiting for ever. The whole coordinator with its writer pr
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import sqlite3
 import threading
@@ -18,6 +19,7 @@ import orjson
 import pytest
 
 from swarmrl.coordinator.auth import Refused, Replayed, StaleSubmission
+from swarmrl.coordinator.db.asyncwriter import AsyncRemoteWriter
 from swarmrl.coordinator.db.schema import kv
 from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.db.writer import GONE, RemoteWriter, WriterServer
@@ -170,3 +172,28 @@ def test_callers_get_a_503_when_the_writer_goes_away(writer: Writer) -> None:
     assert [(e.status, e.reason) for e in outcome] == [(503, GONE)]
     with pytest.raises(StorageUnavailable):  # and every call after it, at once
         remote.call("put", ["late", 1])
+
+
+def test_the_event_loops_client_gets_what_a_threads_client_gets(writer: Writer) -> None:
+    """`AsyncRemoteWriter` (a server process's event loop): the result once committed, the same refusals, several
+    calls in flight on its one connection answered each by its id, and a 503 for the calls waiting when the writer
+    goes away and for every call after."""
+
+    async def main() -> None:
+        remote = AsyncRemoteWriter(writer.path)
+        assert await remote.call("put", ["a", 1]) == ["a", 1]
+        with pytest.raises(StaleSubmission):
+            await remote.call("fail", ["x", "stale"])
+        assert await asyncio.gather(*(remote.call("put", [f"k{i}", i]) for i in range(5))) == [
+            [f"k{i}", i] for i in range(5)]
+        held = asyncio.ensure_future(remote.call("hold", []))
+        await asyncio.to_thread(wait_for, lambda: writer.group.committing, "the held write to commit")
+        writer.server.close()  # as the writer process ending
+        with pytest.raises(StorageUnavailable) as gone:
+            await held
+        assert (gone.value.status, gone.value.reason) == (503, GONE)
+        with pytest.raises(StorageUnavailable):
+            await remote.call("put", ["late", 1])
+
+    asyncio.run(main())
+    assert writer.stored() == {"a": 1, **{f"k{i}": i for i in range(5)}}

@@ -106,7 +106,8 @@ def _outcome(error: BaseException | None, result: Any) -> list[Any]:
     return ["error", f"{type(error).__name__}: {error}"]
 
 
-def _raise(outcome: list[Any]) -> Any:
+def raise_outcome(outcome: list[Any]) -> Any:
+    """The result of a write's outcome as `_outcome` sent it, or the refusal or failure it says, raised."""
     kind = outcome[0]
     if kind == "ok":
         return outcome[1]
@@ -121,6 +122,26 @@ def _raise(outcome: list[Any]) -> Any:
     raise RuntimeError(f"the writer process failed a write: {outcome[1]}")
 
 
+def take_frames(buffer: bytearray) -> list[Any]:
+    """The messages of the whole frames at the front of `buffer`, taken off it (a partial frame stays)."""
+    out, at = [], 0
+    while len(buffer) - at >= _LENGTH.size:
+        size = _LENGTH.unpack_from(buffer, at)[0]
+        if len(buffer) - at - _LENGTH.size < size:
+            break
+        out.append(orjson.loads(memoryview(buffer)[at + _LENGTH.size: at + _LENGTH.size + size]))
+        at += _LENGTH.size + size
+    if at:
+        del buffer[:at]
+    return out
+
+
+def frame(message: list[Any]) -> bytes:
+    """`message` as it crosses: its length, then its orjson."""
+    data = orjson.dumps(message)
+    return _LENGTH.pack(len(data)) + data
+
+
 class _Inbound:
     """The writer's end of one connection: the bytes read so far (whole frames are taken off the front), and a lock
     for sending answers (a group commit with a committer thread sends them from it)."""
@@ -132,21 +153,12 @@ class _Inbound:
 
     def frames(self) -> list[list[Any]]:
         """The whole frames in the buffer, taken off it."""
-        out, buf, at = [], self.buffer, 0
-        while len(buf) - at >= _LENGTH.size:
-            size = _LENGTH.unpack_from(buf, at)[0]
-            if len(buf) - at - _LENGTH.size < size:
-                break
-            out.append(orjson.loads(memoryview(buf)[at + _LENGTH.size: at + _LENGTH.size + size]))
-            at += _LENGTH.size + size
-        if at:
-            del buf[:at]
-        return out
+        return take_frames(self.buffer)
 
     def send(self, message: list[Any]) -> None:
-        data = orjson.dumps(message)
+        data = frame(message)
         with self.send_lock:
-            self.sock.sendall(_LENGTH.pack(len(data)) + data)
+            self.sock.sendall(data)
 
     def unread(self) -> int:
         """Bytes received and not read yet."""
@@ -303,7 +315,7 @@ class RemoteWriter:
             self._gone = True  # every thread's connection is to the same process
             raise StorageUnavailable(503, GONE)
         assert answer[0] == call_id, "answers come in the order of the calls on one connection"
-        return _raise(answer[1:])
+        return raise_outcome(answer[1:])
 
     def close(self) -> None:
         with self._lock:
