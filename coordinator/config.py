@@ -68,8 +68,9 @@ class CoordinatorConfig(BaseModel):
     store_writer_process: bool = Field(
         True, description="SQLite with workers > 1: one more process, the store's writer, writes the submissions "
         "and heartbeats (the hottest writes) of every worker in one group commit, instead of each worker committing "
-        "its own in turn (`coordinator.db.writer`; side by side in bench/RESULTS.md). Other writes stay in the "
-        "worker that serves them.")
+        "its own in turn (`coordinator.db.writer`; side by side in bench/RESULTS.md); a worker then serves a known "
+        "node's submission or heartbeat on its event loop, awaiting the write. Other writes stay in the worker that "
+        "serves them.")
     store_writer_commit_interval_ms: float = Field(
         2.0, ge=0, le=100, description="The store's writer process (store_writer_process): under load, at most one "
         "commit this often; a submission that arrives sooner after the previous commit waits for the rest of it "
