@@ -2,10 +2,10 @@
 next one, or until the event loop's current step ends.
 
 uvicorn writes a response's head when the app sends `http.response.start` and its body when the app sends
-`http.response.body`: two `send` system calls for every answer. On loopback and on a LAN the sender's call carries
-the segment through the whole TCP stack, the receiver's side included, and the receiver wakes for each: under load
-the second write was about a third of a worker's socket time (`bench/RESULTS.md`). Here the head waits for the body
-and both go out in one call. A write that nothing follows in the same step (the head of a streamed response, a
+`http.response.body`: two `send` system calls for every answer. On loopback the sender's call carries the segment
+through the whole TCP stack, the receiver's side included, and the receiver may wake for each: under load a worker
+made 1.55 write calls per request it read (`bench/RESULTS.md`). Here the head waits for the body and both go out
+in one call. A write that nothing follows in the same step (the head of a streamed response, a
 stream's chunk) goes out when the step ends, so nothing waits longer than the event loop's current callbacks.
 """
 

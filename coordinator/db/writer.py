@@ -54,18 +54,15 @@ the function the commit runs with the transaction, whose result is plain JSON da
 
 
 class _Channel:
-    """One connection's framed messages: a 4-byte length, then that many bytes of orjson. Reads go through a buffer
-    (a frame usually costs one system call); sends may come from several threads."""
+    """A request thread's connection to the writer (`RemoteWriter`): framed messages (`frame`) sent, and read
+    through a buffer (a frame usually costs one system call)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._reader = sock.makefile("rb", buffering=1 << 16)
-        self._send_lock = threading.Lock()
 
     def send(self, message: list[Any]) -> None:
-        data = orjson.dumps(message)
-        with self._send_lock:
-            self.sock.sendall(_LENGTH.pack(len(data)) + data)
+        self.sock.sendall(frame(message))
 
     def receive(self) -> list[Any] | None:
         """The next message, or None once the connection is closed, shut down or broken."""
@@ -150,10 +147,6 @@ class _Inbound:
 
     def __init__(self, sock: socket.socket):
         self.sock, self.buffer, self.send_lock = sock, bytearray(), threading.Lock()
-
-    def frames(self) -> list[list[Any]]:
-        """The whole frames in the buffer, taken off it."""
-        return take_frames(self.buffer)
 
     def send(self, message: list[Any]) -> None:
         data = frame(message)
@@ -271,7 +264,7 @@ class WriterServer:
             self._drop(inbound)
             return
         inbound.buffer += data
-        for call_id, name, args, durable in inbound.frames():
+        for call_id, name, args, durable in take_frames(inbound.buffer):
             self._submit(inbound, call_id, name, args, durable)
 
     def _submit(self, inbound: _Inbound, call_id: int, name: str, args: list[Any], durable: bool) -> None:
