@@ -5,7 +5,10 @@ Each accepted group gets a feed position (1, 2, 3, ...: `TrainingGroup.group_id`
 become visible in order (`next_position`), so a trainer that has consumed everything up to its cursor c and asks
 for positions after c never skips one. Reading the feed moves nothing. The trainer acknowledges a cursor once it
 has durably saved the state that consumed everything up to it (POST /v1/trainer/ack); the acknowledged cursor
-only moves forward, and backpressure counts accepted groups after it as still in flight.
+only moves forward. What the trainer has been handed is recorded apart (`FEED_READ`, the highest position handed
+out): backpressure counts accepted groups after it, so a trainer that holds groups while it fills a batch never
+holds the room that would let the rest of the batch be leased (docs/liveness.md). A trainer that restarts reads
+again from its acknowledged cursor; those groups are simply not counted twice.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from sqlalchemy import select
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.db.rows import FeedRow
-from swarmrl.coordinator.db.schema import FEED_ACKED, FEED_HEAD, rollout_groups
+from swarmrl.coordinator.db.schema import FEED_ACKED, FEED_HEAD, FEED_READ, TRAINER_SEEN_AT, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, load, raise_counter
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
@@ -50,6 +53,18 @@ def acked(tx: Tx) -> int:
 
 
 def entries_after(tx: Tx, after: int, limit: int) -> list[FeedRow]:
+def read_cursor(tx: Tx) -> int:
+    """The highest feed position handed to the trainer (or acknowledged by it)."""
+    return counter(tx, FEED_READ)
+
+
+def trainer_seen(tx: Tx, now: float, handed: int = 0) -> None:
+    """The trainer was heard from at `now` and has been handed the feed up to position `handed`."""
+    raise_counter(tx, TRAINER_SEEN_AT, int(now))
+    if handed:
+        raise_counter(tx, FEED_READ, handed)
+
+
     """Up to `limit` accepted groups at positions after `after`, in position order."""
     g = rollout_groups.c
     rows = tx.execute(select(g.accepted_seq, g.policy_version, g.payload, g.rewards)
@@ -67,10 +82,18 @@ class Feed:
         """Accepted groups after `after_id`, in feed order; group_id is the feed position. With `wait_s`, waits up
         to that long for one when there is none yet. Changes nothing."""
         body: m.BatchRequest = req.payload
-        self.store.write(lambda tx: admit(tx, req), durable=False)  # the nonce: reading changes nothing else
+
+        def admitted(tx: Tx) -> None:
+            admit(tx, req)
+            trainer_seen(tx, self.clock())
+
+        # The nonce and the watchdog's "trainer heard from"; reading changes nothing else the trainer relies on.
+        self.store.write(admitted, durable=False)
         rows = self.long_polls.wait(lambda: self.store.read(lambda tx: entries_after(tx, body.after_id, body.limit)),
                                     body.wait_s)
         groups = [m.TrainingGroup(group_id=r.accepted_seq, policy_version=r.policy_version,
+        if rows:  # in the trainer's hands now: no longer held against the nodes' leases (lost with a crash: counted)
+            self.store.write(lambda tx: trainer_seen(tx, self.clock(), rows[-1].accepted_seq), durable=False)
                                   group=m.RolloutGroup.model_validate(r.payload), rewards=r.rewards) for r in rows]
         return m.TrainingBatch(current_version=self.store.read(current_version), groups=groups)
 
@@ -87,6 +110,7 @@ class Feed:
             raise_counter(tx, FEED_ACKED, cursor)
             answer = m.FeedAcked(acked=acked(tx), head=top)
             remember(tx, req, answer, now)
+            trainer_seen(tx, now, cursor)
             return answer
 
         return self.store.write(acknowledge)

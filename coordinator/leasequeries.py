@@ -7,10 +7,10 @@ from typing import Any
 
 from sqlalchemy import Double, and_, bindparam, func, or_, select, update
 
-from swarmrl.coordinator import feed, inflight
+from swarmrl.coordinator import inflight
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import LeasePromptRow, LeaseRow
-from swarmrl.coordinator.db.schema import CURRENT_VERSION, lease_prompts, leases, rollout_groups
+from swarmrl.coordinator.db.schema import CURRENT_VERSION, FEED_READ, lease_prompts, leases, rollout_groups
 from swarmrl.coordinator.db.store import EncodedJSON, Tx, counter_query
 
 _l, _p, _g = leases.c, lease_prompts.c, rollout_groups.c
@@ -29,6 +29,10 @@ _INSERT_LEASE = Prepared(leases.insert(), keys=["id", "node_id", "policy_version
 _INSERT_PROMPT = Prepared(lease_prompts.insert(), keys=["lease_id", "prompt_id", "position", "text", "answer", "seeds"])
 _INSERT_GROUP = Prepared(rollout_groups.insert().returning(_g.id),
                          keys=["node_id", "lease_id", "prompt_id", "policy_version", "payload", "submitted_at"])
+_BUFFERED = Prepared(select(func.count()).select_from(rollout_groups).where(
+    _g.policy_version >= bindparam("b_min"),
+    or_(and_(_g.status == "pending", _g.held.is_(False)),
+        and_(_g.status == "accepted", _g.accepted_seq > counter_query(FEED_READ).scalar_subquery()))))
 _EARLIEST = select(func.min(_l.expires_at)).where(_l.node_id == bindparam("b_node"), _l.state == "open",
                                                  _l.expires_at > bindparam("b_now", type_=Double))
 
@@ -82,13 +86,12 @@ def insert_group(tx: Tx, node_id: str, lease_id: str, prompt_id: str, policy_ver
 
 
 def buffered_groups(tx: Tx, min_version: int) -> int:
-    """Submitted groups in flight that the trainer may still use: submitted and not yet decided, or accepted and not
-    yet acknowledged by the trainer; all of policy version >= `min_version`. (Leased prompts in flight are
-    `coordinator.inflight`'s, counted per identity.)"""
-    g = rollout_groups.c
-    return int(tx.execute(select(func.count()).select_from(rollout_groups).where(
-        g.policy_version >= min_version,
-        or_(g.status == "pending", and_(g.status == "accepted", g.accepted_seq > feed.acked(tx))))).scalar_one())
+    """Submitted groups the pool still has to move along before the trainer has them: waiting for a verdict, or
+    accepted and not yet handed to the trainer (`feed.read_cursor`); all of policy version >= `min_version`.
+    Held groups are not counted: each waits for a later group of its own node, so counting them would withhold
+    the very leases that release them (docs/liveness.md); the held cap bounds them per identity. (Leased prompts
+    in flight are `coordinator.inflight`'s, counted per identity.)"""
+    return int(_BUFFERED.scalar(tx, b_min=min_version))
 
 
 def until_a_lease_expires(tx: Tx, node_id: str, now: float) -> float:
