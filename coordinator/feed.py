@@ -52,7 +52,6 @@ def acked(tx: Tx) -> int:
     return counter(tx, FEED_ACKED)
 
 
-def entries_after(tx: Tx, after: int, limit: int) -> list[FeedRow]:
 def read_cursor(tx: Tx) -> int:
     """The highest feed position handed to the trainer (or acknowledged by it)."""
     return counter(tx, FEED_READ)
@@ -65,6 +64,7 @@ def trainer_seen(tx: Tx, now: float, handed: int = 0) -> None:
         raise_counter(tx, FEED_READ, handed)
 
 
+def entries_after(tx: Tx, after: int, limit: int) -> list[FeedRow]:
     """Up to `limit` accepted groups at positions after `after`, in position order."""
     g = rollout_groups.c
     rows = tx.execute(select(g.accepted_seq, g.policy_version, g.payload, g.rewards)
@@ -91,9 +91,9 @@ class Feed:
         self.store.write(admitted, durable=False)
         rows = self.long_polls.wait(lambda: self.store.read(lambda tx: entries_after(tx, body.after_id, body.limit)),
                                     body.wait_s)
-        groups = [m.TrainingGroup(group_id=r.accepted_seq, policy_version=r.policy_version,
         if rows:  # in the trainer's hands now: no longer held against the nodes' leases (lost with a crash: counted)
             self.store.write(lambda tx: trainer_seen(tx, self.clock(), rows[-1].accepted_seq), durable=False)
+        groups = [m.TrainingGroup(group_id=r.accepted_seq, policy_version=r.policy_version,
                                   group=m.RolloutGroup.model_validate(r.payload), rewards=r.rewards) for r in rows]
         return m.TrainingBatch(current_version=self.store.read(current_version), groups=groups)
 
@@ -108,9 +108,9 @@ class Feed:
             if cursor > top:
                 raise Refused(409, f"cursor {cursor} is beyond the last feed position handed out ({top})")
             raise_counter(tx, FEED_ACKED, cursor)
+            trainer_seen(tx, now, cursor)
             answer = m.FeedAcked(acked=acked(tx), head=top)
             remember(tx, req, answer, now)
-            trainer_seen(tx, now, cursor)
             return answer
 
         return self.store.write(acknowledge)
