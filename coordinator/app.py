@@ -40,7 +40,7 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, LedgerPage
 from swarmrl.protocol.manifest import SignedManifest
-from swarmrl.protocol.overview import Overview
+from swarmrl.protocol.overview import Overview, Training
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.protocol.signing import MAX_HEADER_CHARS, PAYLOAD_HEADER, SIGNATURE_HEADER
 
@@ -184,6 +184,12 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     @app.get("/v1/overview", response_model=Overview, responses=REFUSALS)
     def overview() -> Response:
         return _json(svc.overviews.overview())
+
+    @app.get("/v1/training", response_model=Training, responses=REFUSALS)
+    def training() -> Response:
+        """Whether training moves and what blocks it (the watchdog's; at most a few seconds old): what a node
+        shows when it gets no work."""
+        return _json(svc.watchdog.training())
 
     @app.get("/v1/ledger", response_model=LedgerPage, responses=REFUSALS)
     def ledger(after: Annotated[int, Query(ge=0, lt=m.INT64_END)] = 0,

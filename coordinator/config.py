@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from swarmrl.coordinator.admission import AdmissionConfig
 from swarmrl.coordinator.ratelimit import RateLimitConfig
+from swarmrl.coordinator.watchdog import WatchdogConfig
 from swarmrl.pools.config import PoolConfig
 from swarmrl.protocol import quarantine
 from swarmrl.protocol.identity import Identity
@@ -146,6 +147,8 @@ class CoordinatorConfig(BaseModel):
         60.0, gt=0, description="A node not heard from (no signed request) for this long is gone: shown so on the "
         "dashboard and in /metrics, no longer counted in checkpoint spread, and its open leases are freed (its "
         "slots and the backpressure buffer); its next request brings it back. Nodes heartbeat every few seconds.")
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="When the pool counts as stalled "
+                                     "(no new version) and the trainer or the verifiers as absent.")
 
     @field_validator("operator_keys")
     @classmethod

@@ -30,6 +30,7 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.schema import leases, nodes
 from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.nonces import prune_nonces
+from swarmrl.coordinator.watchdog import Watchdog
 
 log = logging.getLogger("swarmrl.coordinator")
 
@@ -65,8 +66,10 @@ class Sweep:
 class Housekeeping:
     """Runs `sweep` every `config.housekeeping_interval_s` on a thread of its own, until `close`."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float]):
-        self.store, self.config, self.clock = store, config, clock
+    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float],
+                 watchdog: Watchdog | None = None):
+        """`watchdog`: asked at every tick too, so that a stall is logged when it begins, whoever looks."""
+        self.store, self.config, self.clock, self.watchdog = store, config, clock, watchdog
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -104,5 +107,7 @@ class Housekeeping:
         while not self._stop.wait(self.config.housekeeping_interval_s):
             try:
                 self.sweep()
+                if self.watchdog is not None:
+                    self.watchdog.training()
             except Exception:  # a failed sweep (a full disk, a lost database) is tried again at the next tick
                 log.exception("housekeeping sweep failed")

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swarmrl.coordinator import registry as nodes_registry
 from swarmrl.coordinator.status import recent_metrics
+from swarmrl.protocol.overview import Blocker
 from swarmrl.runtime.metrics import counter, gauge, metric_name, registry_of
 
 if TYPE_CHECKING:
@@ -77,6 +78,17 @@ def store_families(svc: Coordinator) -> list[Metric]:
         counter(ROLE, "node_busy_seconds", "Seconds a node spent generating and submitting since it started (its "
                 "untrusted self-report).", labels=("node", "name"), samples=[(k, n.busy_s) for k, n in ids]),
     ]
+    if ov.training is not None:
+        t = ov.training
+        fams += [
+            gauge(ROLE, "training_stalled", "1 while no new policy version has come for the watchdog's stall_after_s.",
+                  float(t.stalled)),
+            gauge(ROLE, "seconds_since_last_version", "Seconds since the newest policy version was published.",
+                  t.since_last_step_s),
+            gauge(ROLE, "training_blocked", "1 for each thing that keeps the pool from training now (the watchdog's "
+                  "blockers; docs/liveness.md).", labels=("blocker",),
+                  samples=[((b.value,), float(b in t.blockers)) for b in Blocker]),
+        ]
     if last is not None:
         fams.append(gauge(ROLE, "trainer_step", "Step of the trainer's last metrics report.", last.step))
         fams.append(gauge(ROLE, "trainer_metric", "The trainer's last reported metrics, by key.", labels=("metric",),

@@ -19,6 +19,7 @@ from swarmrl.coordinator.db.schema import nodes, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.ledger import totals
 from swarmrl.coordinator.verification import group_counts
+from swarmrl.coordinator.watchdog import Watchdog
 from swarmrl.protocol.overview import MAX_REASONS, MAX_SPREAD_VERSIONS, Overview, ReasonCount, VersionSpread
 
 DISTINCT_REASONS_READ = 1000
@@ -67,8 +68,10 @@ def reasons(tx: Tx) -> list[ReasonCount]:
 class Overviews:
     """Builds overviews of the store for the run in `config`."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float]):
+    def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float],
+                 watchdog: Watchdog | None = None):
         self.store, self.clock, self.gone_after_s = store, clock, config.node_gone_after_s
+        self.watchdog = watchdog
 
     def overview(self) -> Overview:
         now = self.clock()
@@ -83,4 +86,7 @@ class Overviews:
                             reasons=reasons(tx), nodes=node_states(tx, cutoff), gone_after_s=self.gone_after_s,
                             spread=spread(tx, cutoff), ledger_groups=groups, ledger_tokens=tokens, receipts=issued)
 
-        return self.store.read(read)
+        ov = self.store.read(read)
+        if self.watchdog is not None:
+            ov.training = self.watchdog.training()
+        return ov

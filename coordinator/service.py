@@ -40,6 +40,7 @@ from swarmrl.coordinator.registry import Registry, require_node
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.status import Status
 from swarmrl.coordinator.verification import Verification
+from swarmrl.coordinator.watchdog import Watchdog
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import pool_id
@@ -73,8 +74,10 @@ class Coordinator:
         self.ledger = Ledger(self.store, config, identity, clock)
         self.verification.accept_hooks.append(self.ledger.issue)
         self.ledger.backfill()  # groups accepted before the ledger existed get their receipts now
-        self.overviews = Overviews(self.store, config, clock)
-        self.housekeeping = Housekeeping(self.store, config, clock).start()
+        self.watchdog = Watchdog(self.store, config.watchdog, clock, config.max_buffered_groups,
+                                 config.run.max_staleness, config.node_gone_after_s)
+        self.overviews = Overviews(self.store, config, clock, self.watchdog)
+        self.housekeeping = Housekeeping(self.store, config, clock, self.watchdog).start()
 
     def close(self) -> None:
         self.housekeeping.close()

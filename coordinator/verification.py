@@ -31,8 +31,8 @@ from swarmrl.coordinator import feed, registry
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import ClaimedGroup, GroupRow
-from swarmrl.coordinator.db.schema import FEED_HEAD, lease_prompts, leases, nodes, rollout_groups
-from swarmrl.coordinator.db.store import Store, Tx, counter, load
+from swarmrl.coordinator.db.schema import FEED_HEAD, VERIFIER_SEEN_AT, lease_prompts, leases, nodes, rollout_groups
+from swarmrl.coordinator.db.store import Store, Tx, counter, load, raise_counter
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.longpoll import LongPolls
@@ -185,6 +185,7 @@ class Verification:
             def take(tx: Tx) -> list[m.PendingGroup]:
                 if not admitted:  # the first try of a long poll: the nonce (and a retry's stored answer)
                     admit(tx, req)
+                raise_counter(tx, VERIFIER_SEEN_AT, int(now))  # the watchdog's: a verifier is at work
                 rows = claim_pending(tx, req.signer, req.payload.limit, now, now + self.config.claim_ttl_s)
                 groups = [m.PendingGroup(
                     group_id=r.id, node_id=r.node_id, answer=r.answer, lease=lease_excerpt(r),

@@ -5,6 +5,8 @@ Every list is bounded, so the answer stays small however large the pool."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_REASONS = 20
@@ -26,6 +28,48 @@ class VersionSpread(_Strict):
     nodes: int = Field(description="Live, unbanned nodes holding it as their newest.")
 
 
+class Blocker(StrEnum):
+    """Something that keeps the pool from training now (docs/liveness.md says what each one waits on)."""
+
+    NO_CHECKPOINT = "no_checkpoint"
+    """No policy version has been published yet: the trainer has not published its first checkpoint."""
+    TRAINER_ABSENT = "trainer_absent"
+    """The trainer has not read the feed for a while: it is stopped, or cannot reach the coordinator."""
+    NO_NODES = "no_nodes"
+    """No live node: nobody generates."""
+    NO_VERIFIER = "no_verifier"
+    """Groups wait for a verdict and no verifier has claimed any for a while."""
+    BUFFER_FULL = "buffer_full"
+    """Leases are withheld: max_buffered_groups are waiting for verdicts, for the trainer, or leased."""
+    HELD_AWAITING_CHECKS = "held_awaiting_checks"
+    """Groups passed the cheap checks and wait for a later drawn check of their nodes (docs/quarantine.md)."""
+    WAITING_FOR_GROUPS = "waiting_for_groups"
+    """Nothing is blocked: the nodes produce verified groups more slowly than the trainer takes them."""
+
+
+BLOCKER_TEXT: dict[Blocker, str] = {
+    Blocker.NO_CHECKPOINT: "no checkpoint published yet (is the trainer started?)",
+    Blocker.TRAINER_ABSENT: "the trainer has not read the feed recently (start it, or check its log)",
+    Blocker.NO_NODES: "no live node",
+    Blocker.NO_VERIFIER: "groups wait for a verdict and no verifier is claiming them (start one, or check its log)",
+    Blocker.BUFFER_FULL: "the buffer is full: leases wait until the verifier or the trainer takes groups",
+    Blocker.HELD_AWAITING_CHECKS: "groups are held until their nodes' next drawn checks",
+    Blocker.WAITING_FOR_GROUPS: "the trainer is waiting for enough verified groups",
+}
+"""One line per blocker, for people (the dashboard, the node's panel, the log)."""
+
+
+class Training(_Strict):
+    """Whether training moves, and what blocks it now (the coordinator's watchdog)."""
+
+    last_step_at: float | None = Field(description="When the newest policy version was published (None: none yet).")
+    since_last_step_s: float = Field(description="Seconds since then (since the coordinator started, before any).")
+    stalled: bool = Field(description="No new version for longer than the watchdog's stall_after_s.")
+    blockers: list[Blocker] = Field(description="What keeps the pool from training now, most basic first; empty "
+                                                "when nothing does.")
+    why: str = Field(description="The blockers in words, one line ('' when there are none).")
+
+
 class Overview(_Strict):
     now: float = Field(description="The coordinator's clock, unix seconds (node liveness is judged against it).")
     current_version: int
@@ -38,3 +82,4 @@ class Overview(_Strict):
     ledger_groups: int = Field(description="Accepted groups in the ledger (every node, every version).")
     ledger_tokens: int
     receipts: int = Field(description="Receipts signed so far.")
+    training: Training | None = Field(None, description="Whether training moves, and what blocks it.")

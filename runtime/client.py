@@ -31,7 +31,7 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.ledger import LedgerPage
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
-from swarmrl.protocol.overview import Overview
+from swarmrl.protocol.overview import Overview, Training
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.protocol.signing import PAYLOAD_HEADER, SIGNATURE_HEADER, SignatureError, sign, time_ordered_id
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
@@ -267,6 +267,10 @@ class CoordinatorClient:
 
     def overview(self) -> Overview:
         return Overview.model_validate_json(self._request("GET", "/v1/overview").content)
+
+    def training(self) -> Training:
+        """Whether the pool's training moves and what blocks it (the coordinator's watchdog)."""
+        return Training.model_validate_json(self._request("GET", "/v1/training").content)
 
     def ledger(self, after: int = 0, limit: int = 100, node_id: str | None = None) -> LedgerPage:
         """One page of the contribution ledger (of one node, when `node_id` is given)."""
