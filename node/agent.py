@@ -75,8 +75,7 @@ class Node:
 
     def __init__(self, cfg: NodeConfig, extra_sources: list[ShardSource] | None = None, *,
                  engine_factory: EngineFactory = build_engine):
-        self.cfg = cfg
-        self.engine_factory = engine_factory
+        self.cfg, self.engine_factory = cfg, engine_factory
         self.identity = Identity.load_or_create(cfg.key_path)
         self._stop = threading.Event()
         # Every request waits out an outage of any length (until stop()); the outage is logged once per outage.
@@ -235,8 +234,9 @@ class Node:
         if lease is None:  # none came with the last submission (or this is the first)
             lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
             if lease is None:
+                self.stats.ask_why_no_work(self.client, time.monotonic())
                 return False
-        self.stats.leases += 1
+        self.stats.count_lease()
         self.wait_for_weights(lease, run.max_staleness, run.sampling.temperature)
         t0 = time.perf_counter()
         submission = self.generate(lease)

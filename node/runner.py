@@ -61,6 +61,8 @@ def render(node: Node, pool: str = "") -> Panel:
     t.add_row("work", f"leases {s.leases}   groups submitted {s.groups_submitted}  accepted [green]"
                       f"{s.groups_accepted}[/]  rejected [red]{s.groups_rejected}[/]"
                       + (f"  unconfirmed {s.groups_unconfirmed}" if s.groups_unconfirmed else ""))
+    if s.no_work:
+        t.add_row("no work", f"[yellow]{s.no_work[:160]}[/]")
     t.add_row("last rejection", s.last_rejection[:100] or "[dim]none[/]")
     t.add_row("contribution", f"{s.accepted_tokens:,} accepted tokens   receipts {s.receipts} "
                               f"({s.receipt_tokens:,} tokens)")

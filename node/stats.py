@@ -4,12 +4,15 @@ own books)."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from swarmrl.protocol.messages import RolloutSubmission, SubmitResult
-from swarmrl.runtime.client import CoordinatorError
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 
 log = logging.getLogger("swarmrl.node")
+
+NO_WORK_ASK_EVERY_S = 10.0
 
 # Refusals the whole submission got on a retry that may repeat an applied earlier try: outcome unknown.
 _MAYBE_APPLIED = frozenset({404, 409, 410})
@@ -35,6 +38,23 @@ class NodeStats:
     receipt_tokens: int = 0
     last_error: str = ""
     last_rejection: str = ""
+    no_work: str = ""  # why the coordinator has no work for this node (its watchdog's words); "" while it has
+    no_work_asked_at: float = -math.inf
+
+    def count_lease(self) -> None:
+        self.leases += 1
+        self.no_work = ""
+
+    def ask_why_no_work(self, client: CoordinatorClient, now: float) -> None:
+        """The coordinator had no lease for this node: ask it why (GET /v1/training), at most every
+        NO_WORK_ASK_EVERY_S (`now`: a monotonic clock). A failed question keeps the last answer."""
+        if now - self.no_work_asked_at < NO_WORK_ASK_EVERY_S:
+            return
+        self.no_work_asked_at = now
+        try:
+            self.no_work = client.training().why or "none leased just now (the pool is not blocked)"
+        except Exception as e:  # only words for the panel: never worth stopping for
+            log.debug("could not ask why there is no work: %s", e)
 
     @property
     def tokens_per_s(self) -> float:

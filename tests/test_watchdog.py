@@ -125,3 +125,22 @@ def test_a_stall_with_nothing_blocked_is_waiting_for_groups_and_ends_with_a_vers
     run.publish(1)
     t = run.op.training()
     assert not t.stalled and t.blockers == []
+
+
+def test_a_node_without_work_says_why(run_factory):
+    from swarmrl.node.stats import NO_WORK_ASK_EVERY_S, NodeStats
+
+    run = _start(run_factory, max_buffered_groups=1)
+    run.publish(0)
+    run.op.training_batch(after_id=0, limit=1)
+    assert run.node("hoarder").lease(max_prompts=1, held_version=0) is not None
+    node = run.node()
+    assert node.lease(max_prompts=1, held_version=0) is None
+    stats = NodeStats()
+    stats.ask_why_no_work(node, now=100.0)
+    assert "buffer is full" in stats.no_work  # what its panel shows as "no work: ..."
+    stats.no_work = "earlier answer"
+    stats.ask_why_no_work(node, now=100.0 + NO_WORK_ASK_EVERY_S / 2)
+    assert stats.no_work == "earlier answer"  # asked at most every NO_WORK_ASK_EVERY_S
+    stats.count_lease()
+    assert stats.no_work == "" and stats.leases == 1
