@@ -38,7 +38,7 @@ from swarmrl.coordinator.ratelimit import RateLimitMiddleware
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, LedgerPage
+from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, Contributors, LedgerPage
 from swarmrl.protocol.manifest import SignedManifest
 from swarmrl.protocol.overview import Overview, Training
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
@@ -196,6 +196,11 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
                limit: Annotated[int, Query(ge=1, le=MAX_LEDGER_PAGE)] = 100,
                node_id: Annotated[str | None, Query(pattern="^[0-9a-f]{40}$")] = None) -> Response:
         return _json(svc.ledger.page(after, limit, node_id))
+
+    @app.get("/v1/ledger/nodes", response_model=Contributors, responses=REFUSALS)
+    def contributors(limit: Annotated[int, Query(ge=1, le=MAX_LEDGER_PAGE)] = 50) -> Response:
+        """The largest contributors, one row per node (the dashboard's ledger table)."""
+        return _json(svc.ledger.contributors(limit))
 
     @app.get("/v1/receipts", response_model=ReceiptPage, responses=REFUSALS)
     def receipts(signature: Signature = None, payload: Payload = "") -> Response:

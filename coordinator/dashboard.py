@@ -1,10 +1,11 @@
 """The dashboard: one self-contained HTML page (no CDN, no external file) that polls the coordinator's public API.
 
-Sections, each an element with its id: `summary` (version, groups by outcome, nodes by state, ledger totals),
+Sections, each an element with its id: `health` (when the last version came and, when training is blocked or
+stalled, why: the watchdog's words), `summary` (version, groups by outcome, nodes by state, ledger totals),
 `training` (reward and accuracy curves and the nodes' idle share over trainer steps, inline SVG), `spread` (live
 nodes per held policy version: how far each checkpoint has spread), `verification` (outcomes, and rejection
-reasons by kind with an example), `nodes` (each node with its state: live, gone or banned) and `ledger` (accepted
-groups and tokens per node and version, a page at a time). Data: /v1/status, /v1/overview, /v1/ledger. Every value
+reasons by kind with an example), `nodes` (each node with its state: live, gone or banned) and `ledger` (the largest
+contributors, one row per node). Data: /v1/status, /v1/overview, /v1/ledger/nodes. Every value
 from the server is inserted as text, never as HTML: node names and reasons come from untrusted nodes.
 """
 
@@ -23,10 +24,12 @@ PAGE = """<!doctype html>
  tr.banned td { color: #b00; } tr.gone td { color: #999; }
  .row { display: flex; gap: 1.5em; flex-wrap: wrap; align-items: flex-start; }
  svg { background: #fff; border: 1px solid #ddd; border-radius: 6px; }
- button { margin-top: .4em; }
+ #health { padding: .45em .8em; border-radius: 6px; margin: .2em 0 .8em; background: #eef6ee; }
+ #health.blocked { background: #fff6dd; } #health.stalled { background: #fde2e2; color: #900; font-weight: 600; }
 </style></head><body>
-<h1>swarmrl coordinator <span id="run" class="muted"></span></h1>
+<h1>swarmrl pool <span id="poolname"></span> <span id="run" class="muted"></span></h1>
 <div id="err" class="err"></div>
+<div id="health">-</div>
 <section id="summary"><div class="cards">
  <div class="card">policy version<b id="version">-</b></div>
  <div class="card">groups accepted<b id="accepted">-</b></div>
@@ -54,17 +57,16 @@ PAGE = """<!doctype html>
 <table><thead><tr><th>node</th><th>name</th><th>state</th><th>engine</th><th>version</th><th>accepted</th>
 <th>rejected</th><th>reputation</th><th>idle s</th><th>busy s</th><th>idle %</th><th>last seen</th></tr></thead>
 <tbody id="nodelist"></tbody></table></section>
-<section id="ledger"><h2>Ledger</h2>
-<table><thead><tr><th>node</th><th>name</th><th>version</th><th>groups</th><th>tokens</th><th>last accepted</th>
+<section id="ledger"><h2>Ledger: largest contributors</h2>
+<table><thead><tr><th>node</th><th>name</th><th>groups</th><th>tokens</th><th>versions</th><th>last accepted</th>
 </tr></thead><tbody id="ledgerrows"></tbody></table>
-<button id="more" hidden>more</button></section>
+<div class="muted">every node and version: GET /v1/ledger, or <code>swarmrl ledger --url</code></div></section>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
 const NS = "http://www.w3.org/2000/svg";
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd"];
-const LEDGER_PAGE = 200;
-let ledgerAfter = 0, ledgerShown = new Map();
+const TOP_CONTRIBUTORS = 50;
 
 function el(tag, attrs, text) {
   const e = document.createElementNS(NS, tag);
@@ -141,6 +143,8 @@ async function get(path) {
 
 function showStatus(s, ov) {
   const spec = s.run.spec;
+  $("poolname").textContent = ov.pool_name || spec.run_id;
+  showHealth(ov);
   $("run").textContent = [spec.run_id, spec.task.name, "group size " + spec.sampling.group_size,
                           "key " + s.run.coordinator_key.slice(0, 16)].join(" \\u00b7 ");
   $("version").textContent = ov.current_version;
@@ -183,38 +187,36 @@ function showStatus(s, ov) {
   }
 }
 
-function showLedger(entries, now) {
-  // Entries grow in place (groups, tokens) and new ones come after the cursor: keep one row per entry.
-  for (const e of entries) {
-    let tr = ledgerShown.get(e.cursor);
-    if (!tr) { tr = document.createElement("tr"); ledgerShown.set(e.cursor, tr); $("ledgerrows").appendChild(tr); }
-    clear(tr);
-    cell(tr, e.node_id.slice(0, 12)); cell(tr, e.name); cell(tr, e.policy_version, "num");
-    cell(tr, e.groups, "num"); cell(tr, e.tokens.toLocaleString("en"), "num"); cell(tr, ago(now, e.last_accepted_at));
+function showHealth(ov) {
+  const t = ov.training, h = $("health");
+  if (!t) { h.textContent = ""; return; }
+  const last = t.last_step_at === null ? "no version published yet" :
+               "last new version " + ago(ov.now, t.last_step_at);
+  h.className = t.stalled ? "stalled" : (t.blockers.length ? "blocked" : "");
+  h.textContent = (t.stalled ? "Training has stopped: " : "") + last +
+                  (t.why ? (t.stalled ? ". Why: " : ". Blocked now: ") + t.why : ". Nothing blocks training.");
+}
+
+function showLedger(rows, now) {
+  const body = $("ledgerrows"); clear(body);
+  for (const e of rows) {
+    const tr = document.createElement("tr");
+    cell(tr, e.node_id.slice(0, 12)); cell(tr, e.name); cell(tr, e.groups, "num");
+    cell(tr, e.tokens.toLocaleString("en"), "num"); cell(tr, e.versions, "num"); cell(tr, ago(now, e.last_accepted_at));
+    body.appendChild(tr);
   }
 }
 
-async function loadLedger(now, more) {
-  // The first page is read again on every poll (its counts grow); "more" reads on after the last one shown.
-  const page = await get("/v1/ledger?limit=" + LEDGER_PAGE + "&after=" + (more ? ledgerAfter : 0));
-  showLedger(page.entries, now);
-  for (const e of page.entries) ledgerAfter = Math.max(ledgerAfter, e.cursor);
-  if (more || ledgerShown.size <= LEDGER_PAGE) $("more").hidden = page.next_after === null;
-}
-
-let lastNow = 0;
 async function poll() {
   try {
     const [s, ov] = await Promise.all([get("/v1/status"), get("/v1/overview")]);
-    lastNow = ov.now;
     showStatus(s, ov);
-    await loadLedger(ov.now, false);
+    showLedger((await get("/v1/ledger/nodes?limit=" + TOP_CONTRIBUTORS)).nodes, ov.now);
     $("err").textContent = "";
   } catch (e) {
     $("err").textContent = "cannot reach the coordinator: " + e.message;
   }
 }
-$("more").addEventListener("click", () => loadLedger(lastNow, true).catch(e => { $("err").textContent = e.message; }));
 poll();
 setInterval(poll, 3000);
 </script></body></html>

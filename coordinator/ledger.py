@@ -23,7 +23,7 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.schema import RECEIPT_SEQ, ledger, nodes, receipts, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, insert
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.ledger import LedgerEntry, LedgerPage
+from swarmrl.protocol.ledger import Contributors, LedgerEntry, LedgerPage, NodeContribution
 from swarmrl.protocol.receipts import Receipt, ReceiptPage, ReceiptsRequest
 
 BACKFILL_BATCH = 500
@@ -71,6 +71,16 @@ def ledger_entries(tx: Tx, after: int, limit: int, node_id: str | None = None) -
         q = q.where(_l.node_id == node_id)
     return [LedgerEntry(node_id=r.node_id, name=r.name, policy_version=r.policy_version, groups=r.groups,
                         tokens=r.tokens, last_accepted_at=r.last_accepted_at, cursor=r.id) for r in tx.execute(q)]
+
+
+def top_contributors(tx: Tx, limit: int) -> list[NodeContribution]:
+    """Up to `limit` nodes with the most accepted tokens, summed over every policy version, most first."""
+    q = (select(_l.node_id, nodes.c.name, func.sum(_l.groups).label("groups"), func.sum(_l.tokens).label("tokens"),
+                func.count().label("versions"), func.max(_l.last_accepted_at).label("last"))
+         .select_from(ledger.join(nodes, nodes.c.id == _l.node_id)).group_by(_l.node_id, nodes.c.name)
+         .order_by(func.sum(_l.tokens).desc(), _l.node_id).limit(limit))
+    return [NodeContribution(node_id=r.node_id, name=r.name, groups=int(r.groups), tokens=int(r.tokens),
+                             versions=int(r.versions), last_accepted_at=float(r.last)) for r in tx.execute(q)]
 
 
 class Ledger:
@@ -133,6 +143,10 @@ class Ledger:
             return ReceiptPage(receipts=got, next_after=got[-1].seq if got else body.after, head=head)
 
         return self.store.read(read)
+
+    def contributors(self, limit: int) -> Contributors:
+        """The `limit` largest contributors (`top_contributors`)."""
+        return Contributors(nodes=self.store.read(lambda tx: top_contributors(tx, limit)))
 
     def page(self, after: int, limit: int, node_id: str | None = None) -> LedgerPage:
         """A page of the ledger (see `ledger_entries`), with the cursor of the next one."""

@@ -72,6 +72,9 @@ class Overviews:
                  watchdog: Watchdog | None = None):
         self.store, self.clock, self.gone_after_s = store, clock, config.node_gone_after_s
         self.watchdog = watchdog
+        # As the pool is announced (`pools.config.PoolConfig.name`), or the run id when it is not.
+        self.pool_name = (config.pool.name or config.run.run_id.lower()) if config.pool is not None \
+            else config.run.run_id
 
     def overview(self) -> Overview:
         now = self.clock()
@@ -87,6 +90,7 @@ class Overviews:
                             spread=spread(tx, cutoff), ledger_groups=groups, ledger_tokens=tokens, receipts=issued)
 
         ov = self.store.read(read)
+        ov.pool_name = self.pool_name
         if self.watchdog is not None:
             ov.training = self.watchdog.training()
         return ov

@@ -28,6 +28,23 @@ class LedgerEntry(_Strict):
     cursor: int = Field(description="This entry's position in the ledger (pass it as `after` for the next page).")
 
 
+class NodeContribution(_Strict):
+    """Accepted work of one node over every policy version."""
+
+    node_id: str
+    name: str = Field(description="The node's self-chosen name (untrusted text).")
+    groups: int = Field(description="Groups accepted.")
+    tokens: int = Field(description="Completion tokens of those groups.")
+    versions: int = Field(description="Policy versions it contributed to.")
+    last_accepted_at: float = Field(description="When its last group was accepted (coordinator clock).")
+
+
+class Contributors(_Strict):
+    """The largest contributors (GET /v1/ledger/nodes), most tokens first: one row per node."""
+
+    nodes: list[NodeContribution] = Field(max_length=MAX_LEDGER_PAGE)
+
+
 class LedgerPage(_Strict):
     entries: list[LedgerEntry] = Field(max_length=MAX_LEDGER_PAGE)
     next_after: int | None = Field(description="`after` for the next page; None when this page is the last.")

@@ -83,3 +83,4 @@ class Overview(_Strict):
     ledger_tokens: int
     receipts: int = Field(description="Receipts signed so far.")
     training: Training | None = Field(None, description="Whether training moves, and what blocks it.")
+    pool_name: str = Field("", description="The name nodes join the pool by (the run id when it announces none).")

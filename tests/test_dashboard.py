@@ -100,10 +100,15 @@ def test_dashboard_shows_every_section_with_the_runs_data(run_factory, tmp_path:
     nodes = page.of("nodes")
     for name, state in (("alpha", "live"), ("bravo", "live"), ("ghost", "gone"), ("cheater", "banned")):
         assert f"{name} | {state}" in nodes, (name, nodes)
-    ledger = page.of("ledger")
+    ledger = page.of("ledger")  # one row per node: groups, tokens, versions contributed to
     for name, groups in (("alpha", 3), ("bravo", 2)):
-        assert f"{name} | 0 | {groups} | {groups * GROUP * 2}" in ledger, (name, ledger)
+        assert f"{name} | {groups} | {groups * GROUP * 2} | 1" in ledger, (name, ledger)
     assert "cheater" not in ledger
+    assert re.search(r'<span id="poolname">test-run</span>', dom), dom[:500]
+    health = re.search(r'<div id="health"[^>]*>(.*?)</div>', dom, re.S)
+    assert health is not None and "last new version" in health.group(1), health
+    # The watchdog's words for what blocks training now: the test's trainer never read the feed.
+    assert ov.training is not None and ov.training.why and ov.training.why in health.group(1), health.group(1)
 
 
 def test_the_page_is_self_contained_and_inserts_server_text_as_text(run_factory) -> None:
@@ -113,5 +118,5 @@ def test_the_page_is_self_contained_and_inserts_server_text_as_text(run_factory)
     html = page.text
     assert "src=" not in html and "href=" not in html and "cdn" not in html.lower() and "@import" not in html
     assert "innerHTML" not in html and "insertAdjacentHTML" not in html and "document.write" not in html
-    for path in ("/v1/status", "/v1/overview", "/v1/ledger"):
+    for path in ("/v1/status", "/v1/overview", "/v1/ledger/nodes"):
         assert path in html

@@ -150,6 +150,11 @@ def test_ledger_pages_by_node_and_version(run: Run) -> None:
     for query in ("limit=0", "limit=1001", "after=-1", "node_id=xyz", "after=abc"):
         resp = httpx.get(f"{run.url}/v1/ledger?{query}")
         assert resp.status_code == 422 and resp.json()["detail"], query
+    # One row per node over both versions, most tokens first (the dashboard's table); the limit keeps the top.
+    top = httpx.get(f"{run.url}/v1/ledger/nodes?limit=2").json()["nodes"]
+    assert [(n["name"], n["groups"], n["tokens"], n["versions"]) for n in top] == [
+        ("n2", 6, 6 * TOKENS_PER_GROUP, 2), ("n1", 4, 4 * TOKENS_PER_GROUP, 2)]
+    assert httpx.get(f"{run.url}/v1/ledger/nodes?limit=0").status_code == 422
 
 
 def test_groups_accepted_before_the_ledger_get_their_receipts_at_start(run_factory, tmp_path) -> None:
