@@ -5,6 +5,8 @@
   mathematical equivalence by math-verify (sympy underneath).
 - `code` (`swarmrl.tasks.code`): programming problems with stdin/stdout test cases from a JSONL file; every
   completion runs in a bubblewrap sandbox (`swarmrl.tasks.sandbox`).
+- `reasoning_gym` (`swarmrl.tasks.reasoninggym`): a weighted mixture of reasoning-gym's procedural generators,
+  regenerated on every role from the run's signed options (no data file), scored by reasoning-gym's own scorers.
 
 The interface they implement, and how to write another, is in `swarmrl.protocol.tasks`.
 """
