@@ -6,7 +6,9 @@
     model = load_causal_lm("ckpt/", torch.float32, "cpu")         # every role loads it this way
 
 Architectures (`ARCHS`): llama, qwen2 (q/k/v projections with biases), qwen3 (RMS norms on q and k, explicit
-head_dim). Adding one is an entry there: the transformers `model_type` and what makes it differ from llama.
+head_dim), mistral, phi3 (fused projections), gemma2 (tied embeddings, logit and attention softcapping, logits
+scaled to a realistic spread), gpt2 and opt (learned positions, LayerNorms, biases, no GQA). Adding one is an
+entry there: the transformers `model_type` and what makes it differ from llama.
 A checkpoint is loaded through the Auto classes from its config.json, so the class is the checkpoint's own
 (a Qwen2 checkpoint loaded as Llama would silently drop its biases).
 
@@ -28,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from swarmrl.models.head import decoder_of, head_of
 from swarmrl.models.prompts import load_tokenizer, render_prompt
 from swarmrl.models.tokenizers import tokenizer_stop_ids
 
@@ -41,15 +44,39 @@ class ArchSpec:
     random_init: tuple[str, ...] = ()
     """Name suffixes of parameters initialised to a constant by transformers, drawn at random here instead."""
     extra: tuple[tuple[str, Any], ...] = ()
-    """Config fields specific to the architecture."""
+    """Config fields specific to the architecture; a callable value is called with the ModelConfig."""
+    names: tuple[tuple[str, str], ...] = ()
+    """Generic config fields this architecture names otherwise (GPT-2's n_inner for intermediate_size); the
+    ones transformers maps itself (its config's attribute_map: n_embd, n_head, ...) need no entry."""
+    absent: tuple[str, ...] = ()
+    """Generic config fields the architecture does not have (not written to its config)."""
+    gqa: bool = True
+    """Whether it has fewer key/value heads than query heads and a free head size; without, num_kv_heads and
+    head_dim are ignored (every head is hidden_size / num_heads wide)."""
+    logit_std: float | None = None
+    """The default `ModelConfig.logit_std`."""
 
 
+_NO_GQA = ("num_key_value_heads", "head_dim", "rope_theta")
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", extra=(("attention_bias", False), ("mlp_bias", False))),
     "qwen2": ArchSpec("qwen2", random_init=("q_proj.bias", "k_proj.bias", "v_proj.bias"),
                       extra=(("use_sliding_window", False),)),
     "qwen3": ArchSpec("qwen3", random_init=("q_norm.weight", "k_norm.weight"),
                       extra=(("attention_bias", False), ("use_sliding_window", False))),
+    "mistral": ArchSpec("mistral", extra=(("sliding_window", None),)),
+    "phi3": ArchSpec("phi3", extra=(("sliding_window", None),)),
+    # Tied embeddings, final logit softcapping (30) and attention softcapping (50) are Gemma2's defaults; its
+    # logits are scaled to a realistic spread, where a verifier that skipped the softcapping would be far off.
+    "gemma2": ArchSpec("gemma2", extra=(("query_pre_attn_scalar", lambda c: c.head_size),),
+                       logit_std=4.0),
+    "gpt2": ArchSpec("gpt2", random_init=("ln_1.weight", "ln_2.weight", "ln_f.weight", "bias"),
+                     names=(("intermediate_size", "n_inner"), ("rms_norm_eps", "layer_norm_epsilon")),
+                     absent=_NO_GQA, gqa=False),
+    "opt": ArchSpec("opt", random_init=("layer_norm.weight", "bias"), names=(("intermediate_size", "ffn_dim"),),
+                    absent=(*_NO_GQA, "rms_norm_eps"),
+                    extra=(("word_embed_proj_dim", lambda c: c.hidden_size), ("do_layer_norm_before", True)),
+                    gqa=False),
 }
 
 
@@ -77,13 +104,16 @@ class ModelConfig(BaseModel):
                                     "likely per token, roughly (calibrated on a few prompts; others can be a few "
                                     "times off), for random models; None leaves the initialisation. Unties the "
                                     "LM head, so that the stop tokens' input embeddings stay as initialised.")
+    logit_std: float | None = Field(None, gt=0, description="Scale the final norm's output so that the logits' "
+                                    "standard deviation over the vocabulary is about this; None: the architecture's "
+                                    "default (gemma2: 4, others: as initialised, about 0.2).")
     seed: int = Field(0, description="Seed of the initial weights.")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.arch not in ARCHS:
             raise ValueError(f"unknown arch {self.arch!r}; known: {sorted(ARCHS)}")
-        if self.head_dim is None and self.hidden_size % self.num_heads:
+        if (self.head_dim is None or not ARCHS[self.arch].gqa) and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}")
@@ -93,11 +123,12 @@ class ModelConfig(BaseModel):
 
     @property
     def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
+        return (self.num_kv_heads or self.num_heads) if ARCHS[self.arch].gqa else self.num_heads
 
     @property
     def head_size(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
+        return (self.head_dim or self.hidden_size // self.num_heads) if ARCHS[self.arch].gqa else \
+            self.hidden_size // self.num_heads
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -125,8 +156,7 @@ def hf_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     if vocab < len(tokenizer):
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
     spec = ARCHS[cfg.arch]
-    return AutoConfig.for_model(
-        spec.model_type,
+    fields = dict(
         vocab_size=vocab,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -141,9 +171,11 @@ def hf_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-        **dict(spec.extra),
     )
+    names = dict(spec.names)
+    fields = {names.get(k, k): v for k, v in fields.items() if k not in spec.absent}
+    fields.update({k: v(cfg) if callable(v) else v for k, v in spec.extra})
+    return AutoConfig.for_model(spec.model_type, torch_dtype="float32", **fields)
 
 
 @torch.no_grad()
@@ -156,14 +188,74 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     for name, p in model.named_parameters():
         if name.endswith(ARCHS[cfg.arch].random_init):
             # Biases around 0, norm weights around 1, with spreads that change the outputs clearly.
-            base = 1.0 if name.endswith("norm.weight") else 0.0
+            base = 1.0 if name.endswith("weight") else 0.0
             p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
     stops = tokenizer_stop_ids(tokenizer)
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=stops if len(stops) > 1 else stops[0])
+    logit_std = cfg.logit_std if cfg.logit_std is not None else ARCHS[cfg.arch].logit_std
+    if logit_std is not None:
+        _scale_logits(model, logit_std, gen)
     if cfg.stop_rate is not None:
         _set_stop_rate(model, tokenizer, stops, cfg.stop_rate, gen)
     return model
+
+
+def logit_spread(model: PreTrainedModel, gen: torch.Generator) -> float:
+    """Mean standard deviation over the vocabulary of the model's logits (its own forward, post-processing
+    included), on random token sequences."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (8, 16), generator=gen)
+    return float(model(input_ids=ids).logits.float().std(dim=-1).mean())
+
+
+def _scale_logits(model: PreTrainedModel, target: float, gen: torch.Generator) -> None:
+    """Scale the final norm's output (the LM head's input) until the logits' spread is about `target`. A few
+    rounds: the logits are about linear in the scale, softcapping bends them. Not the embedding: in a tied model
+    that would scale the residual stream's token embedding too, and every position would predict its own token."""
+    norm = _final_norm(model, gen)
+    for _ in range(4):
+        _scale_norm(model, norm, target / max(logit_spread(model, gen), 1e-6), gen)
+
+
+def _final_norm(model: PreTrainedModel, gen: torch.Generator) -> torch.nn.Module:
+    """The last module with a 1-D weight whose output is the decoder's output (Llama's model.norm, GPT-2's
+    transformer.ln_f, OPT's decoder.final_layer_norm), found by running the decoder once."""
+    decoder = decoder_of(model)
+    ran: list[tuple[torch.nn.Module, Any]] = []
+    hooks = [mod.register_forward_hook(lambda mod, _args, out: ran.append((mod, out)))
+             for mod in decoder.modules() if isinstance(getattr(mod, "weight", None), torch.nn.Parameter)
+             and mod.weight.ndim == 1]
+    try:
+        ids = torch.randint(0, model.get_output_embeddings().weight.shape[0], (2, 8), generator=gen)
+        last = decoder(input_ids=ids).last_hidden_state
+    finally:
+        for h in hooks:
+            h.remove()
+    for mod, out in reversed(ran):
+        if isinstance(out, torch.Tensor) and out.shape == last.shape and torch.equal(out, last):
+            return mod
+    raise ValueError(f"{type(model).__name__}: no final norm found to scale the logits with")
+
+
+def _scale_norm(model: PreTrainedModel, norm: torch.nn.Module, scale: float, gen: torch.Generator) -> None:
+    """Make `norm`'s output `scale` times larger: weight (and bias) times `scale`, or for norms that multiply by
+    1 + weight (Gemma's) the weight moved accordingly; whichever is checked to do it, else ValueError."""
+    decoder = decoder_of(model)
+    ids = torch.randint(0, model.get_output_embeddings().weight.shape[0], (2, 8), generator=gen)
+    before = decoder(input_ids=ids).last_hidden_state
+    params = [p for p in (norm.weight, getattr(norm, "bias", None)) if isinstance(p, torch.nn.Parameter)]
+    saved = [p.detach().clone() for p in params]
+    for offset in (0.0, 1.0):
+        for p, old in zip(params, saved, strict=True):
+            base = offset if p is norm.weight else 0.0
+            p.copy_((old + base) * scale - base)
+        after = decoder(input_ids=ids).last_hidden_state
+        if torch.allclose(after, before * scale, rtol=1e-4, atol=1e-5 * scale):
+            return
+        for p, old in zip(params, saved, strict=True):
+            p.copy_(old)
+    raise ValueError(f"{type(norm).__name__}: cannot scale its output by changing its weights")
 
 
 def _set_stop_rate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stops: list[int], rate: float,
@@ -191,11 +283,12 @@ def _set_stop_rate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     held_out = states[32:].reshape(-1, states.shape[-1])
     direction = mean / mean.norm() ** 2
     head = model.get_output_embeddings()
+    logits_of = head_of(model)  # the model's own logits (Gemma2's softcapping included)
 
     def stop_rate(scale: float) -> float:
         for s in stops:
             head.weight[s] = scale * direction
-        return float(torch.softmax(head(held_out).float(), dim=-1)[:, stops].sum(-1).mean())
+        return float(torch.softmax(logits_of(held_out).float(), dim=-1)[:, stops].sum(-1).mean())
 
     lo, hi = -60.0, 60.0
     for _ in range(40):

@@ -7,6 +7,7 @@ Nodes (the torch engine) and the verifier load every published version this way.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +22,34 @@ def architecture_config(ckpt_dir: Path) -> dict:
     equal dicts mean new weights can be loaded in place."""
     config = json.loads((Path(ckpt_dir) / "config.json").read_text())
     return {k: v for k, v in config.items() if k not in _NON_ARCH_KEYS}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What engines need to know of a checkpoint's shape, whatever the architecture names it."""
+
+    hidden_size: int
+    num_heads: int
+    head_size: int
+    tied: bool
+    """The LM head is the input embedding (a checkpoint then stores no lm_head.weight)."""
+    max_positions: int
+    """max_position_embeddings: the longest prompt + completion."""
+
+
+def model_facts(ckpt_dir: Path) -> ModelFacts:
+    """`ModelFacts` read through transformers' config class, whose attribute map turns GPT-2's `n_embd`, `n_head`
+    and `n_positions` into `hidden_size`, `num_attention_heads` and `max_position_embeddings`, and which fills in
+    the defaults a saved config.json leaves out (Gemma2's and GPT-2's `tie_word_embeddings`)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(ckpt_dir)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    hidden, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
+    head = getattr(cfg, "head_dim", None) or hidden // heads
+    return ModelFacts(hidden_size=hidden, num_heads=heads, head_size=int(head),
+                      tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+                      max_positions=int(getattr(cfg, "max_position_embeddings", None) or 1 << 30))
 
 
 def read_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ Heavy imports (torch models, vLLM) stay inside the concrete engines so that impo
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,9 +185,9 @@ class InferenceEngine(ABC):
 def read_checkpoint_meta(ckpt_dir: Path) -> tuple[frozenset[int], int]:
     """(stop token ids, max_position_embeddings) of an HF checkpoint."""
     from swarmrl.models.prompts import stop_token_ids
+    from swarmrl.models.weights import model_facts
 
-    config = json.loads((Path(ckpt_dir) / "config.json").read_text())
-    return stop_token_ids(ckpt_dir), int(config.get("max_position_embeddings", 1 << 30))
+    return stop_token_ids(ckpt_dir), model_facts(ckpt_dir).max_positions
 
 
 def resolve_device(device: str) -> str:

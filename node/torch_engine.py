@@ -25,8 +25,8 @@ class TorchEngine(InferenceEngine):
     ids (so padding does not shift RoPE positions) and a KV cache; finished rows leave the batch. Each step
     samples every row with `protocol.sampling.sample_with_logprobs` on the model's device (temperature per row).
 
-    With `cfg.proofs`, a forward hook on the model's final norm keeps the last position's output (the hidden
-    state the LM head turns into the step's logits) for the activation proof.
+    With `cfg.proofs`, a forward pre-hook on the model's output embedding (its LM head) keeps the last position's
+    input (the final hidden state the head turns into the step's logits) for the activation proof.
     """
 
     name = "torch"
@@ -65,13 +65,15 @@ class TorchEngine(InferenceEngine):
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
         if self.cfg.proofs:
-            norm = getattr(getattr(model, "model", None), "norm", None)
-            if norm is None:
-                raise ValueError(f"{type(model).__name__} has no model.norm: cannot capture states for proofs")
-            norm.register_forward_hook(self._keep_last_state)
+            head = model.get_output_embeddings()
+            if head is None:
+                raise ValueError(f"{type(model).__name__} has no output embedding: cannot capture states for proofs")
+            # The LM head's input is the final hidden state whatever the architecture calls its last norm (Llama's
+            # model.norm, GPT-2's transformer.ln_f, OPT's decoder.final_layer_norm): what vLLM captures too.
+            head.register_forward_pre_hook(self._keep_last_state)
 
-    def _keep_last_state(self, _module: torch.nn.Module, _args: tuple, output: torch.Tensor) -> None:
-        self._last_state = output[:, -1, :].detach().float()
+    def _keep_last_state(self, _module: torch.nn.Module, args: tuple) -> None:
+        self._last_state = args[0][:, -1, :].detach().float()
 
     def close(self) -> None:
         self.model = None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from swarmrl.models.weights import architecture_config
+from swarmrl.models.weights import architecture_config, model_facts
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, resolve_device
 
 _GIB = 1 << 30
@@ -103,12 +103,11 @@ class VLLMEngine(InferenceEngine):
             raise ValueError("use dtype float32 for vLLM on the CPU")
         self._set_checkpoint_meta(ckpt_dir)
         self._arch = architecture_config(ckpt_dir)
-        if self.device == "cpu":
-            head = self._arch.get("head_dim") or self._arch["hidden_size"] // self._arch["num_attention_heads"]
-            if head not in CPU_HEAD_SIZES:
-                raise ValueError(f"head size {head}: vLLM's CPU attention takes {CPU_HEAD_SIZES} only "
-                                 "(use the torch engine, or a model with such heads)")
-        self._tied = bool(self._arch.get("tie_word_embeddings", False))
+        facts = model_facts(ckpt_dir)
+        if self.device == "cpu" and facts.head_size not in CPU_HEAD_SIZES:
+            raise ValueError(f"head size {facts.head_size}: vLLM's CPU attention takes {CPU_HEAD_SIZES} only "
+                             "(use the torch engine, or a model with such heads)")
+        self._tied = facts.tied
         memory: dict = {"kv_cache_memory_bytes": int(self.cfg.kv_cache_gib * _GIB)}
         if self.device == "cuda" and self.cfg.gpu_memory_utilization is not None:
             memory = {"gpu_memory_utilization": self.cfg.gpu_memory_utilization}

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmrl.models.head import head_of
 from swarmrl.protocol import proofs as wire
 from swarmrl.protocol.messages import PendingGroup
 from swarmrl.verifier.config import Tolerances
@@ -203,7 +204,7 @@ class _Run:
         """Replay, logprobs and proof entries of each piece (rollout, tokens a..b-1, their states)."""
         if not pieces:
             return
-        head = self.policy.model.get_output_embeddings()
+        head = head_of(self.policy.model)  # the model's own logits: softcapping, scales, ... are its business
         states = torch.cat([s for *_, s in pieces])
         tokens = torch.tensor([t for r, a, b, _ in pieces for t in r.tokens[a:b]], dtype=torch.long)
         claimed = torch.tensor([c for r, a, b, _ in pieces for c in r.claimed[a:b]], dtype=torch.float64)

@@ -44,6 +44,7 @@ class PolicyModel:
     eos_id: int
     pad_id: int
     hidden_size: int
+    """Width of the final hidden states (the LM head's input), which proofs commit to."""
     max_positions: int
     stop_ids: frozenset[int] = frozenset()
     """Every token that ends a completion (`models.prompts.stop_token_ids`); eos_id is one of them."""
@@ -69,14 +70,15 @@ def load_policy(path: Path, version: int, dtype: torch.dtype = torch.float32, de
     eos = tok.eos_token_id if tok.eos_token_id in stops else min(stops)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else pad_token_id(tok)
     return PolicyModel(version=version, path=path, model=model, tokenizer=tok, eos_id=int(eos), pad_id=int(pad),
-                       hidden_size=int(cfg.hidden_size), max_positions=int(cfg.max_position_embeddings),
+                       hidden_size=int(model.get_output_embeddings().weight.shape[1]),
+                       max_positions=int(cfg.max_position_embeddings),
                        stop_ids=stops, vocab_size=int(cfg.vocab_size))
 
 
 def _same_except_weights(a: CheckpointManifest, b: CheckpointManifest) -> bool:
     """Whether two checkpoints have identical files (config, tokenizer) apart from their safetensors weights."""
     def rest(m: CheckpointManifest) -> dict[str, str]:
-        return {f.path: f.sha256 for f in m.files if not f.path.endswith(".safetensors")}
+        return {path: sha for path, sha in m.checkpoint_files().items() if not path.endswith(".safetensors")}
     return rest(a) == rest(b)
 
 

@@ -8,7 +8,8 @@ needed and positions are plain 0..L-1, as in generation.
 `recompute` runs whole sequences in one forward and returns every position's logits (for calibration and
 tools). The verifier's checks use `ChunkedPrefill`: the same padded batch, run a span of columns at a time
 with the model's KV cache, rows dropped as soon as their group has failed; the caller turns only the states
-it needs into logits, a bounded number at a time.
+it needs into logits, a bounded number at a time, through the model's own head (`models.head.OutputHead`: what
+an architecture does after its last layer, such as Gemma2's logit softcapping, stays the model's code).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from swarmrl.models.head import decoder_of, head_of
+
 
 @dataclass
 class Recomputed:
@@ -27,15 +30,7 @@ class Recomputed:
     logits: torch.Tensor
     """[n, vocab] float32 logits (before temperature)."""
     states: torch.Tensor
-    """[n, hidden] float32 final hidden states (the last norm's output, the LM head's input)."""
-
-
-def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    decoder = getattr(model, "model", None)
-    head = getattr(model, "lm_head", None)
-    if decoder is None or head is None:
-        raise TypeError(f"{type(model).__name__}: expected a causal LM with .model and .lm_head")
-    return decoder, head
+    """[n, hidden] float32 final hidden states (the decoder's output, the LM head's input)."""
 
 
 @torch.inference_mode()
@@ -47,7 +42,7 @@ def recompute(model: torch.nn.Module, seqs: list[tuple[list[int], list[int]]], p
     forward. Every completion must be non-empty. Holds [n, vocab] logits per rollout: for short completions and
     small vocabularies only.
     """
-    decoder, head = decoder_and_head(model)
+    decoder, head = decoder_of(model), head_of(model)
     device = next(model.parameters()).device
     out: list[Recomputed | None] = [None] * len(seqs)
     for batch in length_batches([len(p) + len(c) - 1 for p, c in seqs], max_batch_tokens):
@@ -89,7 +84,7 @@ class ChunkedPrefill:
     """
 
     def __init__(self, model: torch.nn.Module, seqs: list[list[int]], pad_id: int):
-        self.decoder, self.head = decoder_and_head(model)
+        self.decoder = decoder_of(model)
         self.device = next(model.parameters()).device
         self.ids = padded(seqs, pad_id)
         self.lengths = [len(s) for s in seqs]

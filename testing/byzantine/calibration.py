@@ -95,7 +95,9 @@ def measure(kind: str, gen_ckpt: Path, policy, texts: list[str], group: int, tem
 
         seqs = [(q.prompt_ids, c.token_ids) for q, c in zip(reqs, comps, strict=True)]
         rc = recompute(policy.model, seqs, policy.pad_id)
-        head = policy.model.lm_head
+        from swarmrl.models.head import head_of
+
+        head = head_of(policy.model)
         with torch.no_grad():
             dlogit = max(float((head(s) - r.logits).abs().max()) for s, r in zip(states, rc, strict=True))
             from swarmrl.protocol import sampling
