@@ -5,8 +5,6 @@ process would generate differently refused when the task loads."""
 from __future__ import annotations
 
 import random
-import sys
-import textwrap
 
 import pytest
 
@@ -121,40 +119,14 @@ def test_too_few_distinct_problems_for_the_held_out_set_is_said_not_looped_on():
         t.sample(random.Random(0))
 
 
-def test_a_dataset_another_process_generates_differently_is_refused_at_load(tmp_path, monkeypatch):
-    # A reasoning-gym dataset whose items follow the order of a set of strings: that order changes with the
-    # interpreter's hash seed, so the verifier's process would not regenerate what the coordinator's drew. It is
-    # registered by a module both processes import (sitecustomize), as a plug-in dataset would be.
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent('''
-        from dataclasses import dataclass
-        from random import Random
-        from reasoning_gym.factory import ProceduralDataset, register_dataset
-
-        @dataclass
-        class SetOrderConfig:
-            seed: int | None = None
-            size: int = 500
-
-        class SetOrder(ProceduralDataset):
-            def __init__(self, config):
-                super().__init__(config=config, seed=config.seed, size=config.size)
-
-            def __getitem__(self, idx):
-                words = sorted({"apple", "pear", "plum", "fig", "kiwi", "lime"}, key=lambda w: Random(idx).random())
-                first = next(iter({w for w in words[:4]}))
-                return {"question": f"Say {first}.", "answer": first,
-                        "metadata": {"source_dataset": "set_order", "source_index": idx}}
-
-        register_dataset("set_order", SetOrder, SetOrderConfig)
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    sys.modules.pop("sitecustomize", None)
-    import sitecustomize  # noqa: F401 (registers set_order here too)
-
-    with pytest.raises(ValueError, match="dataset 'set_order' does not generate item .* the same way in two "
+@pytest.mark.parametrize("dataset", ["ransom_note", "isomorphic_strings"])
+def test_a_dataset_another_process_generates_differently_is_refused_at_load(dataset):
+    # Real reasoning-gym 0.1.25 datasets whose items change with the interpreter's hash seed (5 of its 105 did in
+    # a scan: these two, knight_swap, polynomial_multiplication, word_ladder): the verifier's process would not
+    # regenerate what the coordinator's drew.
+    with pytest.raises(ValueError, match=f"dataset '{dataset}' does not generate item .* the same way in two "
                                          "processes"):
-        load_task(spec(datasets={"set_order": {}}, eval_size=10))
+        load_task(spec(datasets={dataset: {}}, eval_size=10))
 
 
 def test_options_model_documents_every_field():
