@@ -37,6 +37,7 @@ from swarmrl.coordinator.registry import Registry
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.service import build_leases, open_store
 from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.errors import UserError, port_problem
 from swarmrl.runtime.lifetime import die_with_parent, name_process
 
 if TYPE_CHECKING:
@@ -80,11 +81,19 @@ def _listen(host: str, port: int, shared: bool = False) -> socket.socket:
     """A listening TCP socket on (host, port); port 0 picks a free one. Bound here so the real port is known (and
     printed) before the server starts, with no race for it. `shared`: other workers' sockets bind the port too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if shared and port:
+        # SO_REUSEPORT would share the port with a coordinator already on it: bind once without it first, so that
+        # one is found before this one opens (and migrates) its store.
+        _listen(host, port).close()
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if shared:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(port_problem("port", "host", host, port, e)) from None
     sock.listen(2048)
     return sock
 

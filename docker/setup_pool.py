@@ -1,69 +1,198 @@
-"""Prepare a local pool's shared volume for docker/compose.yaml (its one-shot `setup` service), or any directory.
+"""Prepare a pool's directory: keys, the initial checkpoint and one config per role, for one machine or for
+docker/compose.yaml (its one-shot `setup` service).
 
-    python docker/setup_pool.py /pool            # in the compose file: POOL_DIR=/pool, the `pool` volume
+    python docker/setup_pool.py mypool                 # one machine, as README.md's "Operating a pool" runs it
+    python docker/setup_pool.py mypool --public        # the same, the coordinator listening on every interface
+    python docker/setup_pool.py /pool --containers     # compose.yaml's setup job: one role per container
 
 Makes what the roles need and nothing they make themselves (the coordinator makes its own key in its data dir):
 the trainer's and the verifier's keys (their public keys become the coordinator's operator keys), the initial
 checkpoint (`swarmrl model`, warmed up to WARMUP_ACCURACY, default 0.25; 0 keeps it random), and one config file
-per role under <dir>/config, each checked against the role's config model. Nodes share one config; each gets its
-name, key and work dir with --set. Safe to run again: keys and the checkpoint are kept.
+per role under <dir>/config, each checked against the role's config model. Paths in the configs are relative to
+<dir>/config (a config's paths resolve against its own directory), so every role runs from any directory and the
+pool's directory can move. Nodes share one config; each further node gets its name, key and work dir with --set.
+Safe to run again: keys and the checkpoint are kept.
 
-Environment: COORDINATOR_URL (default http://coordinator:8470, the compose service), METRICS_PORT (default 9100,
-where the verifier, trainer and nodes serve Prometheus metrics inside their containers), RUN_ID, WARMUP_ACCURACY.
+Listening: on one machine everything listens on loopback (the coordinator on every interface with --public), and
+metrics are off unless METRICS_PORT is set: then the verifier serves them on METRICS_PORT and the trainer on the
+next port (nodes share a config: give each `--set metrics_port=N`). In containers each role has its own address:
+the coordinator, the verifier, the trainer and the nodes listen on every interface of their container, metrics on
+METRICS_PORT (9100) in each.
+
+Environment: COORDINATOR_URL (default http://127.0.0.1:8470; in containers http://coordinator:8470, the compose
+service; on one machine its port is the coordinator's), METRICS_PORT, RUN_ID (default compose-pool),
+WARMUP_ACCURACY. A setting that does not fit is said in one line, with its fix (exit status 2).
 """
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
 
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.node.config import NodeConfig
-from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.identity import Identity, IdentityError
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.runtime.config import dump_toml
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.verifier.config import VerifierConfig
 
+CONTAINER_URL = "http://coordinator:8470"
+LOCAL_URL = "http://127.0.0.1:8470"
+CONTAINER_METRICS_PORT = 9100
 
-def setup(pool: Path) -> dict[str, Path]:
-    """Write keys, checkpoint and configs under `pool`; the config files by role."""
-    url = os.environ.get("COORDINATOR_URL", "http://coordinator:8470")
-    metrics_port = int(os.environ.get("METRICS_PORT", "9100"))
-    run_id = os.environ.get("RUN_ID", "compose-pool")
-    warmup = os.environ.get("WARMUP_ACCURACY", "0.25")
-    (pool / "config").mkdir(parents=True, exist_ok=True)
-    keys = {name: Identity.load_or_create(pool / "keys" / f"{name}.key") for name in ("trainer", "verifier")}
+
+class SetupError(Exception):
+    """A setting of this script that does not fit; the message names it and says the fix."""
+
+
+def _env(name: str, default: str | None) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def _metrics_port(containers: bool) -> int | None:
+    raw = _env("METRICS_PORT", str(CONTAINER_METRICS_PORT) if containers else None)
+    if raw is None:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= (65535 if containers else 65534):  # one machine: the trainer takes the next port
+        raise SetupError(f"METRICS_PORT={raw!r} is not a port number (1-65534): set a free port, or unset it "
+                         "(on one machine: metrics off)")
+    return port
+
+
+def _coordinator_url(containers: bool, public: bool) -> tuple[str, int]:
+    """COORDINATOR_URL and the port the coordinator listens on."""
+    url = _env("COORDINATOR_URL", CONTAINER_URL if containers else LOCAL_URL)
+    assert url is not None
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise SetupError(f"COORDINATOR_URL={url!r} is not an http(s) URL with a host: set it like {LOCAL_URL}")
+    if containers:
+        return url, 8470
+    if not public and not _is_loopback(parts.hostname):
+        raise SetupError(f"COORDINATOR_URL={url!r} names {parts.hostname}, but on one machine the coordinator "
+                         f"listens on loopback only: pass --public (and put TLS in front, README 'In public'), or "
+                         f"use http://127.0.0.1:{port or 8470}")
+    # Plain http names the coordinator's own port; https is a TLS proxy in front of it, on 8470.
+    return url, port if parts.scheme == "http" and port else 8470
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _warmup() -> str:
+    raw = _env("WARMUP_ACCURACY", "0.25")
+    assert raw is not None
+    try:
+        ok = 0.0 <= float(raw) < 1.0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise SetupError(f"WARMUP_ACCURACY={raw!r} is not an accuracy in [0, 1): set e.g. 0.25 (0: a random model)")
+    return raw
+
+
+def setup(pool: Path, *, containers: bool = False, public: bool = False) -> dict[str, Path]:
+    """Write keys, checkpoint and configs under `pool`; the config files by role. SetupError for a setting (an
+    environment variable or the directory) that does not fit, saying which and the fix."""
+    if pool.exists() and not pool.is_dir():
+        raise SetupError(f"{pool} is a file: give setup_pool.py a directory (it is made if missing)")
+    url, port = _coordinator_url(containers, public)
+    metrics_port = _metrics_port(containers)
+    warmup = _warmup()
+    run_id = _env("RUN_ID", "compose-pool")
+    config_dir = pool / "config"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        keys = {name: Identity.load_or_create(pool / "keys" / f"{name}.key") for name in ("trainer", "verifier")}
+    except IdentityError as e:
+        raise SetupError(str(e)) from None
+
+    def rel(*parts: str) -> str:  # as the config files say it: relative to their directory
+        return os.path.join("..", *parts)
+
+    listen = "0.0.0.0" if containers or public else "127.0.0.1"
+    metrics_host = "0.0.0.0" if containers else "127.0.0.1"
+
+    def metrics(offset: int) -> dict[str, Any]:
+        if metrics_port is None:
+            return {}
+        return {"metrics_host": metrics_host, "metrics_port": metrics_port + (0 if containers else offset)}
+
+    try:
+        configs = {
+            "coordinator": CoordinatorConfig(
+                host=listen, port=port, data_dir=rel("coordinator"),
+                run={"run_id": run_id, "model": "tiny Llama (0.86M), character tokenizer",
+                     "task": {"name": "addition"},
+                     "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": 8}},
+                operator_keys=[k.public_key_hex for k in keys.values()], max_buffered_groups=64),
+            "verifier": VerifierConfig(coordinator_url=url, key_path=rel("keys", "verifier.key"),
+                                       work_dir=rel("verifier"), **metrics(0)),
+            "trainer": TrainerConfig(coordinator_url=url, key_path=rel("keys", "trainer.key"),
+                                     state_dir=rel("trainer"), init_checkpoint=rel("init"), batch_groups=32,
+                                     progress=False, **metrics(1)),
+            # Nodes: one node runs as is; each further one takes --set name=..., key_path=..., work_dir=...
+            # (compose.yaml), and on one machine a metrics_port of its own.
+            "node": NodeConfig(coordinator_url=url, key_path=rel("keys", "node.key"), work_dir=rel("node-data"),
+                               progress=False, max_prompts=8, engine={"kind": "auto"}, p2p={"enabled": False},
+                               **(metrics(0) if containers else {})),
+        }
+    except ValidationError as e:
+        raise SetupError(f"the settings (RUN_ID, COORDINATOR_URL, METRICS_PORT) make an invalid config: "
+                         f"{describe_validation_error(e)}; fix that setting") from None
     init = pool / "init"
     if not (init / "config.json").exists():
         # The same command a lab runs by hand; a fresh process, so its threads and memory go away with it.
         subprocess.run([sys.executable, "-m", "swarmrl.cli", "model", str(init), "--warmup-accuracy", warmup],
                        check=True)
-    metrics = {"metrics_host": "0.0.0.0", "metrics_port": metrics_port}
-    configs = {
-        "coordinator": CoordinatorConfig(
-            host="0.0.0.0", port=8470, data_dir=pool / "coordinator",
-            run={"run_id": run_id, "model": "tiny Llama (0.86M), character tokenizer", "task": {"name": "addition"},
-                 "sampling": {"temperature": 1.0, "max_tokens": 6, "group_size": 8}},
-            operator_keys=[k.public_key_hex for k in keys.values()], max_buffered_groups=64),
-        "verifier": VerifierConfig(coordinator_url=url, key_path=pool / "keys" / "verifier.key",
-                                   work_dir=pool / "verifier", **metrics),
-        "trainer": TrainerConfig(coordinator_url=url, key_path=str(pool / "keys" / "trainer.key"),
-                                 state_dir=str(pool / "trainer"), init_checkpoint=str(init), batch_groups=32,
-                                 progress=False, **metrics),
-        # Nodes: --set name=..., key_path=..., work_dir=... per node (compose.yaml).
-        "node": NodeConfig(coordinator_url=url, progress=False, max_prompts=8, engine={"kind": "auto"},
-                           p2p={"enabled": False}, **metrics),
-    }
     paths = {}
     for role, cfg in configs.items():
-        paths[role] = pool / "config" / f"{role}.toml"
+        paths[role] = config_dir / f"{role}.toml"
         paths[role].write_text(dump_toml(cfg))
     return paths
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("POOL_DIR", "/pool"))
-    for role, path in setup(target).items():
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dir", nargs="?", type=Path, default=Path(os.environ.get("POOL_DIR", "/pool")),
+                        help="the pool's directory (default: POOL_DIR, else /pool)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--containers", action="store_true", help="one role per container (docker/compose.yaml)")
+    where.add_argument("--public", action="store_true", help="one machine, the coordinator listening on every "
+                       "interface (nodes elsewhere; put TLS in front)")
+    args = parser.parse_args(argv)
+    try:
+        paths = setup(args.dir, containers=args.containers, public=args.public)
+    except SetupError as e:
+        print(f"setup_pool.py: {e}", file=sys.stderr)
+        sys.exit(2)
+    for role, path in paths.items():
         print(f"{role:12s} {path}")
+
+
+if __name__ == "__main__":
+    main()

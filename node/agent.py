@@ -82,8 +82,9 @@ class Node:
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity, timeout=cfg.request_timeout_s,
                                         retry=RetryPolicy(attempts=None, cap_s=cfg.max_backoff_s), stop=self._stop,
                                         coordinator_key=cfg.coordinator_key)
-        self.client.outage.context = lambda: (f"keeping policy v{self.stats.held_version} and node identity "
-                                              f"{self.identity.node_id[:10]}")
+        self.client.outage.context = lambda: (  # never joined: nothing is kept yet, and the URL may be wrong
+            f"keeping policy v{self.stats.held_version} and identity {self.identity.node_id[:10]}" if self._run_info
+            else "not joined yet: check coordinator_url if that coordinator is up (`swarmrl node doctor` tries it)")
         self.stats = NodeStats()
         self.receipts: ReceiptBook | None = None
         self.download: Download | None = None  # the checkpoint being fetched, if any

@@ -8,6 +8,7 @@ SWARMRL_BOOTSTRAP environment variable (comma-separated). The config wins when b
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,7 +36,7 @@ class DhtAccess(BaseModel):
         description="libp2p multiaddrs to listen on (port 0: any free port).")
     announce_maddrs: list[str] = Field(
         default_factory=list, description="Multiaddrs other peers should dial (behind NAT or a port forward).")
-    identity_path: str | None = Field(
+    identity_path: Path | None = Field(
         None, description="File holding this peer's libp2p key (made if missing): a fixed key gives a stable "
         "/p2p/<peer id> to publish as a bootstrap address. None: a fresh key per process.")
     startup_timeout_s: float = Field(30.0, gt=0, description="Seconds allowed for the libp2p daemon and DHT to start.")

@@ -89,16 +89,25 @@ class Identity:
         path = Path(path)
         try:
             mode = path.stat().st_mode
-        except FileNotFoundError as e:
-            raise IdentityError(f"no key file at {path}") from e
+        except FileNotFoundError:
+            raise IdentityError(f"no key file at {path}: make one with `swarmrl keys make {path}`, or fix "
+                                "key_path") from None
+        if stat.S_ISDIR(mode):
+            raise IdentityError(f"key path {path} is a directory, not a key file: set key_path to a file (one "
+                                "inside it will do)")
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise IdentityError(f"key file {path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
+            raise IdentityError(f"key file {path} is readable by others (mode {oct(mode & 0o777)}): "
+                                f"chmod 600 {path}")
         from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
         try:
             key = load_pem_private_key(path.read_bytes(), password=None)
-        except ValueError as e:
-            raise IdentityError(f"key file {path} is not a PEM private key") from e
+        except PermissionError:
+            raise IdentityError(f"key file {path} cannot be read by this user: chown it to the user running this "
+                                "role") from None
+        except ValueError:
+            raise IdentityError(f"key file {path} is not a PEM private key: point key_path at a key made by "
+                                "`swarmrl keys make`") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise IdentityError(f"key file {path} does not hold an Ed25519 key")
         return cls(key)

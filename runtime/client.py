@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
@@ -34,6 +34,7 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.overview import Overview, Training
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.protocol.signing import PAYLOAD_HEADER, SIGNATURE_HEADER, SignatureError, sign, time_ordered_id
+from swarmrl.runtime.errors import not_a_coordinator
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
 
 log = logging.getLogger("swarmrl.client")
@@ -215,7 +216,10 @@ class CoordinatorClient:
         """The run description, verified (`trust`). With trust=False it is only checked to carry a valid signature
         of the key it names, and changes nothing here: for a caller that decides itself whether that key is the
         one it trusts (a node's pin)."""
-        run = m.RunInfo.model_validate_json(self._request("GET", "/v1/info").content)
+        try:
+            run = m.RunInfo.model_validate_json(self._request("GET", "/v1/info").content)
+        except (CoordinatorError, ValidationError) as e:  # a 404 or a page that is no run: not a coordinator
+            raise not_a_coordinator(self.base_url, e) from None
         if not trust:
             try:
                 run.verify()

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from swarmrl.runtime.errors import UserError, port_problem
+
 ROLES = ("coordinator", "trainer", "verifier", "node")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
@@ -76,7 +78,10 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int):
         self._httpd: WSGIServer
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:  # a port in use, a host that is not this machine's: the user's to fix
+            raise UserError(port_problem("metrics_port", "metrics_host", host, port, e)) from None
         self.port: int = self._httpd.server_port
 
     def close(self) -> None:

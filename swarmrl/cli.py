@@ -36,12 +36,9 @@ def _role_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(model: type, args: argparse.Namespace) -> Any:
-    from swarmrl.runtime.config import ConfigError, dump_toml, load_config
+    from swarmrl.runtime.config import dump_toml, load_config
 
-    try:
-        cfg = load_config(model, args.config, args.overrides)
-    except (ConfigError, ValueError) as e:
-        sys.exit(str(e))
+    cfg = load_config(model, args.config, args.overrides)  # a ConfigError: one message, no traceback (main)
     if args.print_config:
         print(dump_toml(cfg), end="")
         sys.exit(0)
@@ -70,17 +67,21 @@ def cmd_coordinator(args: argparse.Namespace) -> None:
 def cmd_trainer(args: argparse.Namespace) -> None:
     _single_thread()
     from swarmrl.trainer.config import TrainerConfig
+
+    cfg = _load(TrainerConfig, args)  # a wrong config is said before the trainer's imports take their seconds
     from swarmrl.trainer.loop import run_trainer
 
-    run_trainer(_load(TrainerConfig, args))
+    run_trainer(cfg)
 
 
 def cmd_verifier(args: argparse.Namespace) -> None:
     _single_thread()
     from swarmrl.verifier.config import VerifierConfig
+
+    cfg = _load(VerifierConfig, args)
     from swarmrl.verifier.service import Verifier
 
-    Verifier(_load(VerifierConfig, args)).run()
+    Verifier(cfg).run()
 
 
 def cmd_node(args: argparse.Namespace) -> None:
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="swarmrl", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error too (a wrong path "
+                        "or setting is otherwise said in one line, with its fix)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, help_ in [
         ("coordinator", cmd_coordinator, "run a pool's coordinator (HTTP API, SQLite, manifest signing)"),
@@ -250,6 +253,20 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C: what it stopped was cleaned up on the way out; no traceback for it
         Console(stderr=True).print("interrupted")
         sys.exit(130)
+    except _user_errors() as e:  # the user's to fix: the message says what and how; --debug adds the traceback
+        if args.debug:
+            raise
+        sys.exit(f"swarmrl {args.command}: {e}")
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are a user's mistake (a path, a setting, a start order), each with a message that says
+    the fix."""
+    from swarmrl.protocol.identity import IdentityError
+    from swarmrl.runtime.config import ConfigError
+    from swarmrl.runtime.errors import UserError
+
+    return (UserError, ConfigError, IdentityError)
 
 
 if __name__ == "__main__":

@@ -152,8 +152,10 @@ def test_compose_starts_a_whole_pool_from_the_images_here() -> None:
 def test_the_pool_setup_writes_configs_every_service_loads(tmp_path: Path) -> None:
     pool = tmp_path / "pool"
     env = {**os.environ, "PYTHONPATH": str(REPO), "WARMUP_ACCURACY": "0", "OMP_NUM_THREADS": "1"}
+    setup_args = compose()["services"]["setup"]["entrypoint"][2:]  # the script's own arguments
+    assert setup_args[0] == "/pool" and "--containers" in setup_args
     for _ in range(2):  # a second run keeps keys and checkpoint
-        proc = subprocess.run([sys.executable, str(DOCKER / "setup_pool.py"), str(pool)], env=env,
+        proc = subprocess.run([sys.executable, str(DOCKER / "setup_pool.py"), str(pool), *setup_args[1:]], env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert (pool / "init" / "config.json").exists()
@@ -169,7 +171,7 @@ def test_the_pool_setup_writes_configs_every_service_loads(tmp_path: Path) -> No
     coordinator = loaded["coordinator"]
     assert sorted(coordinator.operator_keys) == sorted(k.public_key_hex for k in keys.values())
     assert coordinator.host == "0.0.0.0" and coordinator.port == 8470
-    assert loaded["trainer"].init_checkpoint == str(pool / "init")
+    assert loaded["trainer"].init_checkpoint == pool / "init"  # relative to the config file, wherever run from
     nodes = [loaded[n] for n in ("node1", "node2", "node-gpu")]
     assert len({n.key_path for n in nodes}) == 3 and len({n.work_dir for n in nodes}) == 3
     assert nodes[2].engine.kind == "vllm" and nodes[2].engine.device == "cuda"

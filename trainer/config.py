@@ -9,6 +9,8 @@ component its own slice of the job config.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.protocol.run import RunSpec
@@ -22,14 +24,15 @@ class TrainerConfig(BaseModel):
 
     # -- where --------------------------------------------------------------------------------------
     coordinator_url: str = Field("http://127.0.0.1:8470", description="Base URL of the coordinator API.")
-    key_path: str = Field(
-        "keys/trainer.key",
-        description="Ed25519 private key of the trainer (made on first start); the coordinator must trust it.",
+    key_path: Path = Field(
+        Path("keys/trainer.key"),
+        description="Ed25519 private key of the trainer; its public key must be in the coordinator's operator_keys. "
+        "Made (and said so) when the file does not exist.",
     )
-    state_dir: str = Field(
-        "runs/trainer", description="Trainer states (weights, optimizer, version, cursor) are kept here."
+    state_dir: Path = Field(
+        Path("runs/trainer"), description="Trainer states (weights, optimizer, version, cursor) are kept here."
     )
-    init_checkpoint: str | None = Field(
+    init_checkpoint: Path | None = Field(
         None, description="HF checkpoint directory of the warm-started model; used when state_dir holds no state."
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics (swarmrl_trainer_*) "

@@ -38,7 +38,9 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import RunInfo
 from swarmrl.protocol.run import check_run
 from swarmrl.protocol.tasks import load_task
-from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.errors import UserError
+from swarmrl.runtime.operator import not_an_operator, operator_identity, wait_for_coordinator
 from swarmrl.trainer.collect import TrainerClient, collect_groups
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.trainer.distributed import (
@@ -107,14 +109,20 @@ def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop
     transformers.utils.logging.disable_progress_bar()
     pub_client: TrainerClient | None = client
     owned: list[CoordinatorClient] = []
+    identity: Identity | None = None
     if env.is_main and client is None:
-        identity = Identity.load_or_create(cfg.key_path)
+        identity = operator_identity(cfg.key_path, "trainer")
+        wait_for_coordinator(cfg.coordinator_url, "trainer", stop)
         # Two connections: the publisher thread uploads while the main thread polls for groups.
         client = CoordinatorClient(cfg.coordinator_url, identity)
         pub_client = CoordinatorClient(cfg.coordinator_url, identity)
         owned = [client, pub_client]
     try:
         return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display).run()
+    except CoordinatorError as e:
+        if identity is not None and e.status == 403:  # only an operator endpoint's refusal of the key is a 403
+            raise not_an_operator("trainer", cfg.key_path, identity, cfg.coordinator_url) from e
+        raise
     finally:
         for c in owned:
             c.close()
@@ -135,7 +143,10 @@ class _Run:
 
         # The run: rank 0 asks, everyone hears.
         info: RunInfo = broadcast_object(client.info() if env.is_main else None, env)  # type: ignore[union-attr]
-        check_run(info.spec, cfg.run, "trainer")
+        try:
+            check_run(info.spec, cfg.run, "trainer")
+        except ValueError as e:
+            raise UserError(f"{e}: remove the trainer's [run] table, or point it at that run's coordinator") from None
         self.info = info
         self.run_id = info.run_id
         self.task = load_task(info.spec.task)
@@ -152,13 +163,17 @@ class _Run:
         self.skipped_since_save: list[int] = []  # consumed without a step (zero advantage): logged with the next
         if loaded is not None:
             if loaded.state.run_id and loaded.state.run_id != self.run_id:
-                raise ValueError(f"the state in {path} belongs to run {loaded.state.run_id!r}, the coordinator runs "
-                                 f"{self.run_id!r}: give this run its own state_dir")
+                raise UserError(f"the state in {path} belongs to run {loaded.state.run_id!r}, the coordinator runs "
+                                f"{self.run_id!r}: give this run its own state_dir")
             self.model, self.tokenizer, self.ts = loaded.model, loaded.tokenizer, loaded.state
             restore_rng(loaded.rng)
         else:
             if not cfg.init_checkpoint:
-                raise ValueError(f"no trainer state in {self.state_dir} and no init_checkpoint to start from")
+                raise UserError(f"no trainer state in {self.state_dir} and no init_checkpoint to start from: set "
+                                "init_checkpoint to a checkpoint directory (`swarmrl model DIR` makes one)")
+            if not (cfg.init_checkpoint / "config.json").is_file():  # never a model hub's name: a directory here
+                raise UserError(f"init_checkpoint {cfg.init_checkpoint.absolute()} is not a checkpoint directory (no "
+                                "config.json): fix init_checkpoint (`swarmrl model DIR` makes one)")
             self.model, self.tokenizer = load_checkpoint(cfg.init_checkpoint)
             self.ts = TrainerState(run_id=self.run_id)
             torch.manual_seed(cfg.seed)

@@ -36,6 +36,8 @@ from swarmrl.protocol.messages import PendingGroup, Verdict
 from swarmrl.protocol.run import RunSpec, check_run
 from swarmrl.protocol.tasks import Task, load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.errors import UserError
+from swarmrl.runtime.operator import not_an_operator, operator_identity
 from swarmrl.verifier.budget import IdentityBudget
 from swarmrl.verifier.checks import CheckContext, ProofLedger, cheap_checks, missing_proof, score
 from swarmrl.verifier.config import VerifierConfig
@@ -54,7 +56,7 @@ class Verifier:
     def __init__(self, cfg: VerifierConfig, identity: Identity | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
-        self.identity = identity or Identity.load_or_create(cfg.key_path)
+        self.identity = identity or operator_identity(cfg.key_path, "verifier")
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity, coordinator_key=cfg.coordinator_key)
         self.task: Task | None = None
         rules = cfg.quarantine_rules()
@@ -89,7 +91,10 @@ class Verifier:
         key = self.cfg.coordinator_key or info.coordinator_key
         if self.cfg.coordinator_key and info.coordinator_key != self.cfg.coordinator_key:
             raise RuntimeError("the coordinator presents a different key than the one configured: refusing")
-        check_run(info.spec, self.cfg.run, "verifier")
+        try:
+            check_run(info.spec, self.cfg.run, "verifier")
+        except ValueError as e:
+            raise UserError(f"{e}: remove the verifier's [run] table, or point it at that run's coordinator") from None
         self.run_spec = info.spec
         self.task = load_task(info.spec.task)
         keep = max(self.cfg.keep_versions, info.spec.max_staleness + 1)  # a group may be that many versions old
@@ -246,7 +251,14 @@ class Verifier:
                 t_poll = time.monotonic()
                 try:
                     worked = self.poll_once()
-                except (CoordinatorError, httpx.TransportError, ManifestError, OSError) as e:
+                except CoordinatorError as e:
+                    if e.status == 403:  # the key is not an operator key: no retry changes that
+                        raise not_an_operator("verifier", self.cfg.key_path, self.identity,
+                                              self.cfg.coordinator_url) from e
+                    log.error("poll failed: %s", e)
+                    self.stats.poll_errors += 1
+                    worked = 0
+                except (httpx.TransportError, ManifestError, OSError) as e:
                     log.error("poll failed: %s", e)
                     self.stats.poll_errors += 1
                     worked = 0

@@ -1,0 +1,109 @@
+"""Configs that run as the README shows on one machine: a path written in a config file is relative to that file, so
+a role started from any directory finds its key, data and checkpoint; docker/setup_pool.py's configs give no two
+roles one port and listen on loopback unless the pool goes public."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.server import running_server
+from swarmrl.node.config import NodeConfig
+from swarmrl.protocol.identity import Identity
+from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.runtime.config import load_config
+from swarmrl.trainer.config import TrainerConfig
+from swarmrl.verifier.config import VerifierConfig
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"coordinator": CoordinatorConfig, "verifier": VerifierConfig, "trainer": TrainerConfig, "node": NodeConfig}
+
+
+def _setup_module():
+    spec = importlib.util.spec_from_file_location("setup_pool", REPO / "docker" / "setup_pool.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _setup(pool: Path, monkeypatch: pytest.MonkeyPatch, **kw) -> dict[str, Path]:
+    """setup_pool's configs for `pool`, without building the model (a checkpoint directory is already there)."""
+    (pool / "init").mkdir(parents=True, exist_ok=True)
+    (pool / "init" / "config.json").write_text("{}")
+    for name in ("COORDINATOR_URL", "METRICS_PORT", "RUN_ID", "WARMUP_ACCURACY"):
+        monkeypatch.delenv(name, raising=False)
+    return _setup_module().setup(pool, **kw)
+
+
+def test_a_path_in_a_config_file_is_relative_to_the_file_and_one_in_set_to_the_current_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = tmp_path / "pool" / "config"
+    conf.mkdir(parents=True)
+    f = conf / "coordinator.toml"
+    f.write_text('data_dir = "../coordinator"\nkey_path = "/etc/abs.key"\n[run]\nrun_id = "a/b"\n'
+                 '[pool]\nidentity_path = "dht.key"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(CoordinatorConfig, Path("..") / "pool" / "config" / "coordinator.toml")
+    assert cfg.data_dir == tmp_path / "pool" / "coordinator"  # nested tables too, and no "..": the file's dir
+    assert cfg.pool is not None and cfg.pool.identity_path == conf / "dht.key"
+    assert cfg.key_path == Path("/etc/abs.key")  # absolute: as written
+    assert cfg.run.run_id == "a/b"  # a string that is not a path field: untouched
+    over = load_config(CoordinatorConfig, f, ["data_dir=mine"])
+    assert over.data_dir == Path("mine")  # a command-line path: relative to where the command runs
+
+
+def test_setup_configs_give_each_role_its_own_port_on_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    pool = tmp_path / "pool"
+    paths = _setup(pool, monkeypatch)
+    cfgs = {role: load_config(MODELS[role], path) for role, path in paths.items()}
+    assert cfgs["coordinator"].host == "127.0.0.1" and cfgs["coordinator"].port == 8470
+    for role in ("verifier", "trainer", "node"):
+        assert cfgs[role].coordinator_url == "http://127.0.0.1:8470"
+        assert cfgs[role].metrics_port is None  # off: nothing to clash on one machine
+    monkeypatch.setenv("METRICS_PORT", "9300")
+    monkeypatch.setenv("COORDINATOR_URL", "http://127.0.0.1:9470")
+    paths = _setup_module().setup(pool)
+    cfgs = {role: load_config(MODELS[role], path) for role, path in paths.items()}
+    assert cfgs["coordinator"].port == 9470
+    ports = {role: (cfgs[role].metrics_host, cfgs[role].metrics_port) for role in ("verifier", "trainer", "node")}
+    assert ports == {"verifier": ("127.0.0.1", 9300), "trainer": ("127.0.0.1", 9301), "node": ("127.0.0.1", None)}
+    public = load_config(CoordinatorConfig, _setup_module().setup(pool, public=True)["coordinator"])
+    assert public.host == "0.0.0.0"
+    monkeypatch.delenv("METRICS_PORT")
+    monkeypatch.delenv("COORDINATOR_URL")
+    inside = _setup_module().setup(pool, containers=True)
+    cfgs = {role: load_config(MODELS[role], path) for role, path in inside.items()}
+    assert cfgs["coordinator"].host == "0.0.0.0"  # one role per container: each has its own addresses
+    for role in ("verifier", "trainer", "node"):
+        assert (cfgs[role].metrics_host, cfgs[role].metrics_port) == ("0.0.0.0", 9100)
+        assert cfgs[role].coordinator_url == "http://coordinator:8470"
+
+
+def test_setup_configs_find_the_pools_keys_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    pool = tmp_path / "pool"
+    paths = _setup(pool, monkeypatch)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    relative = {role: Path(os.path.relpath(path, elsewhere)) for role, path in paths.items()}
+    cfgs = {role: load_config(MODELS[role], path) for role, path in relative.items()}
+    assert cfgs["trainer"].init_checkpoint == pool / "init"
+    assert cfgs["trainer"].state_dir == pool / "trainer" and cfgs["verifier"].work_dir == pool / "verifier"
+    coordinator = cfgs["coordinator"]
+    assert coordinator.data_dir == pool / "coordinator"
+    with running_server(coordinator) as url:
+        # The keys the operator roles load are the coordinator's operator keys: their requests are not refused.
+        verifier = CoordinatorClient(url, Identity.load(cfgs["verifier"].key_path), retries=0)
+        assert verifier.pending(limit=1) == []
+        trainer = CoordinatorClient(url, Identity.load(cfgs["trainer"].key_path), retries=0)
+        assert trainer.training_batch(after_id=0, limit=1).groups == []
+    assert not list(elsewhere.iterdir())  # nothing made where the roles were started
