@@ -45,15 +45,26 @@ def latest_manifests(tx: Tx, n: int) -> list[SignedManifest]:
 
 
 def manifests_to_keep(tx: Tx, newest: int) -> list[SignedManifest]:
-    """The manifests whose shards must stay: the `newest` ones, and those of every version a pending group was
+    """The manifests whose shards must stay: the `newest` ones, those of every version a pending group was
     generated with, which its verifier must still load however far the trainer has moved on meanwhile (a group
-    submitted within the staleness bound is checked, whatever the verifiers' lag)."""
+    submitted within the staleness bound is checked, whatever the verifiers' lag), and the bases of every delta
+    kept, back to a full checkpoint."""
     pending = select(rollout_groups.c.policy_version).where(rollout_groups.c.status == "pending").distinct()
     rows = tx.execute(select(manifests.c.signed).where(manifests.c.version.in_(pending)))
     keep = {s.manifest.version: s for s in latest_manifests(tx, newest)}
     for r in rows:
         signed = SignedManifest.model_validate(r.signed)
         keep.setdefault(signed.manifest.version, signed)
+    # A delta is of no use without its base: every kept delta keeps its chain back to the full checkpoint it starts
+    # from (at most the trainer's full_every versions), which is also what a node that missed versions fetches.
+    bases = [s.manifest.delta.base_version for s in keep.values() if s.manifest.delta is not None]
+    while bases:
+        version = bases.pop()
+        if version in keep or (base := get_manifest(tx, version)) is None:
+            continue
+        keep[version] = base
+        if base.manifest.delta is not None:
+            bases.append(base.manifest.delta.base_version)
     return list(keep.values())
 
 
@@ -116,6 +127,8 @@ class Checkpoints:
                     raise Refused(409, f"shard {ref.sha256} is missing: upload it first")
                 if path.stat().st_size != ref.size:
                     raise Refused(409, f"shard {ref.sha256} has {path.stat().st_size} bytes, manifest says {ref.size}")
+            if manifest.delta is not None and self.manifest(manifest.delta.base_version) is None:
+                raise Refused(422, f"a delta of version {manifest.delta.base_version}, which is not published here")
             now = self.clock()
             signed = SignedManifest.sign(manifest.model_copy(update={"created_at": now}), self.identity)
 

@@ -50,4 +50,4 @@ def open_fetcher(root: str | Path, coordinator_key: str, client: CoordinatorClie
                 log.info("joined the checkpoint swarm as %s", swarm.peer_id)
     sources.append(HttpOrigin(client))
     return CheckpointFetcher(root, coordinator_key, sources, keep_versions=keep_versions, config=fetch,
-                             in_use=in_use), swarm
+                             in_use=in_use, manifests=client.manifest), swarm

@@ -7,6 +7,11 @@ verifier also older ones. Shards come from `ShardSource`s (the HTTP origin, the 
 bytes that do not match their hash is reported through `on_bad_shard` (and its own `on_failure`), and the shard
 is taken elsewhere. Shards already on disk are reused, so a killed download resumes where it stopped.
 
+A delta checkpoint's files (its payloads among them) are fetched exactly like a full one's, then its weights files
+are rebuilt from the base version held here and checked against the signed tensor hashes (`transfer.delta`). A
+receiver that does not hold the base (it missed versions) fetches the base first, by the base's own manifest
+(`manifests`), and so on back to a version it holds or to the full checkpoint the chain starts from.
+
     fetcher = CheckpointFetcher(root, coordinator_key, [SwarmSource(peer), HttpOrigin(client)], config=cfg.fetch)
     manifest, path = fetcher.fetch(signed)   # path: root/v{version:08d}, complete or absent
 """
@@ -21,6 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, ShardRef, SignedManifest, sha256_bytes
+from swarmrl.transfer.delta import rebuild
 from swarmrl.transfer.download import Download, FetchStats, ShardUnavailable
 from swarmrl.transfer.sources import ShardSource
 from swarmrl.transfer.store import CheckpointAssembly, ShardStore
@@ -74,6 +80,11 @@ class FetchConfig(BaseModel):
     poll_s: float = Field(
         0.2, gt=0, description="A worker with nothing to start looks again after this long (or when a request ends)."
     )
+    max_delta_chain: int = Field(
+        256, ge=1, description="Most delta checkpoints fetched in a row to reach a version from one held here (or "
+        "from the full checkpoint the chain starts at). The trainer's full_every keeps honest chains shorter; a "
+        "longer one is refused."
+    )
 
 
 class CheckpointFetcher:
@@ -84,8 +95,11 @@ class CheckpointFetcher:
 
     def __init__(self, root: str | Path, coordinator_key: str, sources: list[ShardSource], keep_versions: int = 2,
                  on_bad_shard: Callable[[ShardSource, ShardRef], None] | None = None, *,
-                 config: FetchConfig | None = None, in_use: Callable[[], Collection[int]] = frozenset):
+                 config: FetchConfig | None = None, in_use: Callable[[], Collection[int]] = frozenset,
+                 manifests: Callable[[int], SignedManifest | None] | None = None):
         self.root = Path(root)
+        # Where the signed manifest of a delta's base version comes from (the coordinator's GET /v1/manifest/{v}).
+        self.manifests = manifests
         self.store = ShardStore(self.root / "shards")
         self.coordinator_key = coordinator_key
         self.sources = sources
@@ -111,25 +125,18 @@ class CheckpointFetcher:
         """The manifest if correctly signed by the coordinator, else ManifestError."""
         return signed.verify(self.coordinator_key)
 
-    def fetch(self, signed: SignedManifest) -> tuple[CheckpointManifest, Path]:
+    def fetch(self, signed: SignedManifest, *, _chain: int = 0) -> tuple[CheckpointManifest, Path]:
         """Verify `signed`, fetch its missing shards into the store and, as each arrives, into the checkpoint's
-        files (CheckpointAssembly). Returns the checkpoint's directory. Any version may be fetched, older ones
-        too; a version already held is returned as it is."""
+        files (CheckpointAssembly); a delta is then rebuilt into the full checkpoint and checked (module
+        docstring). Returns the checkpoint's directory. Any version may be fetched, older ones too; a version
+        already held is returned as it is."""
         manifest = self.verify(signed)
         out = self.version_dir(manifest.version)
         if not out.exists():
-            assembly = CheckpointAssembly(manifest, out)  # shards go into the files as they arrive
-            try:
-                missing = self._reuse(manifest, assembly)
-                for source in self.sources:
-                    source.prepare(manifest, self.store)
-                if missing:
-                    Download(manifest, missing, assembly, self.store, self.sources, self.config, self.config.poll_s,
-                             self.workers, self.stats, self.on_bad_shard).run()
-                assembly.finish()
-            except BaseException:
-                assembly.abort()
-                raise
+            if manifest.delta is None:
+                self._assemble(manifest, out)
+            else:
+                self._fetch_delta(manifest, out, _chain)
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         self._manifest_path(manifest.version).write_text(signed.model_dump_json())
         if manifest.version in self._fetched:
@@ -137,6 +144,39 @@ class CheckpointFetcher:
         self._fetched.append(manifest.version)
         self._prune()
         return manifest, out
+
+    def _assemble(self, manifest: CheckpointManifest, out: Path) -> None:
+        assembly = CheckpointAssembly(manifest, out)  # shards go into the files as they arrive
+        try:
+            missing = self._reuse(manifest, assembly)
+            for source in self.sources:
+                source.prepare(manifest, self.store)
+            if missing:
+                Download(manifest, missing, assembly, self.store, self.sources, self.config, self.config.poll_s,
+                         self.workers, self.stats, self.on_bad_shard).run()
+            assembly.finish()
+        except BaseException:
+            assembly.abort()
+            raise
+
+    def _fetch_delta(self, manifest: CheckpointManifest, out: Path, chain: int) -> None:
+        assert manifest.delta is not None
+        base = manifest.delta.base_version
+        if not self.version_dir(base).exists():  # versions missed: the base first, by its own chain
+            if chain + 1 >= self.config.max_delta_chain:
+                raise ManifestError(f"more than {self.config.max_delta_chain} deltas in a row (max_delta_chain)")
+            signed_base = self.manifests(base) if self.manifests is not None else None
+            if signed_base is None:
+                raise ShardUnavailable(f"version {manifest.version} is a delta of version {base}, which is not "
+                                       "held here and whose manifest the coordinator no longer has")
+            if signed_base.manifest.version != base:
+                raise ManifestError(f"asked for the manifest of version {base}, got {signed_base.manifest.version}")
+            self.fetch(signed_base, _chain=chain + 1)
+        # The files as listed (payloads included) go through the same download, then are rebuilt beside `out`.
+        staged = self.root / f".delta-{out.name}"
+        shutil.rmtree(staged, ignore_errors=True)  # what a killed rebuild left
+        self._assemble(manifest, staged)
+        rebuild(self.version_dir(base), staged, manifest.delta, out)
 
     def remove(self, version: int) -> None:
         """Delete `version`'s files and manifest, and the shards no version still held needs."""

@@ -90,7 +90,8 @@ class ScriptedNode(Node):
         reg = self.client.register(name=self.cfg.name, engine=self.cfg.engine.kind)
         self._run_info = reg.run
         self.fetcher = CheckpointFetcher(self.cfg.work_dir / "checkpoints", reg.run.coordinator_key,
-                                         [HttpOrigin(self.client)], keep_versions=self.cfg.keep_versions)
+                                         [HttpOrigin(self.client)], keep_versions=self.cfg.keep_versions,
+                                         manifests=self.client.manifest)
         self.sync()
         return self
 
