@@ -5,8 +5,9 @@ HTTP plumbing only: each route hands its request to one part of `coordinator.ser
 go through `coordinator.pipeline` (the signature header checked before the body is read, one hop to a worker
 thread, the gate, the action, a stored answer for a retry). Every request passes the per-source rate limits first
 (`coordinator.ratelimit`; inside the HTTP metrics, so that 429s are counted), then the body-size limit. Every
-error is `{"detail": reason}`: refusals are 4xx (a 429 with Retry-After), failures of the coordinator's own
-storage 503/507 (`coordinator.failures`), anything else a 500 that keeps the connection (`coordinator.middleware`).
+error is `{"detail": reason, "code": code}` (`protocol.refusals`): refusals are 4xx (a 429 with Retry-After),
+failures of the coordinator's own storage 503/507 (`coordinator.failures`), anything else a 500 that keeps the
+connection (`coordinator.middleware`).
 Path and query parameters are bounded like payload fields (422 beyond them); every list is a page. The OpenAPI
 schema is served at /openapi.json.
 
@@ -21,7 +22,7 @@ from typing import Annotated
 
 from fastapi import FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,7 +33,7 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import is_sha256
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.failures import refusal_of
-from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware
+from swarmrl.coordinator.middleware import BodyLimitMiddleware, ErrorMiddleware, error_response
 from swarmrl.coordinator.pipeline import REFUSALS, Offload, SignedDispatch, SignedRoutes
 from swarmrl.coordinator.ratelimit import RateLimitMiddleware
 from swarmrl.coordinator.service import Coordinator
@@ -42,6 +43,7 @@ from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, Contributors, LedgerPage
 from swarmrl.protocol.manifest import SignedManifest
 from swarmrl.protocol.overview import Overview, Training
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.signing import MAX_HEADER_CHARS, PAYLOAD_HEADER, SIGNATURE_HEADER
 
 SHARD_PUT_PREFIX = "/v1/trainer/shards/"
@@ -52,8 +54,15 @@ def _json(obj: BaseModel) -> Response:
     return Response(obj.model_dump_json(), media_type="application/json")
 
 
-def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": reason}, status_code=status, headers=headers)
+def _error(code: RefusalCode, reason: str, headers: dict[str, str] | None = None) -> Response:
+    status, head, body = error_response(code, reason, headers)
+    response = Response(body, status_code=status)
+    response.raw_headers = head
+    return response
+
+
+_HTTP_CODES = {404: RefusalCode.NOT_FOUND, 405: RefusalCode.METHOD_NOT_ALLOWED}
+"""What the router's own refusals (no such path, another method) are."""
 
 
 def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time,
@@ -79,7 +88,8 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     app = FastAPI(title="swarmrl coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description=f"A signed request's body is the endpoint's message; its Ed25519 signature, over the "
                               f"body's sha256 and this pool, travels in the {SIGNATURE_HEADER} header (see "
-                              "protocol.signing). Refusals are {\"detail\": reason}.")
+                              "protocol.signing). Refusals are {\"detail\": reason, \"code\": code}: "
+                              "programs act on the code (protocol.refusals.RefusalCode).")
     app.state.coordinator = svc
 
     def limit_for(scope: Scope) -> int:
@@ -101,18 +111,20 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     async def _http(_: Request, e: StarletteHTTPException) -> Response:
         if e.status_code == 204 or e.status_code == 304:
             return Response(status_code=e.status_code)
-        return _error(e.status_code, str(e.detail))
+        return _error(_HTTP_CODES.get(e.status_code, RefusalCode.INVALID_REQUEST), str(e.detail))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(_: Request, e: RequestValidationError) -> Response:
         parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in e.errors()]
-        return _error(422, "; ".join(parts[:5]) or "invalid request")
+        in_body = any(tuple(err.get("loc", ()))[:1] == ("body",) for err in e.errors())
+        return _error(RefusalCode.INVALID_PAYLOAD if in_body else RefusalCode.INVALID_REQUEST,
+                      "; ".join(parts[:5]) or "invalid request")
 
-    async def _refusal(request: Request, e: Exception) -> JSONResponse:
+    async def _refusal(request: Request, e: Exception) -> Response:
         refusal = refusal_of(e, f"{request.method} {request.url.path}")
         if refusal is None:
             log.error("%s %s failed", request.method, request.url.path, exc_info=e)
-            return _error(500, f"internal error ({type(e).__name__})")
+            return _error(RefusalCode.INTERNAL_ERROR, f"internal error ({type(e).__name__})")
         return _error(*refusal)
 
     for exc in (Refused, SQLAlchemyError, OSError):
@@ -166,7 +178,7 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
     def manifest_version(version: Annotated[int, Path(ge=0, lt=m.INT64_END)]) -> Response:
         signed_manifest = svc.checkpoints.manifest(version)
         if signed_manifest is None:
-            raise Refused(404, f"no manifest for version {version}")
+            raise Refused(RefusalCode.NO_SUCH_MANIFEST, f"no manifest for version {version}")
         return _json(signed_manifest)
 
     @app.get("/v1/shards/{sha256}", response_class=FileResponse, responses=REFUSALS)
@@ -244,10 +256,10 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
         shard's address."""
         # The header is checked before a byte of the body is read, so that nobody else makes us buffer a shard.
         if not is_sha256(sha256):
-            raise Refused(400, "not a sha256")
+            raise Refused(RefusalCode.NOT_SHA256, "not a sha256")
         sig = svc.gate.check_header(signature, m.KIND_TRAINER_SHARD, "operator")
         if sig.body != sha256:
-            raise Refused(422, "the signature is for another shard")
+            raise Refused(RefusalCode.SHARD_NOT_SIGNED, "the signature is for another shard")
         opened = await operator_offload(svc.gate.open, sig, await request.body(), None, "operator")
         await operator_offload(svc.gate.admit_alone, opened)
         await operator_offload(svc.checkpoints.put_shard, sha256, opened.payload)

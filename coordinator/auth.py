@@ -16,19 +16,24 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from swarmrl.coordinator.ratelimit import retry_after_header
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.signing import Signature
 
 T = TypeVar("T", bound=BaseModel)
 
 
 class Refused(Exception):
-    """A request the coordinator refuses: `status` is the HTTP status, `reason` says why, `headers` go with the
-    answer; `retry_after` (seconds, for a 429 or a full lease book) adds a Retry-After header."""
+    """A request the coordinator refuses: `code` says why for programs (`protocol.refusals`; it fixes the HTTP
+    `status`), `reason` for people, `headers` go with the answer; `retry_after` (seconds, for a 429 or a full lease
+    book) adds a Retry-After header. A refusal cannot be made without its code."""
 
-    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None,
+    def __init__(self, code: RefusalCode, reason: str, headers: dict[str, str] | None = None,
                  retry_after: float | None = None):
-        super().__init__(f"{status}: {reason}")
-        self.status = status
+        if not isinstance(code, RefusalCode):
+            raise TypeError(f"a refusal needs its RefusalCode, got {code!r}")
+        super().__init__(f"{code.status} {code}: {reason}")
+        self.code = code
+        self.status = code.status
         self.reason = reason
         self.headers = dict(headers or {})
         if retry_after is not None:
@@ -39,7 +44,7 @@ class Replayed(Refused):
     """A nonce this signer used before (409)."""
 
     def __init__(self) -> None:
-        super().__init__(409, "replayed request")
+        super().__init__(RefusalCode.REPLAYED, "replayed request")
 
 
 class StaleSubmission(Refused):
@@ -47,7 +52,7 @@ class StaleSubmission(Refused):
     settled (`coordinator.leases`)."""
 
     def __init__(self, reason: str):
-        super().__init__(409, f"stale submission, against the current version: {reason}")
+        super().__init__(RefusalCode.STALE_SUBMISSION, f"stale submission, against the current version: {reason}")
 
 
 @dataclass(frozen=True)
@@ -100,4 +105,4 @@ def typed_payload(body: bytes, model: type[T]) -> T:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise Refused(422, describe_validation_error(e)) from None
+        raise Refused(RefusalCode.INVALID_PAYLOAD, describe_validation_error(e)) from None

@@ -23,6 +23,7 @@ from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import Answered, previous_answer, remember
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, ManifestError, SignedManifest
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.transfer.store import ShardStore
 
 log = logging.getLogger("swarmrl.coordinator")
@@ -97,15 +98,15 @@ class Checkpoints:
         try:
             self.shards.put(sha256, data)
         except ManifestError as e:
-            raise Refused(422, str(e)) from None
+            raise Refused(RefusalCode.INVALID_MANIFEST, str(e)) from None
 
     def shard_path(self, sha256: str) -> Path:
         """Where the shard `sha256` is stored; Refused(400) for a malformed hash, Refused(404) if absent."""
         if not is_sha256(sha256):
-            raise Refused(400, "not a sha256")
+            raise Refused(RefusalCode.NOT_SHA256, "not a sha256")
         path = self.shards.path(sha256)
         if not path.is_file():
-            raise Refused(404, "no such shard")
+            raise Refused(RefusalCode.NO_SUCH_SHARD, "no such shard")
         return path
 
     def publish(self, req: Signed) -> SignedManifest:
@@ -115,20 +116,23 @@ class Checkpoints:
         if earlier is not None:  # a retry of a publish that was applied: before the checks, which it now fails
             raise Answered(earlier)
         if manifest.run_id != self.config.run.run_id:
-            raise Refused(409, f"manifest is for run {manifest.run_id!r}, this run is {self.config.run.run_id!r}")
+            raise Refused(RefusalCode.WRONG_RUN,
+                          f"manifest is for run {manifest.run_id!r}, this run is {self.config.run.run_id!r}")
         with self._publish_lock:  # one publish (and its shard collection) at a time in this process
             self._refuse_old(manifest.version, self.current_version())
             for f in manifest.files:
                 if sum(s.size for s in f.shards) != f.size:
-                    raise Refused(422, f"file {f.path}: shard sizes do not add up to its size")
+                    raise Refused(RefusalCode.INVALID_MANIFEST, f"file {f.path}: shard sizes do not add up to its size")
             for ref in manifest.shards():
                 path = self.shards.path(ref.sha256)
                 if not path.is_file():
-                    raise Refused(409, f"shard {ref.sha256} is missing: upload it first")
+                    raise Refused(RefusalCode.SHARD_MISSING, f"shard {ref.sha256} is missing: upload it first")
                 if path.stat().st_size != ref.size:
-                    raise Refused(409, f"shard {ref.sha256} has {path.stat().st_size} bytes, manifest says {ref.size}")
+                    raise Refused(RefusalCode.SHARD_MISSING,
+                                  f"shard {ref.sha256} has {path.stat().st_size} bytes, manifest says {ref.size}")
             if manifest.delta is not None and self.manifest(manifest.delta.base_version) is None:
-                raise Refused(422, f"a delta of version {manifest.delta.base_version}, which is not published here")
+                raise Refused(RefusalCode.INVALID_MANIFEST,
+                              f"a delta of version {manifest.delta.base_version}, which is not published here")
             now = self.clock()
             signed = SignedManifest.sign(manifest.model_copy(update={"created_at": now}), self.identity)
 
@@ -156,4 +160,5 @@ class Checkpoints:
     @staticmethod
     def _refuse_old(version: int, current: int) -> None:
         if version <= current:
-            raise Refused(409, f"version {version} is not newer than the current version {current}")
+            raise Refused(RefusalCode.VERSION_NOT_NEWER,
+                          f"version {version} is not newer than the current version {current}")

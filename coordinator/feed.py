@@ -26,6 +26,7 @@ from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.refusals import RefusalCode
 
 
 def next_position(tx: Tx) -> int:
@@ -106,7 +107,8 @@ class Feed:
             admit(tx, req)
             top = head(tx)
             if cursor > top:
-                raise Refused(409, f"cursor {cursor} is beyond the last feed position handed out ({top})")
+                raise Refused(RefusalCode.CURSOR_AHEAD,
+                              f"cursor {cursor} is beyond the last feed position handed out ({top})")
             raise_counter(tx, FEED_ACKED, cursor)
             trainer_seen(tx, now, cursor)
             answer = m.FeedAcked(acked=acked(tx), head=top)

@@ -39,6 +39,7 @@ from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.idempotency import Answered, check_key, previous_answer, request_digest
 from swarmrl.coordinator.nonces import record_nonce
 from swarmrl.coordinator.ratelimit import Buckets
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.signing import Signature, SignatureError, check_body, parse_header, verify
 
 T = TypeVar("T", bound=BaseModel)
@@ -84,14 +85,14 @@ class Gate:
         try:
             sig = parse_header(header)
         except SignatureError as e:
-            raise Refused(401 if header is None else 400, e.reason) from None
+            raise Refused(e.code, e.reason) from None
         operator = self.is_operator(sig.key)
         if role == "operator" and not operator:
-            raise Refused(403, "this key is not an operator key")
+            raise Refused(RefusalCode.NOT_OPERATOR, "this key is not an operator key")
         try:
             verify(sig, kind=kind, pool=self.pool, now=self.clock(), max_skew_s=self.config.clock_skew_s)
         except SignatureError as e:
-            raise Refused(401, e.reason) from None
+            raise Refused(e.code, e.reason) from None
         with self._lock:
             if (sig.key, sig.nonce) in self._recent:
                 if keyed:
@@ -103,7 +104,8 @@ class Gate:
         if not operator:
             wait = self.identities.take(sig.key)
             if wait > 0:
-                raise Refused(429, f"too many requests from this identity: retry in {wait:.2f} s", retry_after=wait)
+                raise Refused(RefusalCode.RATE_LIMITED, f"too many requests from this identity: retry in {wait:.2f} s",
+                              retry_after=wait)
         return sig
 
     def open(self, sig: Signature, body: bytes, model: type[T] | None, role: str | None = None,
@@ -114,7 +116,7 @@ class Gate:
         try:
             check_body(sig, body)
         except SignatureError as e:
-            raise Refused(401, e.reason) from None
+            raise Refused(e.code, e.reason) from None
         signer = sig.signer_id
         if role == "node" and signer not in self._nodes:
             self._require_node(signer)  # before the parse: an identity that is not a node never costs us one

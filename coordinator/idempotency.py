@@ -31,6 +31,7 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.schema import idempotency_keys
 from swarmrl.coordinator.db.store import Tx, insert
+from swarmrl.protocol.refusals import RefusalCode
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{8,128}$")
 """What an Idempotency-Key may look like (the client sends 27 hex digits, its time first:
@@ -63,7 +64,8 @@ class Answered(Exception):
 def check_key(key: str | None) -> str | None:
     """`key` if it is a well-formed Idempotency-Key (None stays None); Refused(422) otherwise."""
     if key is not None and not KEY_PATTERN.match(key):
-        raise Refused(422, "malformed Idempotency-Key header: 8 to 128 characters of A-Z a-z 0-9 _ . : -")
+        raise Refused(RefusalCode.MALFORMED_IDEMPOTENCY_KEY,
+                      "malformed Idempotency-Key header: 8 to 128 characters of A-Z a-z 0-9 _ . : -")
     return key
 
 
@@ -91,7 +93,8 @@ def previous_answer(tx: Tx, req: Signed) -> Answer | None:
         return None
     digest, status, body = row
     if digest != req.digest:
-        raise Refused(422, "this Idempotency-Key was already used for a different request: use a new key per request")
+        raise Refused(RefusalCode.IDEMPOTENCY_KEY_REUSED,
+                      "this Idempotency-Key was already used for a different request: use a new key per request")
     return Answer(status, body.encode())
 
 

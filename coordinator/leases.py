@@ -39,6 +39,7 @@ from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.submitwrite import Prechecked, SubmissionWrite, from_wire, judged, to_wire
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.tasks import Task
 from swarmrl.protocol.validation import staleness_problem
 
@@ -119,14 +120,16 @@ class Leases:
         flight = admission.in_flight(tx, node, min_version, deltas)
         allowed = admission.allowance(node, adm)
         if flight.own >= allowed:
-            raise Refused(429, f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
-                               "them (or let their leases expire) first",
+            raise Refused(RefusalCode.PROMPTS_IN_FLIGHT,
+                          f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
+                          "them (or let their leases expire) first",
                           retry_after=until_a_lease_expires(tx, node.id, now))
         # Every open lease holds a prompt in flight at least: with fewer of those than the limit, no need to count.
         if flight.own >= cfg.max_outstanding_leases and \
                 count_open_leases(tx, node.id, now) >= cfg.max_outstanding_leases:
-            raise Refused(429, f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
-                               "them expire first", retry_after=until_a_lease_expires(tx, node.id, now))
+            raise Refused(RefusalCode.LEASES_IN_FLIGHT,
+                          f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
+                          "them expire first", retry_after=until_a_lease_expires(tx, node.id, now))
         cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
         if not admission.is_proven(node, adm) and (flight.unproven >= cap or
                                                    flight.unproven_same_source >= adm.unproven_per_source):
@@ -219,7 +222,7 @@ class Leases:
         ids = [g.prompt_id for g in sub.groups]
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
-            raise Refused(422, f"prompt id {dup!r} appears twice in one submission")
+            raise Refused(RefusalCode.DUPLICATE_PROMPT, f"prompt id {dup!r} appears twice in one submission")
         w = SubmissionWrite.of(req, now, self._precheck(req.signer, sub, now))
         if self.writer is None or w.pre is None:
             def write_here() -> m.SubmitResult:
@@ -275,7 +278,8 @@ class Leases:
         found = lock_lease(tx, w.lease_id)
         if found is None or found[0].node_id != req.signer:
             require_node(tx, req.signer)
-            raise Refused(404, "unknown lease") if found is None else Refused(403, "lease belongs to another node")
+            raise (Refused(RefusalCode.UNKNOWN_LEASE, "unknown lease") if found is None
+                   else Refused(RefusalCode.LEASE_OF_ANOTHER_NODE, "lease belongs to another node"))
         lease, version = found
         self._version_seen = version
         if lease.state != "open":  # a late or repeated submission: each group says why, nothing else changes
@@ -287,7 +291,7 @@ class Leases:
             return late
         if lease.expires_at < now:
             require_node(tx, req.signer)
-            raise Refused(410, "lease expired")
+            raise Refused(RefusalCode.LEASE_EXPIRED, "lease expired")
         stale = staleness_problem(w.policy_version, version, self.config.run.max_staleness)
         if stale is not None:
             require_node(tx, req.signer)
@@ -303,11 +307,11 @@ class Leases:
             if leased is None:
                 reason: str | None = "unknown prompt id for this lease"
             elif leased.submitted:
-                reason = "already submitted"
+                reason = m.ALREADY_SUBMITTED
             else:
                 reason = checked.problems[prompt_id]
             if reason is None and not mark_submitted(tx, w.lease_id, prompt_id):
-                reason = "already submitted"
+                reason = m.ALREADY_SUBMITTED
             if reason is not None:
                 rejected[prompt_id] = reason
                 continue
@@ -334,4 +338,4 @@ def _too_late(leased: LeasePromptRow | None) -> str:
     """Why a group for a lease already settled is refused."""
     if leased is None:
         return "unknown prompt id for this lease"
-    return "already submitted" if leased.submitted else SETTLED
+    return m.ALREADY_SUBMITTED if leased.submitted else SETTLED

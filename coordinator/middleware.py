@@ -1,23 +1,34 @@
 """ASGI middleware every request passes through: a body-size limit, and errors that keep the connection.
 
-Both answer with the API's error shape, `{"detail": reason}`.
+Both answer with the API's error shape (`protocol.refusals.ErrorBody`), through `send_error`: the one place that
+writes an error answer's bytes, for every layer of the coordinator's HTTP stack.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from swarmrl.protocol.refusals import RefusalCode, error_body
+
 log = logging.getLogger("swarmrl.coordinator")
 
 
-async def send_error(send: Send, status: int, reason: str) -> None:
-    body = json.dumps({"detail": reason}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+def error_response(code: RefusalCode, reason: str, headers: dict[str, str] | None = None
+                   ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The status, headers and body of the error answer with `code` and `reason` (and `headers`)."""
+    body = error_body(code, reason)
+    extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    return code.status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *extra], body
+
+
+async def send_error(send: Send, code: RefusalCode, reason: str, headers: dict[str, str] | None = None) -> None:
+    """Answer with the error `code` and `reason` (`headers` beside them)."""
+    status, head, body = error_response(code, reason, headers)
+    await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -49,7 +60,7 @@ class ErrorMiddleware:
             log.exception("%s %s failed", scope.get("method"), scope.get("path"))
             if started:  # half a response is out: nothing sensible can follow on this connection
                 raise
-            await send_error(send, 500, f"internal error ({type(e).__name__})")
+            await send_error(send, RefusalCode.INTERNAL_ERROR, f"internal error ({type(e).__name__})")
 
 
 class _BodyTooLarge(Exception):
@@ -80,11 +91,12 @@ class BodyLimitMiddleware:
             try:
                 length = int(declared)
             except ValueError:
-                await send_error(send, 400, "malformed Content-Length")
+                await send_error(send, RefusalCode.MALFORMED_CONTENT_LENGTH, "malformed Content-Length")
                 return
             if length > limit:
                 await self._drain(receive)
-                await send_error(send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+                await send_error(send, RefusalCode.BODY_TOO_LARGE,
+                                 f"request body of {length} bytes exceeds the limit of {limit} bytes")
                 return
         received = 0
         started = False
@@ -111,7 +123,7 @@ class BodyLimitMiddleware:
             if not started:
                 if not body_done:  # draining a finished body would wait for a message that never comes
                     await self._drain(receive)
-                await send_error(send, 413, f"request body exceeds the limit of {limit} bytes")
+                await send_error(send, RefusalCode.BODY_TOO_LARGE, f"request body exceeds the limit of {limit} bytes")
 
     async def _drain(self, receive: Receive) -> None:
         drained = 0

@@ -17,18 +17,17 @@ verify is answered before a byte of its body is read. One hop to a worker thread
 worker threads are the coordinator's own, each may hold a database connection: `worker_threads` for everyone's
 requests, and `operator_threads` for the operator's (verifiers, the trainer), whose long polls wait on them, so
 that neither side can take the other's threads. The signature is verified once and the payload parsed once, from
-the bytes as sent. Refusals are answered here in the API's shape, `{"detail": reason}` (`coordinator.failures`);
-anything unexpected goes on to `ErrorMiddleware`.
+the bytes as sent. Refusals are answered here in the API's shape, `{"detail": reason, "code": code}`
+(`coordinator.failures`); anything unexpected goes on to `ErrorMiddleware`.
 
 The schema describes these endpoints as they really are: the endpoint's message as the body, the signature in the
 `SIGNATURE_HEADER` header (`protocol.signing`), the optional Idempotency-Key header, answers as their models,
-refusals as `Refusal`.
+refusals as `protocol.refusals.ErrorBody`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,8 +43,10 @@ from swarmrl.coordinator.auth import Refused, Replayed, Signed
 from swarmrl.coordinator.db.asyncwriter import RemoteCall
 from swarmrl.coordinator.failures import refusal_of
 from swarmrl.coordinator.idempotency import KEY_PATTERN, Answer, Answered
+from swarmrl.coordinator.middleware import send_error
 from swarmrl.coordinator.ratelimit import RateLimitConfig, source_of
 from swarmrl.coordinator.service import Coordinator
+from swarmrl.protocol.refusals import ErrorBody
 from swarmrl.protocol.signing import MAX_HEADER_CHARS, SIGNATURE_HEADER, Signature
 from swarmrl.runtime.client import IDEMPOTENCY_HEADER
 
@@ -55,16 +56,10 @@ _SIGNATURE_HEADER = SIGNATURE_HEADER.lower().encode()
 _JSON = [(b"content-type", b"application/json")]
 
 
-class Refusal(BaseModel):
-    """Every refusal: a 4xx (or 503/507) status and the reason, in words a node operator can act on."""
-
-    detail: str
-
-
 REFUSALS: dict[int | str, dict[str, Any]] = {
-    "4XX": {"model": Refusal, "description": "Refused, with the reason."},
-    503: {"model": Refusal, "description": "The coordinator or its database is overloaded or unavailable."},
-    507: {"model": Refusal, "description": "The coordinator's disk is full: nothing was stored."},
+    "4XX": {"model": ErrorBody, "description": "Refused, with the reason and its code (protocol.refusals)."},
+    503: {"model": ErrorBody, "description": "The coordinator or its database is overloaded or unavailable."},
+    507: {"model": ErrorBody, "description": "The coordinator's disk is full: nothing was stored."},
 }
 
 
@@ -142,7 +137,7 @@ class SignedRoutes:
                 schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                      routes=app.routes)
                 models: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
-                    (Refusal, "serialization")]
+                    (ErrorBody, "serialization")]
                 for route in self.routes.values():
                     models.append((route.body, "validation"))
                     if route.answer is not None:
@@ -163,7 +158,7 @@ class SignedRoutes:
         def ref(model: type[BaseModel]) -> dict[str, Any]:
             return {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
 
-        responses: dict[str, Any] = {str(status): {"description": info["description"], "content": ref(Refusal)}
+        responses: dict[str, Any] = {str(status): {"description": info["description"], "content": ref(ErrorBody)}
                                      for status, info in REFUSALS.items()}
         if route.answer is not None:
             responses["200"] = {"description": "Done.", "content": ref(route.answer)}
@@ -225,12 +220,7 @@ class SignedDispatch:
             refusal = refusal_of(e, f"POST {scope['path']}")
             if refusal is None:
                 raise
-            status, reason, headers = refusal
-            body = json.dumps({"detail": reason}).encode()
-            extra = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *extra]})
-            await send({"type": "http.response.body", "body": body})
+            await send_error(send, *refusal)
             return
         headers = [*_JSON, (b"content-length", str(len(answer.body)).encode())] if answer.status != 204 else []
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import json
 import math
 import threading
 import time
@@ -24,6 +23,9 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from swarmrl.coordinator.middleware import send_error
+from swarmrl.protocol.refusals import RefusalCode
 
 CHALLENGE_PATH = "/v1/register/challenge"
 
@@ -147,10 +149,7 @@ class RateLimitMiddleware:
             wait = self.challenges.take(source)
             reason = "too many registration challenges from this address"
         if wait > 0.0:
-            body = json.dumps({"detail": f"{reason}: retry in {wait:.2f} s"}).encode()
-            await send({"type": "http.response.start", "status": 429, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"retry-after", retry_after_header(wait))]})
-            await send({"type": "http.response.body", "body": body})
+            await send_error(send, RefusalCode.RATE_LIMITED, f"{reason}: retry in {wait:.2f} s",
+                             {"Retry-After": retry_after_header(wait).decode()})
             return
         await self.app(scope, receive, send)

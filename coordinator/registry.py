@@ -28,6 +28,7 @@ from swarmrl.coordinator.nonces import record_nonce
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import node_id_from_public_key
+from swarmrl.protocol.refusals import RefusalCode
 
 # A node's idle + busy seconds cannot grow faster than the wall time between its heartbeats; this much more is
 # allowed for network delay and clock rate differences before its counters are scaled down.
@@ -72,9 +73,9 @@ def get_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow | None:
 def active(node: NodeRow | None) -> NodeRow:
     """`node`, if it is a registered node that is not banned; else Refused(403) saying which it is not."""
     if node is None:
-        raise Refused(403, "unknown node: register first")
+        raise Refused(RefusalCode.UNKNOWN_NODE, "unknown node: register first")
     if node.banned:
-        raise Refused(403, f"node is banned: {node.ban_reason}")
+        raise Refused(RefusalCode.BANNED, f"node is banned: {node.ban_reason}")
     return node
 
 
@@ -207,10 +208,10 @@ class Registry:
         try:
             node_id = node_id_from_public_key(key)
         except ValueError:
-            raise Refused(422, "public_key is not a hex Ed25519 public key") from None
+            raise Refused(RefusalCode.BAD_PUBLIC_KEY, "public_key is not a hex Ed25519 public key") from None
         node = self.store.read(lambda tx: get_node(tx, node_id))
         if node is not None and node.banned:
-            raise Refused(403, f"node is banned: {node.ban_reason}")
+            raise Refused(RefusalCode.BANNED, f"node is banned: {node.ban_reason}")
         expires_at = self.clock() + self.config.challenge_ttl_s
         return m.Challenge(challenge=challenge_for(self.secret, key, expires_at), expires_at=expires_at)
 
@@ -224,9 +225,9 @@ class Registry:
             admit(tx, req)
             node = get_node(tx, req.signer, lock=True)
             if node is not None and node.banned:
-                raise Refused(403, f"node is banned: {node.ban_reason}")
+                raise Refused(RefusalCode.BANNED, f"node is banned: {node.ban_reason}")
             if not take_challenge(tx, self.secret, body.challenge, req.public_key, now):
-                raise Refused(401, "unknown, expired or already used challenge for this key")
+                raise Refused(RefusalCode.BAD_CHALLENGE, "unknown, expired or already used challenge for this key")
             upsert_node(tx, req.signer, req.public_key, body.name, body.engine, now, req.source)
             answer = m.Registered(node_id=req.signer, run=run_info(tx))
             remember(tx, req, answer, now)

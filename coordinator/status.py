@@ -25,6 +25,7 @@ from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.verification import group_counts
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.run import sign_spec
 
 # Trainer metrics the coordinator sets itself (from the nodes' heartbeat counters) when it records a report.
@@ -136,10 +137,10 @@ class Status:
         body: m.TrainerMetrics = req.payload
         problem = metric_name_problem(list(body.metrics))
         if problem is not None:
-            raise Refused(422, problem)
+            raise Refused(RefusalCode.INVALID_METRICS, problem)
         bad = [k for k, v in body.metrics.items() if not math.isfinite(v)]
         if bad:
-            raise Refused(422, f"metric {bad[0]!r} is not finite")
+            raise Refused(RefusalCode.INVALID_METRICS, f"metric {bad[0]!r} is not finite")
         data = {k: v for k, v in body.metrics.items() if k not in NODE_IDLE_METRICS}
         now = self.clock()
 

@@ -38,6 +38,7 @@ from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.protocol import messages as m
 from swarmrl.protocol import quarantine
+from swarmrl.protocol.refusals import RefusalCode
 
 MAX_REASON_CHARS = 1000
 
@@ -218,9 +219,10 @@ class Verification:
                 if v.accepted and grp is not None and grp.status == "pending" and not grp.held:
                     n = len(grp.payload["rollouts"])
                     if len(v.rewards) != n:
-                        raise Refused(422, f"group {v.group_id}: {len(v.rewards)} rewards for {n} rollouts")
+                        raise Refused(RefusalCode.INVALID_VERDICT,
+                                      f"group {v.group_id}: {len(v.rewards)} rewards for {n} rollouts")
                     if not all(math.isfinite(r) for r in v.rewards):
-                        raise Refused(422, f"group {v.group_id}: rewards must be finite")
+                        raise Refused(RefusalCode.INVALID_VERDICT, f"group {v.group_id}: rewards must be finite")
             counts: dict[str, list[int]] = {}  # node id -> [accepted, rejected, checks passed], added at the end
             accepted: list[int] = []
             for v in batch.verdicts:

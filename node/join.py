@@ -1,6 +1,6 @@
 """`swarmrl node --pool NAME`: find the pool in the DHT, pin its key on first join, point the node at it.
 
-The pool's record (checked by `protocol.pools.pool_record_problem` against the node's pins and the sequence
+The pool's record (checked by `protocol.pools.pool_record_refusal` against the node's pins and the sequence
 numbers it saw) gives the coordinator's URLs and key; the node then talks to the coordinator exactly as if both
 had been configured by hand, and refuses a coordinator that presents another key. A pool whose name is pinned to
 another key than the one announced now is refused loudly (`PermanentRefusal`), with what to do.
@@ -15,7 +15,7 @@ import httpx
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.refusal import PermanentRefusal
 from swarmrl.pools.discover import PoolListing, choose_pool, list_pools
-from swarmrl.pools.errors import PoolChoiceError
+from swarmrl.pools.errors import PoolKeyChanged
 from swarmrl.pools.trust import PoolTrust
 from swarmrl.protocol.pools import PoolRecord, SignedPoolRecord
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
@@ -48,10 +48,8 @@ def find_pool(cfg: NodeConfig, trust: PoolTrust | None = None) -> tuple[SignedPo
     listing = list_pools(cfg.pools, trust=trust)
     try:
         chosen = choose_pool(listing, cfg.pool)
-    except PoolChoiceError as e:
-        if str(e).startswith("REFUSED"):
-            raise PermanentRefusal(str(e)) from None
-        raise
+    except PoolKeyChanged as e:
+        raise PermanentRefusal(str(e)) from None
     if cfg.coordinator_key and cfg.coordinator_key != chosen.record.coordinator_key:
         raise PermanentRefusal(
             f"pool {chosen.record.name!r} is announced with key {chosen.record.coordinator_key[:16]}…, but "

@@ -3,7 +3,8 @@
 A node waits out everything that can change by itself (a coordinator down or restarting, a full lease book, a
 stale submission). It stops, with `PermanentRefusal`, only when waiting cannot help: the pool banned its key, the
 coordinator presents another key than the one the node trusts, or the two clocks disagree by more than the
-coordinator accepts (signed requests carry timestamps).
+coordinator accepts (signed requests carry timestamps). Each decision is made on the refusal's code
+(`protocol.refusals.RefusalCode`), never on the words of its reason, which are for people and may change.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 from pathlib import Path
 
 from swarmrl.node.config import NodeConfig
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.runtime.client import CoordinatorError
 
 log = logging.getLogger("swarmrl.node")
@@ -23,22 +25,22 @@ class PermanentRefusal(RuntimeError):
 
 def is_unknown_node(e: CoordinatorError) -> bool:
     """The coordinator does not know the node's key (it lost its database, or never had it): register again."""
-    return e.status == 403 and "unknown node" in e.reason
+    return e.code is RefusalCode.UNKNOWN_NODE
 
 
 def is_other_pool(e: CoordinatorError) -> bool:
     """The coordinator refuses what this node signed as being for another pool: it runs another run, or has another
     key, than the one the node joined (registering again finds out which, and stops on a key it does not trust)."""
-    return e.status == 401 and "another pool" in e.reason
+    return e.code is RefusalCode.OTHER_POOL
 
 
 def permanent(e: CoordinatorError, cfg: NodeConfig) -> PermanentRefusal | None:
     """The PermanentRefusal a refusal amounts to, or None when the node should wait and try again."""
-    if e.status == 403 and "banned" in e.reason:
+    if e.code is RefusalCode.BANNED:
         return PermanentRefusal(
             f"the pool at {cfg.coordinator_url} banned this node's key ({cfg.key_path}): {e.reason}. Work from this "
             "key is no longer accepted; ask the pool's operator if you think this is a mistake.")
-    if e.status == 401 and "timestamp" in e.reason:
+    if e.code is RefusalCode.CLOCK_SKEW:
         return PermanentRefusal(
             f"the coordinator refuses this node's signed requests as out of date: {e.reason}. This machine's clock "
             "is off: turn on time synchronisation (NTP, e.g. `timedatectl set-ntp true`), then start the node "

@@ -7,7 +7,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from swarmrl.protocol.messages import RolloutSubmission, SubmitResult
+from swarmrl.protocol.messages import ALREADY_SUBMITTED, RolloutSubmission, SubmitResult
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 
 log = logging.getLogger("swarmrl.node")
@@ -15,7 +16,8 @@ log = logging.getLogger("swarmrl.node")
 NO_WORK_ASK_EVERY_S = 10.0
 
 # Refusals the whole submission got on a retry that may repeat an applied earlier try: outcome unknown.
-_MAYBE_APPLIED = frozenset({404, 409, 410})
+_MAYBE_APPLIED = frozenset({RefusalCode.UNKNOWN_LEASE, RefusalCode.LEASE_EXPIRED, RefusalCode.REPLAYED,
+                            RefusalCode.STALE_SUBMISSION})
 
 
 @dataclass
@@ -67,7 +69,7 @@ class NodeStats:
         those groups are counted as unconfirmed, not as rejected."""
         n = len(submission.groups)
         self.groups_submitted += n
-        if e.retried and e.status in _MAYBE_APPLIED:
+        if e.retried and e.code in _MAYBE_APPLIED:
             self.groups_unconfirmed += n
             log.warning("submission of lease %s: outcome unknown (an earlier try may have been applied before the "
                         "answer was lost): %s", submission.lease_id, e.reason)
@@ -82,7 +84,7 @@ class NodeStats:
         A retried submit whose first try was applied (its answer lost) gets "already submitted" for the groups
         that try delivered: those were taken, not refused. (A coordinator that honours the Idempotency-Key
         header answers the first result again instead.)"""
-        taken = set(result.accepted) | {pid for pid, r in result.rejected.items() if r == "already submitted"}
+        taken = set(result.accepted) | {pid for pid, r in result.rejected.items() if r == ALREADY_SUBMITTED}
         refused = {pid: r for pid, r in result.rejected.items() if pid not in taken}
         tokens = {g.prompt_id: sum(len(r.completion_ids) for r in g.rollouts) for g in submission.groups}
         self.groups_submitted += len(submission.groups)

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 
 from swarmrl.pools.config import BOOTSTRAP_ENV, PoolsConfig
-from swarmrl.pools.errors import PoolChoiceError, PoolLookupError
+from swarmrl.pools.errors import PoolChoiceError, PoolKeyChanged, PoolLookupError
 from swarmrl.pools.records import POOLS_KEY, PoolRecordValidator, open_pools_dht
 from swarmrl.pools.trust import PoolTrust
-from swarmrl.protocol.pools import SignedPoolRecord, parse_signed_record, pool_record_problem
+from swarmrl.protocol.pools import RecordProblem, SignedPoolRecord, parse_signed_record, pool_record_refusal
 from swarmrl.transfer.p2p.host import DhtHost
 
 
@@ -24,6 +24,7 @@ class Refusal:
     key: str  # the subkey the record was stored under (a coordinator key, unless malformed)
     name: str  # the pool name the record claims ("" when it did not parse)
     reason: str
+    problem: RecordProblem | None = None  # what programs decide on (None: malformed, or refused by the DHT validator)
 
 
 @dataclass
@@ -34,7 +35,7 @@ class PoolListing:
 
 def read_pools(host: DhtHost, validator: PoolRecordValidator, *, trust: PoolTrust | None = None,
                now: float | None = None, timeout: float = 30.0) -> PoolListing:
-    """The pool records in the DHT that `host` is part of, judged by `pool_record_problem` against `trust`'s pins
+    """The pool records in the DHT that `host` is part of, judged by `pool_record_refusal` against `trust`'s pins
     and sequence numbers (which then remember the valid ones). Records the DHT peers' answers carried but the
     validator refused (the whole answer is dropped then) are reported with the rest."""
     assert host.dht is not None
@@ -50,14 +51,14 @@ def read_pools(host: DhtHost, validator: PoolRecordValidator, *, trust: PoolTrus
             listing.refused.append(Refusal(str(subkey)[:80], "", str(e)))
             continue
         rec = signed.record
-        problem = pool_record_problem(
+        refusal = pool_record_refusal(
             signed, now=now, subkey=subkey, dht_expiration=getattr(item, "expiration_time", None),
             pinned_key=trust.pins.get(rec.name) if trust else None,
             seen=trust.seen.get(rec.coordinator_key) if trust else None)
-        if problem is None:
+        if refusal is None:
             listing.pools.append(signed)
         else:
-            listing.refused.append(Refusal(str(subkey)[:80], rec.name, problem))
+            listing.refused.append(Refusal(str(subkey)[:80], rec.name, refusal[1], refusal[0]))
     if trust is not None:
         for signed in listing.pools:
             trust.note(signed)
@@ -88,15 +89,16 @@ def choose_pool(listing: PoolListing, wanted: str) -> SignedPoolRecord:
     """The one valid record `wanted` names: "NAME", or "NAME@KEYPREFIX" when several keys claim NAME.
 
     Raises PoolChoiceError saying why not: nothing of that name, a record of that name refused (a changed key is
-    said loudly, with what to do), several keys claiming the name, or a pool not taking new nodes."""
+    said loudly, with what to do, as its subclass PoolKeyChanged), several keys claiming the name, or a pool not
+    taking new nodes."""
     name, _, prefix = wanted.partition("@")
     prefix = prefix.lower()
     found = [s for s in listing.pools if s.record.name == name and s.record.coordinator_key.startswith(prefix)]
     if not found:
         refused = [r for r in listing.refused if r.name == name]
-        pinned = [r for r in refused if "pinned" in r.reason]
+        pinned = [r for r in refused if r.problem is RecordProblem.KEY_NOT_PINNED]
         if pinned:
-            raise PoolChoiceError(
+            raise PoolKeyChanged(
                 f"REFUSED: pool {name!r} is now announced under another key than the one this node pinned when it "
                 f"first joined ({pinned[0].reason}). If the pool's operator has announced a new key, remove {name!r} "
                 f"from the node's pools.json (in its work_dir) and join again; otherwise someone else is claiming the "

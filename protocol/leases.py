@@ -15,6 +15,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.run import SamplingSpec
 from swarmrl.protocol.signing import Signature, SignatureError, canonical_json, sha256_hex, sign, verify_signed
 
@@ -107,7 +108,7 @@ class LeaseExcerpt(_Strict):
     def verify(self, coordinator_key: str, pool: str) -> None:
         """SignatureError unless this prompt belongs to a lease `coordinator_key` signed for `pool`."""
         if self.index >= len(self.digests) or self.digests[self.index] != prompt_digest(self.prompt):
-            raise SignatureError("the prompt is not the one the lease's signature covers")
+            raise SignatureError(RefusalCode.BAD_SIGNATURE, "the prompt is not the one the lease's signature covers")
         body = _terms(self.lease_id, self.node_id, self.policy_version, self.expires_at, self.sampling, self.digests)
         verify_signed(self.signature, body, kind=KIND_GRANT, pool=pool, key=coordinator_key, max_skew_s=None)
 

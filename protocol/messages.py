@@ -101,12 +101,18 @@ class RolloutSubmission(Strict):
         "instead of two.")
 
 
+ALREADY_SUBMITTED = "already submitted"
+"""A group's rejection in a `SubmitResult` when it was taken before (by an earlier try whose answer was lost): the
+one rejection reason a node acts on (it counts the group as taken), so it is part of the contract."""
+
+
 class SubmitResult(Strict):
     """Which groups were taken for verification. The receipts for those the verifier accepts come later, from
     GET /v1/receipts (`protocol.receipts`)."""
 
     accepted: list[str] = Field(description="Prompt ids taken for verification.")
-    rejected: dict[str, str] = Field(description="Prompt id -> reason it was refused.")
+    rejected: dict[str, str] = Field(description="Prompt id -> reason it was refused (`ALREADY_SUBMITTED` when an "
+                                     "earlier try took it).")
     next_lease: Lease | None = Field(None, description="The lease the submission asked for (`next_lease`), signed "
                                      "like any other: the node checks it as it would an answer of POST /v1/lease.")
     next_lease_refused: str = Field("", max_length=1024, description="Why the next lease asked for was not granted "

@@ -24,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -134,7 +135,20 @@ def parse_signed_record(raw: object) -> SignedPoolRecord:
         raise ValueError(f"malformed: {why}") from None
 
 
-def pool_record_problem(
+class RecordProblem(StrEnum):
+    """Why a pool record is refused, for programs (`pool_record_refusal` gives the words for people beside it)."""
+
+    BAD_SIGNATURE = "bad_signature"
+    MISMATCHED_SLOT = "mismatched_slot"
+    FROM_THE_FUTURE = "from_the_future"
+    EXPIRED = "expired"
+    MISMATCHED_LIFETIME = "mismatched_lifetime"
+    KEY_NOT_PINNED = "key_not_pinned"
+    """Another key than the one the reader pinned for the pool's name: the pool's key changed, or a squatter."""
+    REPLAYED = "replayed"
+
+
+def pool_record_refusal(
     signed: SignedPoolRecord,
     *,
     now: float,
@@ -143,28 +157,41 @@ def pool_record_problem(
     dht_expiration: float | None = None,
     pinned_key: str | None = None,
     seen: Seen | None = None,
-) -> str | None:
-    """Why `signed` is refused, or None when it is acceptable. Checks, in order: the signature; that it sits in
-    its own key's slot (`subkey`); its lifetime against `now` (issued no later than `now + max_skew_s`, not
-    expired), and that it lives no longer in the DHT than it says (`dht_expiration`); that its key is the one
-    pinned for its name (`pinned_key`); that it is not older than the newest record already `seen` for its key."""
+) -> tuple[RecordProblem, str] | None:
+    """Why `signed` is refused (its problem and the reason in words), or None when it is acceptable. Checks, in
+    order: the signature; that it sits in its own key's slot (`subkey`); its lifetime against `now` (issued no later
+    than `now + max_skew_s`, not expired), and that it lives no longer in the DHT than it says (`dht_expiration`);
+    that its key is the one pinned for its name (`pinned_key`); that it is not older than the newest record already
+    `seen` for its key."""
     rec = signed.record
     if not signed.signature_ok():
-        return f"bad signature: not signed by the key it names ({rec.coordinator_key[:16]}…)"
+        return (RecordProblem.BAD_SIGNATURE,
+                f"bad signature: not signed by the key it names ({rec.coordinator_key[:16]}…)")
     if subkey is not None and subkey != rec.coordinator_key:
-        return f"mismatched: stored under key {str(subkey)[:16]}… but names key {rec.coordinator_key[:16]}…"
+        return (RecordProblem.MISMATCHED_SLOT,
+                f"mismatched: stored under key {str(subkey)[:16]}… but names key {rec.coordinator_key[:16]}…")
     if rec.issued_at > now + max_skew_s:
-        return f"issued {rec.issued_at - now:.0f} s in the future (more than the {max_skew_s:.0f} s clock skew allowed)"
+        return (RecordProblem.FROM_THE_FUTURE, f"issued {rec.issued_at - now:.0f} s in the future (more than the "
+                                               f"{max_skew_s:.0f} s clock skew allowed)")
     if rec.expires_at <= now:
-        return f"expired {now - rec.expires_at:.0f} s ago"
+        return RecordProblem.EXPIRED, f"expired {now - rec.expires_at:.0f} s ago"
     if dht_expiration is not None and dht_expiration > rec.expires_at:
-        return f"mismatched: stored to live {dht_expiration - rec.expires_at:.0f} s longer than it says it is valid"
+        return (RecordProblem.MISMATCHED_LIFETIME,
+                f"mismatched: stored to live {dht_expiration - rec.expires_at:.0f} s longer than it says it is valid")
     if pinned_key is not None and pinned_key != rec.coordinator_key:
-        return (f"key {rec.coordinator_key[:16]}… does not match the key pinned for pool {rec.name!r} "
-                f"({pinned_key[:16]}…)")
+        return (RecordProblem.KEY_NOT_PINNED, f"key {rec.coordinator_key[:16]}… does not match the key pinned for "
+                                              f"pool {rec.name!r} ({pinned_key[:16]}…)")
     if seen is not None:
         if rec.seq < seen.seq:
-            return f"replayed: sequence {rec.seq} is older than {seen.seq}, already seen for this key"
+            return (RecordProblem.REPLAYED,
+                    f"replayed: sequence {rec.seq} is older than {seen.seq}, already seen for this key")
         if rec.seq == seen.seq and signed.digest() != seen.digest:
-            return f"replayed: a different record with sequence {rec.seq}, already seen for this key"
+            return (RecordProblem.REPLAYED,
+                    f"replayed: a different record with sequence {rec.seq}, already seen for this key")
     return None
+
+
+def pool_record_problem(signed: SignedPoolRecord, **kw: Any) -> str | None:
+    """Why `signed` is refused, in words (`pool_record_refusal`'s reason), or None when it is acceptable."""
+    refusal = pool_record_refusal(signed, **kw)
+    return None if refusal is None else refusal[1]

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.identity import Identity, node_id_from_public_key, verify_signature
+from swarmrl.protocol.refusals import RefusalCode
 
 DEFAULT_CLOCK_SKEW_S = 120.0
 SIGNATURE_HEADER = "x-swarmrl-signature"
@@ -45,10 +46,12 @@ MAX_HEADER_CHARS = 1024
 
 
 class SignatureError(Exception):
-    """A signature failed verification; `reason` says why in words a node operator can act on."""
+    """A signature failed verification; `code` says why for programs (the coordinator refuses with it), `reason` in
+    words a node operator can act on."""
 
-    def __init__(self, reason: str):
+    def __init__(self, code: RefusalCode, reason: str):
         super().__init__(reason)
+        self.code = code
         self.reason = reason
 
 
@@ -131,15 +134,16 @@ def parse_header(text: str | None) -> Signature:
     """The `Signature` in a request header, or SignatureError saying what is wrong with it (never a large parse:
     an over-long header is refused unread)."""
     if text is None:
-        raise SignatureError(f"unsigned request: the {SIGNATURE_HEADER} header is missing")
+        raise SignatureError(RefusalCode.UNSIGNED, f"unsigned request: the {SIGNATURE_HEADER} header is missing")
     if len(text) > MAX_HEADER_CHARS:
-        raise SignatureError(f"malformed {SIGNATURE_HEADER} header: longer than {MAX_HEADER_CHARS} characters")
+        raise SignatureError(RefusalCode.MALFORMED_SIGNATURE,
+                             f"malformed {SIGNATURE_HEADER} header: longer than {MAX_HEADER_CHARS} characters")
     try:
         return Signature.model_validate_json(text)
     except ValidationError as e:
         where = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'header'}: {err.get('msg', 'invalid')}"
                           for err in e.errors()[:3])
-        raise SignatureError(f"malformed {SIGNATURE_HEADER} header: {where}") from None
+        raise SignatureError(RefusalCode.MALFORMED_SIGNATURE, f"malformed {SIGNATURE_HEADER} header: {where}") from None
 
 
 def verify(sig: Signature, *, kind: str, pool: str, key: str | None = None, now: float | None = None,
@@ -149,25 +153,28 @@ def verify(sig: Signature, *, kind: str, pool: str, key: str | None = None, now:
 
     Replay protection needs state: a receiver of requests must also check that (signer, nonce) is new."""
     if sig.kind != kind:
-        raise SignatureError(f"expected a {kind!r} message, got {sig.kind!r}")
+        raise SignatureError(RefusalCode.WRONG_KIND, f"expected a {kind!r} message, got {sig.kind!r}")
     if sig.pool != pool:
-        raise SignatureError(f"signed for another pool ({sig.pool[:80]!r}), not this one ({pool[:80]!r})")
+        raise SignatureError(RefusalCode.OTHER_POOL,
+                             f"signed for another pool ({sig.pool[:80]!r}), not this one ({pool[:80]!r})")
     if key is not None and sig.key != key.lower():
-        raise SignatureError(f"signed by {sig.key[:16]}…, not by the expected key {key[:16]}…")
+        raise SignatureError(RefusalCode.WRONG_KEY, f"signed by {sig.key[:16]}…, not by the expected key {key[:16]}…")
     if sig.v != PROTOCOL_VERSION:
-        raise SignatureError(f"protocol version {sig.v!r}; this side speaks {PROTOCOL_VERSION!r}")
+        raise SignatureError(RefusalCode.PROTOCOL_VERSION,
+                             f"protocol version {sig.v!r}; this side speaks {PROTOCOL_VERSION!r}")
     if not verify_signature(sig.key, sig.signed_bytes(), sig.sig):
-        raise SignatureError("bad signature")
+        raise SignatureError(RefusalCode.BAD_SIGNATURE, "bad signature")
     if max_skew_s is not None:
         now = time.time() if now is None else now
         if abs(now - sig.ts) > max_skew_s:
-            raise SignatureError(f"stale or future timestamp ({now - sig.ts:+.0f} s from the receiver's clock)")
+            raise SignatureError(RefusalCode.CLOCK_SKEW,
+                                 f"stale or future timestamp ({now - sig.ts:+.0f} s from the receiver's clock)")
 
 
 def check_body(sig: Signature, body: bytes) -> None:
     """SignatureError unless `body` is the body `sig` was made for."""
     if sha256_hex(body) != sig.body:
-        raise SignatureError("the body is not the one signed (its sha256 differs)")
+        raise SignatureError(RefusalCode.BODY_NOT_SIGNED, "the body is not the one signed (its sha256 differs)")
 
 
 def verify_signed(sig: Signature, body: bytes, **kw: Any) -> None:

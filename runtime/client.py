@@ -1,6 +1,7 @@
 """A typed HTTP client for the coordinator API, used by nodes, the verifier and the trainer.
 
-Every call either returns a protocol object or raises `CoordinatorError` with the coordinator's reason.
+Every call either returns a protocol object or raises `CoordinatorError` with the coordinator's reason and its code
+(`protocol.refusals.RefusalCode`): callers decide on the code, never on the reason's words, which may change.
 Transport errors (refused connections, timeouts, resets) and 5xx answers are retried with exponential backoff
 and full jitter (`runtime.retry.RetryPolicy`); `retries=None` retries for as long as it takes, which is how a
 node waits out a coordinator that is down or restarting; a 429 is retried after its Retry-After. Every try of a
@@ -17,7 +18,6 @@ rewritten on the way (use https), and acting on it could get an honest node bann
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -33,8 +33,10 @@ from swarmrl.protocol.ledger import LedgerPage
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.overview import Overview, Training
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.signing import PAYLOAD_HEADER, SIGNATURE_HEADER, SignatureError, sign, time_ordered_id
 from swarmrl.runtime.errors import not_a_coordinator
+from swarmrl.runtime.refused import CoordinatorError, UntrustedResponse, refusal_in
 from swarmrl.runtime.retry import INTERNAL_ERROR_RETRIES, UNAVAILABLE_STATUSES, Outage, RetryPolicy
 
 log = logging.getLogger("swarmrl.client")
@@ -54,26 +56,6 @@ def new_idempotency_key(now: float | None = None) -> str:
     answers to one moment's requests side by side (`coordinator.idempotency`); the random part keeps two requests
     apart."""
     return time_ordered_id(time.time() if now is None else now, 16)
-
-
-class CoordinatorError(Exception):
-    """The coordinator refused a request (`status` is the HTTP status, `reason` its explanation).
-
-    `retried` is True when an earlier try of the same request may have reached the coordinator (its answer was
-    lost): the refusal may then be about that earlier try having been applied already."""
-
-    def __init__(self, status: int, reason: str, retried: bool = False):
-        super().__init__(f"{status}: {reason}")
-        self.status = status
-        self.reason = reason
-        self.retried = retried
-
-
-class UntrustedResponse(CoordinatorError):
-    """A response that should carry the coordinator's signature and does not verify: it is not acted on."""
-
-    def __init__(self, reason: str):
-        super().__init__(502, f"refused the coordinator's answer: {reason} (rewritten on the way? use https)")
 
 
 class CoordinatorClient:
@@ -137,7 +119,7 @@ class CoordinatorClient:
                 status = resp.status_code
                 wait = _retry_after(resp) if status == 429 else None
                 if wait is not None:  # a rate limit: wait as long as it says, then try again
-                    error = self._refusal(resp, maybe_sent)
+                    error = refusal_in(resp, maybe_sent)
                     if not policy.may_retry(attempt, started, time.monotonic()):
                         raise error
                     if self.stop is not None:
@@ -148,13 +130,13 @@ class CoordinatorClient:
                     attempt += 1
                     continue
                 if status in UNAVAILABLE_STATUSES:
-                    error = self._refusal(resp, maybe_sent)
+                    error = refusal_in(resp, maybe_sent)
                     self.outage.failed(f"HTTP {status}")
                 else:
                     self.outage.ok()
                     if status < 400:
                         return resp
-                    error = self._refusal(resp, maybe_sent)
+                    error = refusal_in(resp, maybe_sent)
                     if status < 500 or internal >= INTERNAL_ERROR_RETRIES:
                         raise error
                     internal += 1
@@ -168,14 +150,6 @@ class CoordinatorClient:
             else:
                 time.sleep(delay)
             attempt += 1
-
-    @staticmethod
-    def _refusal(resp: httpx.Response, retried: bool) -> CoordinatorError:
-        try:
-            detail = resp.json().get("detail", resp.text)
-        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-            detail = resp.text
-        return CoordinatorError(resp.status_code, detail if isinstance(detail, str) else json.dumps(detail), retried)
 
     @property
     def pool(self) -> str:
@@ -261,7 +235,7 @@ class CoordinatorClient:
         try:
             resp = self._request("GET", f"/v1/manifest/{int(version)}")
         except CoordinatorError as e:
-            if e.status == 404:
+            if e.code is RefusalCode.NO_SUCH_MANIFEST:
                 return None
             raise
         return SignedManifest.model_validate_json(resp.content)
@@ -303,7 +277,7 @@ class CoordinatorClient:
             except UntrustedResponse:
                 raise
             except CoordinatorError as e:
-                if e.status != 401 or "challenge" not in e.reason or attempt == REGISTER_TRIES - 1:
+                if e.code is not RefusalCode.BAD_CHALLENGE or attempt == REGISTER_TRIES - 1:
                     raise
         raise AssertionError("unreachable")
 

@@ -146,5 +146,6 @@ def test_an_internal_error_keeps_the_connection(run: Run, path: str, monkeypatch
     monkeypatch.setattr(Status, "snapshot", broken)
     conn = Connection(run.url, run.pool)
     resp = conn.send("GET", path)
-    assert resp.status_code == 500 and resp.json() == {"detail": "internal error (RuntimeError)"}
+    assert resp.status_code == 500
+    assert resp.json() == {"detail": "internal error (RuntimeError)", "code": "internal_error"}
     assert conn.send("GET", "/v1/info").status_code == 200

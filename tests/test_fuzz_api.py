@@ -30,6 +30,7 @@ from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.coordinator.server import running_server
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.signing import SIGNATURE_HEADER, canonical_json, sign
 from swarmrl.runtime.client import CoordinatorClient
@@ -137,8 +138,9 @@ def test_no_input_makes_a_server_error_or_costs_the_connection(label: str, mode:
         summary = f"{label} ({mode.value}): {resp.status_code} {resp.text[:300]!r}\n{case.as_curl_command()[:2000]}"
         assert resp.status_code < 500, summary
         if resp.status_code >= 400:
-            detail = resp.json().get("detail")
+            detail, code = resp.json().get("detail"), RefusalCode.parse(resp.json().get("code"))
             assert isinstance(detail, str) and detail.strip(), summary
+            assert code is not None and code.status == resp.status_code, summary  # every refusal names its code
         addresses.add(resp.extensions["network_stream"].get_extra_info("client_addr"))
         after = live.http.get(live.url + "/v1/info")  # the connection is still good for the next request
         assert after.status_code == 200, summary

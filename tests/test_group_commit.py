@@ -20,6 +20,7 @@ from swarmrl.coordinator.db.groupcommit import GroupCommit, make_realtime
 from swarmrl.coordinator.db.schema import kv, leases
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
 from swarmrl.coordinator.server import lower_request_priority
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.testing.waiting import wait_for
 
 
@@ -66,7 +67,7 @@ def _behind_a_held_write(store: Store, writes: list) -> list:
 def test_queued_writes_share_one_commit_and_fail_alone(store: Store) -> None:
     def refuse(tx: Tx) -> None:
         add_to_counter(tx, "lease_counter", 100)  # rolled back with its savepoint
-        raise Refused(409, "no")
+        raise Refused(RefusalCode.CURSOR_AHEAD, "no")
 
     group = store._group
     assert group is not None

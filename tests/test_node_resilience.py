@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from swarmrl.runtime.config import dump_toml
 from swarmrl.testing.waiting import wait_for
 from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer, save_checkpoint
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
+from tests.support.node import NodeThread, node_config
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 REPO = Path(__file__).resolve().parents[1]
@@ -114,41 +114,6 @@ class CoordinatorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
-
-
-class NodeThread:
-    """A real Node running in a thread; `error` is what `run()` raised, if anything."""
-
-    def __init__(self, cfg: NodeConfig):
-        self.node = Node(cfg)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="node", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.node.run()
-        except BaseException as e:  # surfaced by the test
-            self.error = e
-
-    def stop(self) -> None:
-        self.node.stop()
-        self.thread.join(60)
-        assert not self.thread.is_alive()
-
-    def accepted_at_least(self, n: int) -> bool:
-        if self.error is not None:
-            raise AssertionError(f"the node stopped: {self.error!r}")
-        return self.node.stats.groups_accepted >= n
-
-
-def node_config(tmp: Path, **over: Any) -> NodeConfig:
-    settings: dict[str, Any] = dict(
-        key_path=tmp / "node.key", work_dir=tmp / "node", name="stayer", progress=False, max_prompts=2,
-        poll_interval_s=0.05, heartbeat_interval_s=0.5, max_backoff_s=1.0, request_timeout_s=20.0,
-        engine={"kind": "torch", "num_threads": 1}, p2p={"enabled": False})
-    settings.update(over)
-    return NodeConfig(**settings)
 
 
 @pytest.fixture

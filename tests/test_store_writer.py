@@ -25,6 +25,7 @@ from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.db.writer import GONE, RemoteWriter, WriterServer
 from swarmrl.coordinator.failures import DISK_FULL, StorageUnavailable, refusal_of
 from swarmrl.coordinator.idempotency import Answer, Answered
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.testing.waiting import wait_for
 
 
@@ -59,7 +60,7 @@ class Writer:
     @staticmethod
     def _fail(key: str, kind: str) -> Callable[[Tx], Any]:
         errors: dict[str, BaseException] = {
-            "refused": Refused(429, "slow down", retry_after=2.0), "replayed": Replayed(),
+            "refused": Refused(RefusalCode.RATE_LIMITED, "slow down", retry_after=2.0), "replayed": Replayed(),
             "stale": StaleSubmission("2 versions behind"), "answered": Answered(Answer(200, b'{"ok":true}')),
             "disk": OSError(errno.ENOSPC, "No space left on device"), "bug": KeyError("oops")}
 
@@ -105,15 +106,18 @@ def test_a_refused_write_raises_the_same_in_its_caller_and_is_rolled_back(writer
         remote.call("fail", ["x", kind])
     e = raised.value
     if kind == "refused":
-        assert type(e) is Refused and (e.status, e.reason, e.headers) == (429, "slow down", {"Retry-After": "2"})
+        assert type(e) is Refused and (e.code, e.status, e.reason, e.headers) == (
+            RefusalCode.RATE_LIMITED, 429, "slow down", {"Retry-After": "2"})
     elif kind == "replayed":
-        assert type(e) is Replayed and e.status == 409
+        assert type(e) is Replayed and (e.code, e.status) == (RefusalCode.REPLAYED, 409)
     elif kind == "stale":
-        assert type(e) is StaleSubmission and e.reason.endswith("2 versions behind")
+        assert type(e) is StaleSubmission and e.code is RefusalCode.STALE_SUBMISSION
+        assert e.reason.endswith("2 versions behind")
     elif kind == "answered":
         assert type(e) is Answered and e.answer == Answer(200, b'{"ok":true}')
     elif kind == "disk":  # a storage failure: the caller answers 507 with the reason, as if it had happened there
-        assert type(e) is StorageUnavailable and refusal_of(e, "test")[:2] == (507, DISK_FULL)
+        assert type(e) is StorageUnavailable and refusal_of(e, "test")[:2] == (RefusalCode.DISK_FULL, DISK_FULL)
+        assert e.status == 507
     else:  # a bug in the write: a 500 in the caller (the writer logs it)
         assert type(e) is RuntimeError and "KeyError" in str(e)
     assert writer.stored() == {}

@@ -19,6 +19,7 @@ from typing import Any
 
 from swarmrl.coordinator.db.writer import GONE, RemoteWriter, frame, raise_outcome, take_frames
 from swarmrl.coordinator.failures import StorageUnavailable
+from swarmrl.protocol.refusals import RefusalCode
 
 __all__ = ["AsyncRemoteWriter", "RemoteCall"]
 
@@ -77,7 +78,7 @@ class _Connection(asyncio.Protocol):
         self._on_lost()
         for future in self.waiting.values():
             if not future.done():
-                future.set_exception(StorageUnavailable(503, GONE))
+                future.set_exception(StorageUnavailable(RefusalCode.UNAVAILABLE, GONE))
         self.waiting.clear()
 
 
@@ -112,7 +113,7 @@ class AsyncRemoteWriter:
 
     async def _connection(self) -> _Connection:
         if self._gone:
-            raise StorageUnavailable(503, GONE)
+            raise StorageUnavailable(RefusalCode.UNAVAILABLE, GONE)
         if self._conn is None:
             if self._connecting is None:
                 self._connecting = asyncio.Lock()
@@ -130,10 +131,10 @@ class AsyncRemoteWriter:
                 return conn
             except (FileNotFoundError, ConnectionRefusedError):
                 if loop.time() > deadline:
-                    raise StorageUnavailable(503, GONE) from None
+                    raise StorageUnavailable(RefusalCode.UNAVAILABLE, GONE) from None
                 await asyncio.sleep(0.05)
             except OSError:
-                raise StorageUnavailable(503, GONE) from None
+                raise StorageUnavailable(RefusalCode.UNAVAILABLE, GONE) from None
 
     def _lost(self) -> None:
         self._gone = True  # as `RemoteWriter`: the writer's end closed, the coordinator is stopping

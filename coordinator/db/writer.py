@@ -11,8 +11,9 @@ them, taking their turn at the same lock.
 
 What crosses the socket: a write is named (a handler registered with the writer) and its arguments are plain JSON
 data (orjson), as is its outcome: the handler's result, or a refusal that the caller raises as if the write had
-run in it (`Refused` and its kinds, `Answered`, a storage failure). No code and no object crosses (no pickle), and
-the socket is made mode 0600, in a directory only this user may enter.
+run in it (`Refused` and its kinds, with their `RefusalCode`; `Answered`; a storage failure, with its code). No
+program and no object crosses (no pickle), and the socket is made mode 0600, in a directory only this user may
+enter.
 
 What `RemoteWriter.call` promises is `GroupCommit.run`'s: it returns once the commit that holds the write is
 durable; an error means nothing of the write was committed. One exception: if the writer goes away with writes in
@@ -42,6 +43,7 @@ from swarmrl.coordinator.auth import Refused, Replayed, StaleSubmission
 from swarmrl.coordinator.db.groupcommit import GroupCommit
 from swarmrl.coordinator.failures import StorageUnavailable, storage_failure
 from swarmrl.coordinator.idempotency import Answer, Answered
+from swarmrl.protocol.refusals import RefusalCode
 
 log = logging.getLogger("swarmrl.coordinator.db")
 _LENGTH = struct.Struct("!I")
@@ -95,10 +97,10 @@ def _outcome(error: BaseException | None, result: Any) -> list[Any]:
         return ["answered", error.answer.status, error.answer.body.decode()]
     if isinstance(error, Refused):
         kind = next(k for k, cls in reversed(_REFUSALS.items()) if isinstance(error, cls))
-        return [kind, error.status, error.reason, error.headers]
+        return [kind, error.code.value, error.reason, error.headers]
     failure = storage_failure(error)
     if failure is not None:
-        return ["unavailable", *failure]
+        return ["unavailable", failure[0].value, failure[1]]
     log.error("a write failed in the writer process", exc_info=error)
     return ["error", f"{type(error).__name__}: {error}"]
 
@@ -112,10 +114,10 @@ def raise_outcome(outcome: list[Any]) -> Any:
         raise Answered(Answer(outcome[1], outcome[2].encode()))
     if kind in _REFUSALS:
         error = _REFUSALS[kind].__new__(_REFUSALS[kind])
-        Refused.__init__(error, outcome[1], outcome[2], outcome[3])
+        Refused.__init__(error, RefusalCode(outcome[1]), outcome[2], outcome[3])
         raise error
     if kind == "unavailable":
-        raise StorageUnavailable(outcome[1], outcome[2])
+        raise StorageUnavailable(RefusalCode(outcome[1]), outcome[2])
     raise RuntimeError(f"the writer process failed a write: {outcome[1]}")
 
 
@@ -306,7 +308,7 @@ class RemoteWriter:
         answer = channel.receive()
         if answer is None:
             self._gone = True  # every thread's connection is to the same process
-            raise StorageUnavailable(503, GONE)
+            raise StorageUnavailable(RefusalCode.UNAVAILABLE, GONE)
         assert answer[0] == call_id, "answers come in the order of the calls on one connection"
         return raise_outcome(answer[1:])
 
@@ -318,7 +320,7 @@ class RemoteWriter:
 
     def _channel(self) -> _Channel:
         if self._gone:
-            raise StorageUnavailable(503, GONE)
+            raise StorageUnavailable(RefusalCode.UNAVAILABLE, GONE)
         channel: _Channel | None = getattr(self._local, "channel", None)
         if channel is None:
             deadline = time.monotonic() + self.connect_timeout_s
@@ -330,7 +332,7 @@ class RemoteWriter:
                 except (FileNotFoundError, ConnectionRefusedError):
                     sock.close()
                     if time.monotonic() > deadline:
-                        raise StorageUnavailable(503, GONE) from None
+                        raise StorageUnavailable(RefusalCode.UNAVAILABLE, GONE) from None
                     time.sleep(0.05)
             channel = self._local.channel = _Channel(sock)
             with self._lock:
