@@ -28,8 +28,10 @@ ROLE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUN
 class RoleProcess:
     """One role process at a time, started from `config`; its output goes to `log` (appended across restarts)."""
 
-    def __init__(self, role: str, config: Path, log: Path, env: dict[str, str] | None = None):
-        self.role, self.config, self.log_path = role, config, log
+    def __init__(self, role: str, config: Path, log: Path, env: dict[str, str] | None = None,
+                 args: list[str] | None = None):
+        """`args`: more arguments after `--config FILE` (`--set key=value` overrides)."""
+        self.role, self.config, self.log_path, self.args = role, config, log, list(args or [])
         self.env = {**os.environ, **ROLE_ENV, **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
@@ -47,7 +49,8 @@ class RoleProcess:
         with self._changed:
             self.starts += 1
             self._first_line = len(self.lines)
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", self.role, "--config", str(self.config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", self.role, "--config", str(self.config),
+                                      *self.args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**self.env, PARENT_PID_ENV: str(os.getpid())},
                                      start_new_session=True)  # ends with this process too
