@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     pm.add_argument("--task", default="addition", help="task of the warm start (a registered task name)")
     pm.add_argument("--seed", type=int, default=None, help="seed of the weights (and of the BPE corpus)")
     pm.set_defaults(fn=cmd_model)
+    from swarmrl.sim.run import add_parser as add_simulate
+
+    add_simulate(sub)
 
     args = parser.parse_args(argv)
     # Logs go to stderr, so that what a command prints (e.g. `pool list --json`) is all there is on stdout.
