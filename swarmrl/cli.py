@@ -89,10 +89,14 @@ def cmd_node(args: argparse.Namespace) -> None:
     import json
 
     from swarmrl.node.config import NodeConfig
+    from swarmrl.node.quietlogs import route_engine_logs
     from swarmrl.node.refusal import PermanentRefusal
 
+    route_engine_logs()  # before vLLM is imported: its logs print above the live panel, not into it
     if args.pool:
         args.overrides.append(f"pool={json.dumps(args.pool)}")
+    if args.bootstrap:
+        args.overrides.append(f"pools.initial_peers={json.dumps(args.bootstrap)}")
     cfg = _load(NodeConfig, args)
     if args.action == "doctor":
         from swarmrl.node.doctor import report, run_checks
@@ -205,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
                     "to fix, and exit (1 if anything must be fixed)")
     pn.add_argument("--pool", metavar="NAME", help="join the public pool of this name, found in the pools' DHT "
                     "(NAME@KEYPREFIX when several keys claim NAME); same as --set pool=NAME")
+    pn.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                    help="a bootstrap peer of the pools' DHT (repeatable), as `pool list` takes it; same as --set "
+                    "pools.initial_peers=[...]; default: the config's, else the SWARMRL_BOOTSTRAP environment variable")
     pp = sub.add_parser("pool", help="public pools announced in the DHT")
     pp.add_argument("action", choices=["list"])
     _role_args(pp)
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     pm = sub.add_parser("model", help="build a checkpoint of any supported architecture and size (default: the tiny "
                                       "adder, warmed up to a target accuracy)")
     pm.add_argument("out", help="output checkpoint directory (Hugging Face layout)")
-    pm.add_argument("--arch", default="llama", help="architecture: llama, qwen2, qwen3")
+    pm.add_argument("--arch", default="llama", help="architecture: llama, qwen2, qwen3, mistral, phi3, gemma2, gpt2, opt")
     pm.add_argument("--size", default="tiny", help="preset size: tiny (0.86M adder), mini, small30m")
     pm.add_argument("--tokenizer", choices=["char", "bpe"], default="char",
                     help="char: the addition alphabet; bpe: a byte-level BPE trained here, with a ChatML template")

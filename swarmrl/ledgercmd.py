@@ -2,6 +2,7 @@
 
     swarmrl ledger --url http://pool:8470 [--node NODE_ID] [--csv]
         every page of the coordinator's ledger: accepted groups and tokens per node and policy version
+        (NODE_ID may be the first characters of the id, as every screen shows it, when no other id starts so)
 
     swarmrl ledger --verify node-data/receipts.jsonl --coordinator-key HEX [--node NODE_ID] [--csv]
         offline, trusting nothing but the coordinator's public key: checks every receipt's signature (and that it
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +30,7 @@ from rich.table import Table
 from swarmrl.protocol.ledger import LedgerEntry
 from swarmrl.protocol.receipts import Receipt, verify_receipt
 
+NODE_ID_LEN = 40  # hex digits of a whole node id (protocol.identity.node_id_from_public_key)
 CSV_COLUMNS = ("node_id", "name", "policy_version", "groups", "tokens", "last_accepted_at")
 PAGE = 1000
 
@@ -54,6 +57,44 @@ def fetch_ledger(url: str, node_id: str | None = None) -> list[LedgerEntry]:
             out += page.entries
             after = page.next_after
     return out
+
+
+class NodeIdError(ValueError):
+    """A --node that names no node, or more than one; the message says which and what to give instead."""
+
+
+def resolve_node_id(given: str, known: Iterable[str], where: str) -> str:
+    """The one id among `known` that starts with `given` (a whole id, or the 10-12 characters screens show);
+    NodeIdError when none or several do, saying so (`where`: what was searched)."""
+    prefix = given.strip().lower()
+    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+        raise NodeIdError(f"--node {given!r} is not a node id (hex digits, or the first ones of an id)")
+    found = sorted({k for k in known if k.startswith(prefix)})
+    if not found:
+        raise NodeIdError(f"no node id in {where} starts with {prefix!r}: check --node")
+    if len(found) > 1:
+        shown = ", ".join(f[:len(prefix) + 4] + "…" for f in found[:5])
+        raise NodeIdError(f"--node {prefix!r} is the start of {len(found)} node ids in {where} ({shown}): give more of "
+                          "its characters")
+    return found[0]
+
+
+def _receipt_node_ids(path: Path) -> set[str]:
+    ids = set()
+    for line in path.read_text().splitlines():
+        try:
+            ids.add(Receipt.model_validate_json(line).node_id)
+        except ValidationError:
+            continue  # check_receipts reports the line
+    return ids
+
+
+def _pool_node_ids(url: str) -> list[str]:
+    """Every node id the coordinator at `url` knows (its node list, page after page)."""
+    from swarmrl.runtime.client import CoordinatorClient
+
+    with CoordinatorClient(url, retries=3) as client:
+        return [n.node_id for n in client.nodes()]
 
 
 def check_receipts(path: Path, coordinator_key: str, node_id: str | None = None) -> Checked:
@@ -118,6 +159,11 @@ def ledger_command(url: str | None, node_id: str | None, as_csv: bool, verify: P
                      "trusted)")
         if not verify.is_file():
             sys.exit(f"swarmrl ledger --verify: no file {verify}")
+        if node_id is not None and len(node_id) != NODE_ID_LEN:
+            try:
+                node_id = resolve_node_id(node_id, _receipt_node_ids(verify), str(verify))
+            except NodeIdError as e:
+                sys.exit(f"swarmrl ledger: {e}")
         checked = check_receipts(verify, coordinator_key.strip().lower(), node_id)
         print_entries(checked.entries, f"{checked.valid} valid receipts in {verify}", as_csv)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -135,7 +181,11 @@ def ledger_command(url: str | None, node_id: str | None, as_csv: bool, verify: P
     from swarmrl.runtime.client import CoordinatorError
 
     try:
+        if node_id is not None and len(node_id) != NODE_ID_LEN:
+            node_id = resolve_node_id(node_id, _pool_node_ids(url), f"the pool at {url}")
         entries = fetch_ledger(url, node_id)
+    except NodeIdError as e:
+        sys.exit(f"swarmrl ledger: {e}")
     except (CoordinatorError, OSError, httpx.HTTPError) as e:
         sys.exit(f"swarmrl ledger: {url}: {e}")
     print_entries(entries, f"ledger of {url}", as_csv)

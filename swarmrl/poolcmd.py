@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from swarmrl.node.config import NodeConfig
 from swarmrl.pools.errors import PoolLookupError
+
+if TYPE_CHECKING:
+    from swarmrl.pools.discover import PoolListing  # imports hivemind: only when listing
 
 
 def list_command(cfg: NodeConfig, bootstrap: list[str] | None = None, as_json: bool = False) -> None:
@@ -30,18 +34,27 @@ def list_command(cfg: NodeConfig, bootstrap: list[str] | None = None, as_json: b
                          indent=1))
         return
     console = Console(highlight=False)
-    table = Table(title=f"{len(listing.pools)} pools", title_justify="left")
-    for col in ("name", "status", "model", "task", "version", "nodes", "accepted tokens", "coordinator", "key",
-                "expires"):
-        table.add_column(col, no_wrap=col in ("name", "key"))
+    for line in render_listing(listing, time.time()):
+        console.print(line)
+
+
+def render_listing(listing: PoolListing, now: float) -> list[Text]:
+    """The pools, one short block each (readable at 80 columns: a field per line, never a 10-column table), then
+    every refused record with why. Every value is the records' (untrusted) text: never read as markup."""
+    out = [Text(f"{len(listing.pools)} pools", style="bold")]
     names = [s.record.name for s in listing.pools]
-    now = time.time()
     for s in listing.pools:
         r = s.record
-        name = r.name + (" [yellow](name claimed by several keys)[/]" if names.count(r.name) > 1 else "")
-        table.add_row(name, r.status, r.model or "-", r.task or "-", str(r.current_version), str(r.nodes),
-                      f"{r.accepted_tokens:,}", r.coordinator_urls[0], r.coordinator_key[:16] + "…",
-                      f"in {r.expires_at - now:.0f} s")
-    console.print(table)
-    for r in listing.refused:
-        console.print(f"[red]refused[/] {r.name or '?'} (key {r.key[:16]}…): {r.reason}")
+        version = f"v{r.current_version}" if r.current_version >= 0 else "no version yet"
+        out.append(Text.assemble("\n", (r.name, "bold"), "  ", (r.status, "green" if r.status == "open" else "yellow"),
+                                 f"  {version}  {r.nodes:,} nodes  {r.accepted_tokens:,} accepted tokens",
+                                 (f"  expires in {r.expires_at - now:.0f} s", "dim")))
+        out.append(Text(f"  model  {r.model or '-'}   task {r.task or '-'}"))
+        out.append(Text(f"  url    {r.coordinator_urls[0]}"))
+        out.append(Text(f"  key    {r.coordinator_key[:16]}…"))
+        if names.count(r.name) > 1:
+            out.append(Text(f"  the name is claimed by several keys: join with --pool {r.name}@"
+                            f"{r.coordinator_key[:8]}", style="yellow"))
+    for ref in listing.refused:
+        out.append(Text.assemble(("refused ", "red"), f"{ref.name or '?'} (key {ref.key[:16]}…): {ref.reason}"))
+    return out
