@@ -31,6 +31,10 @@ word_ladder: their items change with the hash seed).
 `answer_format`: "plain" scores the completion's stripped text (what a small model trained on bare answers
 writes); "tagged" scores the text of its last `<answer>...</answer>` (reasoning-gym's `extract_answer`, the format
 its prompts ask larger models for), and a completion without one scores 0.
+
+Scorers run in the calling thread, on the completion's last `MAX_ANSWER_CHARS` characters; one that raises scores 0.
+Unlike the `math` task's checker (`swarmrl.tasks.mathcheck`), no worker process bounds their time: the arithmetic
+scorers compare decimals, but a dataset whose scorer parses with sympy could be slow on hostile text.
 """
 
 from __future__ import annotations
