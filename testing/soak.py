@@ -115,7 +115,7 @@ class SoakPool:
             dead = [n for n, p in self.procs.items() if not p.alive]
             if dead:
                 raise RuntimeError(f"{dead[0]} exited on its own:\n{self.procs[dead[0]].tail()}")
-            self._note_held()
+            self.note_held()
             if self.now() - last_step_at > bound_s:
                 t = self.training()
                 logs = "\n".join(f"-- {n}:\n{p.tail(8)}" for n, p in self.procs.items())
@@ -123,7 +123,8 @@ class SoakPool:
                                    f"{t.why if t else 'nothing (unreachable)'}\n{logs}")
             time.sleep(poll_s)  # the polling interval of an observable condition (the step log)
 
-    def _note_held(self) -> None:
+    def note_held(self) -> None:
+        """Remember the most groups held at once (read from the coordinator; nothing when it is down)."""
         try:
             held = self.client.status(nodes=0, metrics=0).groups_held
         except Exception:
