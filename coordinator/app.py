@@ -42,6 +42,7 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.ledger import MAX_LEDGER_PAGE, Contributors, LedgerPage
 from swarmrl.protocol.manifest import SignedManifest
 from swarmrl.protocol.overview import Overview, Training
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.protocol.receipts import KIND_RECEIPTS, ReceiptPage, ReceiptsRequest
 from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.signing import MAX_HEADER_CHARS, PAYLOAD_HEADER, SIGNATURE_HEADER
@@ -115,10 +116,9 @@ def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[],
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> Response:
-        parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}" for err in e.errors()]
         in_body = any(tuple(err.get("loc", ()))[:1] == ("body",) for err in e.errors())
         return _error(RefusalCode.INVALID_PAYLOAD if in_body else RefusalCode.INVALID_REQUEST,
-                      "; ".join(parts[:5]) or "invalid request")
+                      describe_validation_error(e, root="request") or "invalid request")
 
     async def _refusal(request: Request, e: Exception) -> Response:
         refusal = refusal_of(e, f"{request.method} {request.url.path}")

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from swarmrl.coordinator.ratelimit import retry_after_header
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.signing import Signature
 
@@ -86,18 +87,6 @@ class Signed:
         """The request `to_wire` sent, without its payload (None)."""
         header, key, digest, source = wire
         return cls(Signature.model_validate_json(header), None, key, digest, source)
-
-
-def describe_validation_error(e: ValidationError, limit: int = 5) -> str:
-    """Pydantic's reasons as one line: `loc: message; ...` (input values left out, they may be huge)."""
-    parts = []
-    for err in e.errors()[:limit]:
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    more = len(e.errors()) - limit
-    if more > 0:
-        parts.append(f"... and {more} more")
-    return "; ".join(parts)
 
 
 def typed_payload(body: bytes, model: type[T]) -> T:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from swarmrl.protocol.identity import Identity, verify_signature
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.protocol.signing import DEFAULT_CLOCK_SKEW_S, canonical_json
 
 POOL_DOMAIN = b"swarmrl-pool\n"
@@ -130,8 +131,7 @@ def parse_signed_record(raw: object) -> SignedPoolRecord:
     try:
         return SignedPoolRecord.model_validate_json(raw)
     except ValidationError as e:
-        why = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'record'}: {err.get('msg', 'invalid')}"
-                        for err in e.errors()[:3])
+        why = describe_validation_error(e, limit=3, root="record")
         raise ValueError(f"malformed: {why}") from None
 
 

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.identity import Identity, node_id_from_public_key, verify_signature
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.protocol.refusals import RefusalCode
 
 DEFAULT_CLOCK_SKEW_S = 120.0
@@ -141,8 +142,7 @@ def parse_header(text: str | None) -> Signature:
     try:
         return Signature.model_validate_json(text)
     except ValidationError as e:
-        where = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'header'}: {err.get('msg', 'invalid')}"
-                          for err in e.errors()[:3])
+        where = describe_validation_error(e, limit=3, root="header")
         raise SignatureError(RefusalCode.MALFORMED_SIGNATURE, f"malformed {SIGNATURE_HEADER} header: {where}") from None
 
 

@@ -63,6 +63,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from swarmrl.protocol.pydantic_errors import describe_validation_error
+
 ENTRY_POINT_GROUP = "swarmrl.tasks"
 
 
@@ -187,7 +189,7 @@ def task_options(spec: TaskSpec) -> BaseModel:
     try:
         return cls.Options.model_validate(spec.options)
     except ValidationError as e:
-        raise ValueError(f"task {spec.name!r}: bad options: {e}") from None
+        raise ValueError(f"task {spec.name!r}: bad options: {describe_validation_error(e, root='options')}") from None
 
 
 def load_task(spec: TaskSpec, data_dir: Path | str | None = None) -> Task:

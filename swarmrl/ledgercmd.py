@@ -28,6 +28,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from swarmrl.protocol.ledger import LedgerEntry
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.protocol.receipts import Receipt, verify_receipt
 
 NODE_ID_LEN = 40  # hex digits of a whole node id (protocol.identity.node_id_from_public_key)
@@ -109,7 +110,7 @@ def check_receipts(path: Path, coordinator_key: str, node_id: str | None = None)
         try:
             receipt = Receipt.model_validate_json(line)
         except ValidationError as e:
-            refused.append((n, f"not a receipt ({e.error_count()} problems, first: {e.errors()[0]['msg']})"))
+            refused.append((n, f"not a receipt: {describe_validation_error(e, limit=2, root='line')}"))
             continue
         problem = verify_receipt(receipt, coordinator_key, node_id)
         if problem is not None:
