@@ -1,6 +1,6 @@
 """The trainer's configuration: one flat pydantic model, loadable with `runtime.config.load_config`.
 
-    cfg = load_config(TrainerConfig, "trainer.toml", ["lr=1e-4", "max_staleness=0"])
+    cfg = load_config(TrainerConfig, "trainer.toml", ["lr=1e-4", "batch_groups=16"])
 
 Flat on purpose: every knob is one `key=value` override away. The loss knobs are handed to
 `trainer.grpo` as a small `GRPOConfig` (see `TrainerConfig.grpo`), the way torchtitan gives each
