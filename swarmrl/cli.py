@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     pm = sub.add_parser("model", help="build a checkpoint of any supported architecture and size (default: the tiny "
                                       "adder, warmed up to a target accuracy)")
     pm.add_argument("out", help="output checkpoint directory (Hugging Face layout)")
-    pm.add_argument("--arch", default="llama", help="architecture: llama, qwen2, qwen3")
+    pm.add_argument("--arch", default="llama",
+                    help="architecture: llama, qwen2, qwen3, mistral, phi3, gemma2, gpt2, opt")
     pm.add_argument("--size", default="tiny", help="preset size: tiny (0.86M adder), mini, small30m")
     pm.add_argument("--tokenizer", choices=["char", "bpe"], default="char",
                     help="char: the addition alphabet; bpe: a byte-level BPE trained here, with a ChatML template")

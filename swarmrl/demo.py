@@ -147,6 +147,33 @@ def prepare_model(cfg: DemoConfig, task: Task, init_dir: Path, console: Console)
     return ckpt, {**meta, "accuracy": accuracy, "reward": reward}
 
 
+def refuse_unreplayable(ckpt: Path, run: RunSpec, cfg: DemoConfig, swarm: Swarm, url: str, console: Console) -> None:
+    """Probe the model with the nodes' engine and replay it with the verifier's checks at the run's temperature
+    (`compat.check_model`); when that fails, write report.json (the refusal, and the standing of the nodes once they
+    have registered: none has had work) and raise `ModelRefused` with the one line that says what failed."""
+    from swarmrl.compat import ModelRefused, check_model, engine_kinds
+
+    kind = cfg.roles.get("node", {}).get("engine", {}).get("kind", cfg.engine)
+    console.print(f"[bold]model[/] compatibility check: {kind} engine and the verifier at T = "
+                  f"{run.sampling.temperature:g}")
+    problem = check_model(Path(ckpt), run, engine_kinds(kind))
+    if problem is None:
+        return
+    client = CoordinatorClient(url)
+    deadline = time.monotonic() + 120
+    status = client.status()
+    while status.nodes_total < cfg.nodes and time.monotonic() < deadline and \
+            any(n.startswith("node") and n not in swarm.dead() for n in swarm.procs):
+        time.sleep(0.5)  # polls an observable condition (the nodes' registration), for the report only
+        status = client.status()
+    (swarm.run_dir / "report.json").write_text(json.dumps({
+        "refused": problem, "nodes_banned": status.nodes_banned, "groups_rejected": status.groups_rejected,
+        "nodes": [{"node": n.node_id, "banned": n.banned, "leased": n.prompts_leased, "rejected": n.groups_rejected}
+                  for n in status.nodes]}, indent=1))
+    raise ModelRefused(f"the run is refused before it starts: {problem}. Use a model this install can replay "
+                       "(README: Models)")
+
+
 def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Path, task: Task, cfg: DemoConfig
                        ) -> tuple[int, float, float]:
     """Fetch the newest published checkpoint like a node would; (its version, held-out accuracy, mean reward)."""
@@ -277,6 +304,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     try:
         start_roles(swarm, cfg, run, url, port, keys)
         ckpt, before = prepare_model(cfg, task, run_dir / "init", console)
+        refuse_unreplayable(ckpt, run, cfg, swarm, url, console)  # before anything is published: no node has work
         swarm.start("trainer", "trainer", {
             "coordinator_url": url, "key_path": str(run_dir / "keys" / "trainer.key"),
             "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(Path(ckpt).resolve()),

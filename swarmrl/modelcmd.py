@@ -38,7 +38,7 @@ class ModelRecipe(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: str = Field("llama", description="Architecture: llama, qwen2, qwen3.")
+    arch: str = Field("llama", description="Architecture: llama, qwen2, qwen3, mistral, phi3, gemma2, gpt2, opt.")
     size: str = Field("tiny", description="Preset size: tiny (the 0.86M adder), mini, small30m.")
     shape: dict[str, Any] = Field(default_factory=dict, description="models.build.ModelConfig fields over the "
                                   "preset's, e.g. {num_layers = 4, max_positions = 256}.")
