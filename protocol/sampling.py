@@ -209,10 +209,3 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
            temperature: float | torch.Tensor) -> torch.Tensor:
     """The replayable sample for each row of `logits` [B, vocab]."""
     return sample_with_logprobs(logits, seeds, positions, temperature)[0]
-
-
-def sample_seed(request_seed: int, rollout_index: int = 0) -> int:
-    """The seed used for one rollout. The coordinator leases one seed per rollout, so this is the identity;
-    it exists so that every engine derives it the same way if that ever changes."""
-    del rollout_index
-    return int(request_seed)

@@ -29,14 +29,6 @@ from swarmrl.protocol.manifest import (
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _iter_chunks(path: Path, size: int) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while block := f.read(size):

@@ -77,15 +77,6 @@ class Verifier:
                  "throughput (docs/quarantine.md)", rules.warmup_checks, rules.sample_rate, rules.max_held, bound,
                  quarantine.ATTACKER_SHARE)
 
-    # kept for callers of the first cut
-    @property
-    def checked(self) -> int:
-        return self.stats.groups
-
-    @property
-    def rejected(self) -> int:
-        return self.stats.rejected
-
     def _connect(self) -> None:
         info = self.client.info()
         key = self.cfg.coordinator_key or info.coordinator_key
