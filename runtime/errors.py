@@ -11,6 +11,8 @@ import errno
 
 from pydantic import ValidationError
 
+from swarmrl.protocol.pydantic_errors import describe_validation_error
+
 
 class UserError(Exception):
     """Something the person running the command must fix; the message names the file or setting, and the fix."""
@@ -31,7 +33,7 @@ def not_a_coordinator(url: str, error: Exception) -> Exception:
             seen = seen.decode("utf-8", "replace")
         page = " ".join(seen[:80].split()) if isinstance(seen, str) else ""
         answer = f"a page that is not a run description ({page!r})" if page else \
-            f"JSON that is not a run description ({first.get('msg', 'invalid')})"
+            f"JSON that is not a run description ({describe_validation_error(error, limit=1)})"
     elif getattr(error, "status", None) == 404:
         answer = "HTTP 404: it has no such endpoint"
     else:

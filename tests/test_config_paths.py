@@ -107,3 +107,31 @@ def test_setup_configs_find_the_pools_keys_from_any_directory(tmp_path: Path, mo
         trainer = CoordinatorClient(url, Identity.load(cfgs["trainer"].key_path), retries=0)
         assert trainer.training_batch(after_id=0, limit=1).groups == []
     assert not list(elsewhere.iterdir())  # nothing made where the roles were started
+
+
+def test_pydantic_errors_are_formatted_in_one_place() -> None:
+    from pydantic import BaseModel, ValidationError
+
+    from swarmrl.protocol.pydantic_errors import describe_validation_error
+
+    class M(BaseModel):
+        a: int
+        b: int
+        c: int
+
+    with pytest.raises(ValidationError) as caught:
+        M.model_validate({"a": "x", "b": "y", "c": "z"})
+    said = describe_validation_error(caught.value, limit=2)
+    assert said == ("a: Input should be a valid integer, unable to parse string as an integer; "
+                    "b: Input should be a valid integer, unable to parse string as an integer; ... and 1 more")
+    assert describe_validation_error([{"loc": (), "msg": "bad"}], root="header") == "header: bad"
+    assert describe_validation_error([{"loc": ("k",), "msg": "m"}], hint=lambda err: "better") == "k: better"
+    # Nowhere else does code take pydantic's messages out of its error list to word them.
+    by_hand = []
+    for folder in ("protocol", "runtime", "coordinator", "node", "verifier", "trainer", "pools", "swarmrl", "docker",
+                   "tasks", "transfer", "models", "testing"):
+        for path in (REPO / folder).rglob("*.py"):
+            text = path.read_text()
+            if path.name != "pydantic_errors.py" and any(f"{w}{q}msg{q}" in text for w in ("[", "get(") for q in "'\""):
+                by_hand.append(str(path.relative_to(REPO)))
+    assert by_hand == []
