@@ -14,22 +14,19 @@ so a role configured for another run cannot quietly train or verify against the 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from swarmrl.protocol import proofs
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import Signature, canonical_json, pool_id, sha256_hex, sign, verify_signed
+from swarmrl.protocol.strict import Strict
 from swarmrl.protocol.tasks import TaskSpec
 
 MAX_COMPLETION_TOKENS = 4096
 MAX_GROUP_SIZE = 64
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingSpec(_Strict):
+class SamplingSpec(Strict):
     """How every rollout of a lease is sampled. Fixed by the run, never chosen by a node."""
 
     temperature: float = Field(1.0, gt=0, le=10, description="Softmax temperature.")
@@ -37,7 +34,7 @@ class SamplingSpec(_Strict):
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="Rollouts per prompt (the GRPO group).")
 
 
-class ProofSpec(_Strict):
+class ProofSpec(Strict):
     """The activation proofs (`protocol.proofs`) every rollout carries."""
 
     required: bool = Field(True, description="Rollouts without a proof are refused (without a ban).")
@@ -45,7 +42,7 @@ class ProofSpec(_Strict):
     topk: int = Field(proofs.TOPK, ge=1, le=255, description="Hidden-state entries committed per token.")
 
 
-class RunSpec(_Strict):
+class RunSpec(Strict):
     """The facts of one training run (a pool) that never change while it runs."""
 
     run_id: str = Field("swarmrl", min_length=1, max_length=128, description="Name of the run; manifests carry it.")
@@ -77,7 +74,7 @@ def sign_spec(spec: RunSpec, coordinator: Identity) -> Signature:
                 nonce=sha256_hex(body)[:32])
 
 
-class RunInfo(_Strict):
+class RunInfo(Strict):
     """What GET /v1/info answers: the run description signed by the coordinator, its key, and what changes as it
     runs (the current version and the DHT peers, which are not signed: a node checks what it fetches by them)."""
 

@@ -7,8 +7,9 @@ now; `grant` below repeats that order (allowance, open leases, the unproven shar
 then backpressure against `max_buffered_groups`) over in-memory counters instead of the counter rows, and
 calls the same pure functions for every figure (`allowance`, `is_proven`, `unproven_cap`, `counted_in_flight`,
 `inflight.counted_as`, `InFlight`). What the counter rows hold (prompts in flight per class, version and
-source; submitted groups pending or accepted and not yet acknowledged per version) is kept here as the
-coordinator keeps it: moved when a lease opens and when it closes (`coordinator.inflight`'s docstring).
+source; submitted groups waiting for a verdict or accepted and not yet read by the trainer, per version:
+`leasequeries.buffered_groups`, held groups not counted) is kept here as the coordinator keeps it, moved when a
+lease opens and when it closes (`coordinator.inflight`'s docstring).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class Desk:
         self.flight: dict[str, Counter[int]] = {inflight.PROVEN: Counter(), inflight.UNPROVEN: Counter()}
         self.by_source: Counter[str] = Counter()
         self.buffered: Counter[int] = Counter()
-        """Groups pending verification or accepted and not acknowledged, per policy version."""
+        """Groups waiting for a verdict, or accepted and not yet read by the trainer, per policy version
+        (`leasequeries.buffered_groups`)."""
         self.queued = 0
         """Abandoned prompts waiting to be leased again (leased first: `admission.take_queued`)."""
         self.refusals: Counter[str] = Counter()

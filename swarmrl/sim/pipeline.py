@@ -11,8 +11,9 @@ not yet released; a passed one releases what `protocol.quarantine.on_pass` says,
 
 The trainer (`trainer.collect`): reads accepted groups in feed order until it has `batch_groups` fresh ones
 (`protocol.validation.is_fresh` against its own version; stale ones are consumed and dropped), trains, publishes
-the next version (at the origin after its upload) and acknowledges the cursor, which takes what it consumed out
-of what backpressure counts (`coordinator.feed`).
+the next version (at the origin after its upload). What backpressure counts follows the coordinator's
+`leasequeries.buffered_groups`: groups waiting for a verdict, and accepted groups until the trainer has read
+them; held groups not (docs/liveness.md).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Verifiers:
             if not check.full:
                 ident.held.append(Held(g.gid))
                 self.stats["held_now"] += 1
+                w.desk.buffer(g.version, -1)  # a held group no longer holds the buffer (docs/liveness.md)
                 continue
             if w.budget is not None:
                 w.budget.charge(ident.id, full_s)
@@ -115,7 +117,9 @@ class Verifiers:
             for gid in out.released:
                 self.stats["released"] += 1
                 self.stats["held_now"] -= 1
-                w.accept(ident.pending[gid])
+                released = ident.pending[gid]
+                w.desk.buffer(released.version, 1)  # accepted, counted again until the trainer reads it
+                w.accept(released)
             ident.held = list(out.still_held)
             w.accept(g)
         w.room()
@@ -134,7 +138,7 @@ class Verifiers:
                 self.stats["held_now"] -= 1
             else:
                 self.alive -= 1
-            w.desk.buffer(g.version, -1)
+                w.desk.buffer(g.version, -1)
         self.alive += 1  # the failed group itself was counted out by its verdict already
         ident.pending.clear()
         ident.held = []
@@ -186,13 +190,16 @@ class Trainer:
                 batch.append(g)
             else:
                 self.stale_dropped += 1
+        for g in consumed:  # handed to the trainer: out of what backpressure counts (the feed's read cursor)
+            w.desk.buffer(g.version, -1)
+        w.room()
         tr = w.sc.trainer
         step_s = tr.step_overhead_s + want * w.sc.run.group_size * w.tokens_per_rollout / tr.tokens_per_s
         self.training = True
         self.busy_s += step_s
-        w.clock.after(step_s, self.stepped, batch, consumed)
+        w.clock.after(step_s, self.stepped, batch)
 
-    def stepped(self, batch: list[Group], consumed: list[Group]) -> None:
+    def stepped(self, batch: list[Group]) -> None:
         w = self.w
         for g in batch:
             self.staleness[self.version - g.version] += 1
@@ -202,8 +209,5 @@ class Trainer:
         self.steps += 1
         self.step_times.append(w.clock.now)
         w.clock.after(w.model_bytes * 8 / (w.sc.trainer.upload_mbit * 1e6), w.publish)
-        for g in consumed:  # the acknowledgement
-            w.desk.buffer(g.version, -1)
-        w.room()
         self.training = False
         self.collect()
