@@ -12,23 +12,20 @@ with the lease's signature and the other prompts' digests (`LeaseExcerpt`), with
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.run import SamplingSpec
 from swarmrl.protocol.signing import Signature, SignatureError, canonical_json, sha256_hex, sign, verify_signed
+from swarmrl.protocol.strict import Strict
 
 KIND_GRANT = "lease.grant"
 """The kind of the coordinator's signature over a lease (the request for one is `messages.KIND_LEASE`)."""
 MAX_PROMPTS_PER_LEASE = 256
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LeasedPrompt(_Strict):
+class LeasedPrompt(Strict):
     prompt_id: str = Field(max_length=64)
     text: str
     seeds: list[int] = Field(description="One sampling seed per rollout, chosen by the coordinator.")
@@ -44,7 +41,7 @@ def _terms(lease_id: str, node_id: str, policy_version: int, expires_at: float, 
                            "expires_at": expires_at, "sampling": sampling.model_dump(mode="json"), "prompts": digests})
 
 
-class Lease(_Strict):
+class Lease(Strict):
     """Prompts leased to one node, with the seeds and sampling it must use, signed by the coordinator."""
 
     lease_id: str = Field(max_length=64)
@@ -90,7 +87,7 @@ class Lease(_Strict):
                             index=index, digests=self.digests(), signature=self.signature)
 
 
-class LeaseExcerpt(_Strict):
+class LeaseExcerpt(Strict):
     """One prompt of a signed lease, with what checking the lease's signature needs: its terms and the digests of
     all its prompts (this one's at `index`). The verifier judges a group against this, never against anything the
     coordinator did not sign for the node."""

@@ -7,16 +7,14 @@ same groups and tokens for that node.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from swarmrl.protocol.strict import Strict
 
 MAX_LEDGER_PAGE = 1000
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LedgerEntry(_Strict):
+class LedgerEntry(Strict):
     """Accepted work of one node at one policy version."""
 
     node_id: str
@@ -28,7 +26,7 @@ class LedgerEntry(_Strict):
     cursor: int = Field(description="This entry's position in the ledger (pass it as `after` for the next page).")
 
 
-class NodeContribution(_Strict):
+class NodeContribution(Strict):
     """Accepted work of one node over every policy version."""
 
     node_id: str
@@ -39,12 +37,12 @@ class NodeContribution(_Strict):
     last_accepted_at: float = Field(description="When its last group was accepted (coordinator clock).")
 
 
-class Contributors(_Strict):
+class Contributors(Strict):
     """The largest contributors (GET /v1/ledger/nodes), most tokens first: one row per node."""
 
     nodes: list[NodeContribution] = Field(max_length=MAX_LEDGER_PAGE)
 
 
-class LedgerPage(_Strict):
+class LedgerPage(Strict):
     entries: list[LedgerEntry] = Field(max_length=MAX_LEDGER_PAGE)
     next_after: int | None = Field(description="`after` for the next page; None when this page is the last.")

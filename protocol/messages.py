@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from swarmrl.protocol.leases import MAX_PROMPTS_PER_LEASE, Lease, LeasedPrompt, LeaseExcerpt
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.run import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, RunInfo, SamplingSpec
+from swarmrl.protocol.strict import Strict
 
 # Message kinds: the receiver refuses a signature whose kind does not match the endpoint.
 KIND_REGISTER = "register"
@@ -40,12 +41,6 @@ Index64 = Annotated[int, Field(ge=0, lt=INT64_END)]
 """A version, cursor, id, step or count: 0 <= x < 2**63."""
 VersionOrNone = Annotated[int, Field(ge=-1, lt=INT64_END)]
 """A policy version, or -1 for none: -1 <= x < 2**63."""
-
-
-class Strict(BaseModel):
-    """Unknown fields are an error, not silently dropped: a sender learns its message was wrong."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class ChallengeRequest(Strict):

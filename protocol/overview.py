@@ -7,23 +7,21 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from swarmrl.protocol.strict import Strict
 
 MAX_REASONS = 20
 MAX_SPREAD_VERSIONS = 32
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ReasonCount(_Strict):
+class ReasonCount(Strict):
     reason: str = Field(description="A rejection reason with its numbers replaced by '#' (one line per kind).")
     groups: int
     example: str = Field(description="One reason of this kind, as the verifier wrote it.")
 
 
-class VersionSpread(_Strict):
+class VersionSpread(Strict):
     version: int = Field(description="A policy version nodes hold (-1: none yet).")
     nodes: int = Field(description="Live, unbanned nodes holding it as their newest.")
 
@@ -59,7 +57,7 @@ BLOCKER_TEXT: dict[Blocker, str] = {
 """One line per blocker, for people (the dashboard, the node's panel, the log)."""
 
 
-class Training(_Strict):
+class Training(Strict):
     """Whether training moves, and what blocks it now (the coordinator's watchdog)."""
 
     last_step_at: float | None = Field(description="When the newest policy version was published (None: none yet).")
@@ -70,7 +68,7 @@ class Training(_Strict):
     why: str = Field(description="The blockers in words, one line ('' when there are none).")
 
 
-class Overview(_Strict):
+class Overview(Strict):
     now: float = Field(description="The coordinator's clock, unix seconds (node liveness is judged against it).")
     current_version: int
     groups: dict[str, int] = Field(description="Groups by outcome: pending, held, accepted, rejected.")

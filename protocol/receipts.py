@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from swarmrl.protocol.identity import Identity, verify_signature
 from swarmrl.protocol.run import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE
 from swarmrl.protocol.signing import canonical_json
+from swarmrl.protocol.strict import Strict
 
 RECEIPT_DOMAIN = b"swarmrl-receipt\n"
 """Prefixed to every receipt's signed bytes, so that no other signed message of the coordinator's can pass as one."""
@@ -29,11 +30,7 @@ _INT64_END = 2**63
 _Index64 = Annotated[int, Field(ge=0, lt=_INT64_END)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Receipt(_Strict):
+class Receipt(Strict):
     """One accepted group of one node, signed by the coordinator (see the module docstring)."""
 
     run_id: str = Field(min_length=1, max_length=128, description="The run (pool) the work was done for.")
@@ -70,14 +67,14 @@ def verify_receipt(receipt: Receipt, coordinator_key: str, node_id: str | None =
     return None
 
 
-class ReceiptsRequest(_Strict):
+class ReceiptsRequest(Strict):
     """A node asks for its own receipts (the signer's), oldest first."""
 
     after: _Index64 = Field(0, description="Only receipts with a larger seq (the last seq the node holds).")
     limit: int = Field(200, ge=1, le=MAX_RECEIPTS_PER_PAGE)
 
 
-class ReceiptPage(_Strict):
+class ReceiptPage(Strict):
     receipts: list[Receipt] = Field(max_length=MAX_RECEIPTS_PER_PAGE)
     next_after: int = Field(description="The cursor for the next page: the last seq here, or `after` when empty.")
     head: int = Field(description="The largest seq issued to this node so far (0: none). A node holding a larger "

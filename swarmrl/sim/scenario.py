@@ -12,16 +12,13 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from swarmrl.protocol import quarantine
+from swarmrl.protocol.strict import Strict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SpeedClass(_Strict):
+class SpeedClass(Strict):
     """A kind of node hardware."""
 
     name: str = Field(description="What it is, e.g. 'rtx4090'.")
@@ -30,7 +27,7 @@ class SpeedClass(_Strict):
     share: float = Field(1.0, gt=0, description="Relative share of nodes of this class (normalised over classes).")
 
 
-class Region(_Strict):
+class Region(Strict):
     """Where nodes are, and the links they have."""
 
     name: str = Field(description="A label, e.g. 'home' or 'datacenter'.")
@@ -40,7 +37,7 @@ class Region(_Strict):
     latency_ms: float = Field(50.0, ge=0, description="Round-trip time to the origin and to other nodes, ms.")
 
 
-class Nodes(_Strict):
+class Nodes(Strict):
     """The volunteers: how many, how fast, how long they stay, where they are."""
 
     count: int = Field(ge=1, le=1_000_000, description="Nodes in the pool (online or not).")
@@ -54,7 +51,7 @@ class Nodes(_Strict):
                                    "average (the node's poll_interval_s).")
 
 
-class Model(_Strict):
+class Model(Strict):
     """What is trained, and how its versions travel."""
 
     params: float = Field(gt=0, description="Parameters, e.g. 7e9.")
@@ -73,7 +70,7 @@ class Model(_Strict):
         return self.bytes_per_version or self.params * self.bytes_per_param
 
 
-class Run(_Strict):
+class Run(Strict):
     """The run's knobs (the signed run description and the coordinator's admission)."""
 
     group_size: int = Field(8, ge=2, le=64, description="Rollouts per prompt.")
@@ -91,7 +88,7 @@ class Run(_Strict):
                                             "batch_groups x (max_staleness + 1).")
 
 
-class Trainer(_Strict):
+class Trainer(Strict):
     """The one trainer."""
 
     batch_groups: int = Field(256, ge=1, description="Groups per optimizer step.")
@@ -100,7 +97,7 @@ class Trainer(_Strict):
     upload_mbit: float = Field(10_000, gt=0, description="The trainer's link to the origin, Mbit/s (publishing).")
 
 
-class Coordinator(_Strict):
+class Coordinator(Strict):
     """The coordinator's capacity (bench/coordinator_load.py measures it)."""
 
     cores: float = Field(1.6, gt=0, description="Cores the coordinator's processes get (1.6 of 2 measured here).")
@@ -110,7 +107,7 @@ class Coordinator(_Strict):
     origin_up_mbit: float = Field(10_000, gt=0, description="The origin's (coordinator's seed) upload link, Mbit/s.")
 
 
-class Verifiers(_Strict):
+class Verifiers(Strict):
     """The trusted side that checks groups."""
 
     count: int = Field(1, ge=1, description="Verifier processes.")
@@ -123,7 +120,7 @@ class Verifiers(_Strict):
     claim_ttl_s: float = Field(120.0, gt=0, description="A deferred group is claimable again after this long.")
 
 
-class Adversaries(_Strict):
+class Adversaries(Strict):
     """Attackers with free identities (docs/quarantine.md's threat)."""
 
     share: float = Field(0.0, ge=0, lt=1, description="Share of the nodes (hence of the throughput) that attack.")
@@ -131,7 +128,7 @@ class Adversaries(_Strict):
                           "cheats, then honest until released), mixedF (cheat with probability F), or optimal.")
 
 
-class Sim(_Strict):
+class Sim(Strict):
     """How the simulation itself runs."""
 
     hours: float = Field(24.0, gt=0, le=24 * 30, description="Simulated time.")
@@ -144,7 +141,7 @@ class Sim(_Strict):
     samples: int = Field(720, ge=10, description="Points of every time series.")
 
 
-class Scenario(_Strict):
+class Scenario(Strict):
     """One simulated pool."""
 
     name: str = Field("scenario", description="Shown in the report.")
