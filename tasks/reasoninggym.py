@@ -32,6 +32,7 @@ word_ladder: their items change with the hash seed).
 writes); "tagged" scores the text of its last `<answer>...</answer>` (reasoning-gym's `extract_answer`, the format
 its prompts ask larger models for), and a completion without one scores 0.
 
+Datasets whose scorer runs the completion as Python (`UNSAFE_SCORERS`, 9 of 105) are refused with that reason.
 Scorers run in the calling thread, on the completion's last `MAX_ANSWER_CHARS` characters; one that raises scores 0.
 Unlike the `math` task's checker (`swarmrl.tasks.mathcheck`), no worker process bounds their time: the arithmetic
 scorers compare decimals, but a dataset whose scorer parses with sympy could be slow on hostile text.
@@ -64,6 +65,12 @@ ENTRY_CACHE = 4096
 """Regenerated items kept (a group's rollouts, and the held-out set, score against the same item many times)."""
 MAX_ANSWER_CHARS = 4096
 """A completion's scored text is cut to its last this many characters (scorers parse what they are given)."""
+UNSAFE_SCORERS = frozenset({"binary_matrix", "countdown", "intermediate_integration", "n_queens",
+                            "polynomial_multiplication", "puzzle24", "simple_integration", "spiral_matrix",
+                            "string_insertion"})
+"""reasoning-gym 0.1.25 datasets whose `score_answer` runs the answer text as Python (`eval`, `sympy.parse_expr`): a
+model's completion would execute on the verifier, so they are refused. tests/test_reasoning_gym_task.py probes every
+dataset's scorer and requires exactly these to execute code."""
 _STORED = re.compile(r"([0-9]{1,18}):([0-9a-f]{16})")
 
 
@@ -108,6 +115,11 @@ class ReasoningGymOptions(BaseModel):
         unknown = sorted(set(datasets) - set(DATASETS))
         if unknown:
             raise ValueError(f"unknown reasoning-gym dataset(s) {unknown}; known: {sorted(DATASETS)}")
+        unsafe = sorted(set(datasets) & UNSAFE_SCORERS)
+        if unsafe:
+            raise ValueError(f"reasoning-gym dataset(s) {unsafe}: the scorer runs the completion as Python code "
+                             "(eval or sympy.parse_expr), so a model's text would execute on the verifier; remove "
+                             "them from the task's datasets")
         return dict(sorted(datasets.items()))  # the mixture's order (seeds) is by name, however they were written
 
     @field_validator("template")
@@ -174,12 +186,20 @@ def digests(options: ReasoningGymOptions) -> dict[int, tuple[str, str]]:
     return out
 
 
+_REPLAYED: set[str] = set()
+"""Options (JSON) whose mixture passed `check_replay` in this process: the result depends on them and the installed
+packages only, so a task loaded again with them (tests, a role that reloads) is not checked again."""
+
+
 def check_replay(options: ReasoningGymOptions) -> None:
     """Refuse (ValueError, naming the dataset) a mixture whose items another process generates differently."""
+    key = options.model_dump_json()
+    if key in _REPLAYED:
+        return
     here = digests(options)
     # Another hash seed than ours, so that an order of sets or dicts of strings that differs shows.
     hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.tasks.reasoninggym"], input=options.model_dump_json(),
+    proc = subprocess.run([sys.executable, "-m", "swarmrl.tasks.reasoninggym"], input=key,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONHASHSEED": hash_seed, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
@@ -190,6 +210,7 @@ def check_replay(options: ReasoningGymOptions) -> None:
             raise ValueError(f"reasoning-gym dataset {name!r} does not generate item {i} the same way in two "
                              "processes, so the verifier could not regenerate what the coordinator drew: it "
                              "cannot be used in a swarm (remove it from the task's datasets)")
+    _REPLAYED.add(key)
 
 
 class ReasoningGymTask(Task):

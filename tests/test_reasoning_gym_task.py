@@ -9,7 +9,13 @@ import random
 import pytest
 
 from swarmrl.protocol.tasks import TaskSpec, load_task, registered_tasks, task_options
-from swarmrl.tasks.reasoninggym import ReasoningGymOptions, ReasoningGymTask, build_mixture, item_digest
+from swarmrl.tasks.reasoninggym import (
+    UNSAFE_SCORERS,
+    ReasoningGymOptions,
+    ReasoningGymTask,
+    build_mixture,
+    item_digest,
+)
 
 SUMS = {"chain_sum": {"weight": 1, "config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}},
         "basic_arithmetic": {"weight": 2, "config": {"min_terms": 2, "max_terms": 2, "max_digits": 1,
@@ -127,6 +133,29 @@ def test_a_dataset_another_process_generates_differently_is_refused_at_load(data
     with pytest.raises(ValueError, match=f"dataset '{dataset}' does not generate item .* the same way in two "
                                          "processes"):
         load_task(spec(datasets={dataset: {}}, eval_size=10))
+
+
+def test_exactly_the_scorers_that_run_the_answer_as_code_are_refused(tmp_path):
+    # Every reasoning-gym dataset's own scorer, fed answers that are Python touching a file (bare, and inside list
+    # literals, the shapes the scorers eval): those that executed one must be exactly the refused ones.
+    from reasoning_gym import create_dataset
+    from reasoning_gym.factory import DATASETS
+
+    executed = set()
+    for name in sorted(set(DATASETS) - {"composite", "set_order"}):
+        marker = tmp_path / name
+        code = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+        dataset = create_dataset(name, seed=5, size=5)
+        for answer in [code, f"[{code}]", f"[[{code}]]"]:
+            try:
+                dataset.score_answer(answer, dataset[0])
+            except Exception:  # the scorer's own parse errors: what matters is whether the code ran
+                pass
+        if marker.exists():
+            executed.add(name)
+    assert executed == UNSAFE_SCORERS
+    with pytest.raises(ValueError, match=r"\['countdown'\]: the scorer runs the completion as Python code"):
+        task_options(spec(datasets={"countdown": {}, **SUMS}))
 
 
 def test_options_model_documents_every_field():
