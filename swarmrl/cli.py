@@ -27,11 +27,15 @@ from rich.logging import RichHandler
 
 from swarmrl.runtime.lifetime import die_with_parent_if_asked
 
+_SET_EXAMPLES = {"coordinator": "port=8000", "trainer": "lr=0.001", "verifier": "sample_rate=1.0",
+                 "node": "engine.kind=torch", "demo": "engine=torch", "pool": "pool=NAME"}
+"""A `--set` that each command's config takes, for its --help."""
 
-def _role_args(p: argparse.ArgumentParser) -> None:
+
+def _role_args(p: argparse.ArgumentParser, example: str = "engine.kind=torch") -> None:
     p.add_argument("--config", type=Path, help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (repeatable), e.g. --set engine.kind=torch")
+                   help=f"override a config field (repeatable), e.g. --set {example}")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
 
 
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                            "model and task of a run config (--config)"),
     ]:
         p = sub.add_parser(name, help=help_)
-        _role_args(p)
+        _role_args(p, _SET_EXAMPLES[name])
         p.set_defaults(fn=fn)
         if name == "demo":
             p.add_argument("--report", type=Path, help="write a JSON report here")
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
                     "pools.initial_peers=[...]; default: the config's, else the SWARMRL_BOOTSTRAP environment variable")
     pp = sub.add_parser("pool", help="public pools announced in the DHT")
     pp.add_argument("action", choices=["list"])
-    _role_args(pp)
+    _role_args(pp, _SET_EXAMPLES["pool"])
     pp.add_argument("--json", action="store_true", help="print JSON (the signed records and the refusals)")
     pp.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                     help="a bootstrap peer of the pools' DHT (repeatable); default: pools.initial_peers from the node "

@@ -77,7 +77,8 @@ class DemoConfig(BaseModel):
         "recomputation), the nodes' engines (bf16) and the demo's evaluations on the GPU. [roles] settings win.")
     nodes: int = Field(2, ge=1, description="Worker nodes to start.")
     verifiers: int = Field(1, ge=1, description="Verifier processes (each claims its own share of the pending groups).")
-    engine: str = Field("auto", description="Node inference engine: auto (vLLM if installed), vllm or torch.")
+    engine: Literal["auto", "vllm", "torch"] = Field("auto", description="Node inference engine: auto (vLLM if "
+                                                    "installed), vllm or torch.")
     max_steps: int = Field(150, description="Trainer steps at most.")
     target_accuracy: float = Field(0.65, description="Stop early once the trainer's held-out accuracy reaches this.")
     time_limit_s: float = Field(900, description="Stop the RL phase after this many seconds.")

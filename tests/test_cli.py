@@ -37,3 +37,21 @@ def test_ctrl_c_stops_a_command_without_a_traceback(tmp_path: Path) -> None:
         if proc.poll() is None:  # it did not stop: take it and what it started down
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_each_commands_set_example_is_a_setting_it_takes(capsys) -> None:
+    """`--help` gives an example `--set` per command: each is accepted by that command's config, and a demo engine
+    that does not exist is refused by --print-config, not printed."""
+    import pytest
+
+    from swarmrl.cli import _SET_EXAMPLES, main
+
+    for command, example in _SET_EXAMPLES.items():
+        with pytest.raises(SystemExit) as done:
+            main([command, *(["list"] if command == "pool" else []), "--set", example, "--print-config"])
+        assert done.value.code == 0, (command, example)
+        key, value = example.split("=")
+        assert f"{key.split('.')[-1]} = " in capsys.readouterr().out, (command, example)
+    with pytest.raises(SystemExit) as refused:
+        main(["demo", "--set", "engine=foo", "--print-config"])
+    assert "engine" in str(refused.value.code) and "'torch'" in str(refused.value.code)
