@@ -33,3 +33,18 @@ def test_no_state_no_line(tmp_path: Path) -> None:
     reconcile_step_log(tmp_path, None)
     reconcile_step_log(tmp_path, TrainerState())  # the initial weights' state (step 0) made no step
     assert read_step_log(tmp_path) == []
+
+
+def test_without_a_terminal_the_trainer_logs_its_steps_and_lines(caplog) -> None:
+    """A local swarm's trainer runs with its progress bar off: its steps and its permanent lines (evaluations, a
+    step not taken for want of reward spread) go to its log file instead of nowhere."""
+    import logging
+
+    from swarmrl.trainer.metrics import StepDisplay
+
+    with caplog.at_level(logging.INFO, logger="swarmrl.trainer.metrics"), StepDisplay(10, enabled=False) as d:
+        d.step(3, 3, {"loss": 0.5, "reward_mean": 0.25})
+        d.print("v3: no step: all 8 fresh groups had zero advantage (no spread in reward within any group)")
+        d.status("waiting")  # a transient status is not a log line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("step 3:") and "no spread in reward" in lines[1], lines

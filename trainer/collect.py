@@ -81,7 +81,7 @@ def collect_groups(
     either, so the step always gets `batch_groups` trainable groups. A poll that finds nothing new is held by
     the coordinator for up to `long_poll_s`; rides out coordinator restarts.
     """
-    t0 = time.monotonic()
+    t0 = said = time.monotonic()
     out = Collected(groups=[], fresh=[], cursor=cursor)
 
     def have() -> int:
@@ -115,6 +115,10 @@ def collect_groups(
         if len(batch.groups) < want and have() < cfg.batch_groups:
             if on_wait is not None:
                 on_wait(have())
+            if time.monotonic() - said >= 30:  # why there is no step yet, in the trainer's log
+                said = time.monotonic()
+                log.info("no step yet: %d of %d groups (passed over: %d stale, %d with no reward spread)", have(),
+                         cfg.batch_groups, out.stale, out.filtered)
             if not batch.groups and time.monotonic() - t_poll < cfg.poll_interval_s:
                 # The coordinator answered at once with nothing (no long poll, or an error): do not spin.
                 if stop is not None:

@@ -324,7 +324,8 @@ class _Run:
                 # Nothing to save: the saved state (the same weights) would skip these groups again after a restart,
                 # so they are consumed. Acknowledging them now keeps a run of such groups from filling the buffer.
                 self.acknowledge(ts.cursor)
-                self.display.print(f"v{ts.version}: all {len(collected.fresh)} fresh groups had zero advantage")
+                self.display.print(f"v{ts.version}: no step: all {len(collected.fresh)} fresh groups had zero "
+                                   "advantage (no spread in reward within any group)")
             return True
         used_version = ts.version
 

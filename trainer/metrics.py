@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -11,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from swarmrl.protocol.messages import TrainingGroup
+
+log = logging.getLogger(__name__)
 
 EXACT_REWARD = 1.0
 """The reward of an exactly right completion (tasks give partial credit below it)."""
@@ -58,7 +61,8 @@ def status_line(step: int, version: int, m: dict[str, float]) -> str:
 
 
 class StepDisplay:
-    """A rich progress bar with a status field; every call is a no-op when disabled."""
+    """A rich progress bar with a status field. Disabled (no terminal: a local swarm's trainer, a service), its steps
+    and permanent lines go to the log instead, so that the trainer's log file says what it did."""
 
     def __init__(self, total: int, done: int = 0, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
@@ -89,11 +93,15 @@ class StepDisplay:
     def step(self, step: int, version: int, metrics: dict[str, float]) -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, status=status_line(step, version, metrics))
+        else:
+            log.info("step %d: %s", step, status_line(step, version, metrics))
 
     def print(self, text: str) -> None:
-        """A permanent line above the bar (evaluations, warnings)."""
+        """A permanent line above the bar (evaluations, warnings); a log line when disabled."""
         if self._progress is not None:
             self._progress.console.print(text)
+        else:
+            log.info("%s", text)
 
 
 def _process_start_time() -> float:
