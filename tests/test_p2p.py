@@ -96,10 +96,10 @@ def test_dht_of_three_peers_discovers_holders_and_refuses_foreign_records(tmp_pa
     key = holders_key("test", manifest.version)
     n = len(shards)
     forged = HolderRecord(peer_id=c.peer_id, tag=manifest_tag(manifest), n_shards=n, bits=make_bitfield(n, range(n)))
-    assert not c._call(c._dht.store(key, forged.to_value(), get_dht_time() + 30, subkey=b._rsa.local_public_key))
+    assert not c.call(c._dht.store(key, forged.to_value(), get_dht_time() + 30, subkey=b._rsa.local_public_key))
     # c announces under its own key that *b's* peer id holds everything: refused as well.
     spoof = HolderRecord(peer_id=b.peer_id, tag=manifest_tag(manifest), n_shards=n, bits=make_bitfield(n, range(n)))
-    assert not c._call(c._dht.store(key, spoof.to_value(), get_dht_time() + 30, subkey=c._rsa.local_public_key))
+    assert not c.call(c._dht.store(key, spoof.to_value(), get_dht_time() + 30, subkey=c._rsa.local_public_key))
     again = a.holders(manifest, wait=True)
     assert again[b.peer_id].indices() == {3, 4, 5}
     assert again[c.peer_id].indices() == set()
@@ -273,13 +273,13 @@ def test_a_holder_keeps_the_stream_open_until_the_asker_has_read_everything_and_
         data = await reader.readexactly(await read_length(reader))
         return status + data, writer
 
-    got, writer = node._call(ask(), 30)
+    got, writer = node.call(ask(), 30)
     assert got == OK + origin_store.get(shard.sha256)
     assert holder.server.streams == 1  # everything read, and the holder's side is still open: it waits for ours
     async def close() -> None:
         writer.close()
 
-    node._call(close(), 30)
+    node.call(close(), 30)
     wait_for(lambda: holder.server.streams == 0, what="the holder to close its side")
     assert holder.stats.linger_timeouts == 0  # it closed because the asker had, not after waiting in vain
 

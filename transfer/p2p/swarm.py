@@ -17,10 +17,7 @@ of the calling process, and puts together the parts that do the work, one job ea
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import threading
-from collections.abc import Coroutine
 from typing import Any
 
 from hivemind.dht.node import DHTNode
@@ -37,7 +34,7 @@ from swarmrl.transfer.p2p.dht import (
 )
 from swarmrl.transfer.p2p.discovery import Announcer, HolderDirectory
 from swarmrl.transfer.p2p.health import PeerHealth
-from swarmrl.transfer.p2p.host import open_dht
+from swarmrl.transfer.p2p.host import LoopThread, open_dht
 from swarmrl.transfer.p2p.serving import ShardServer
 from swarmrl.transfer.p2p.watch import Watches
 from swarmrl.transfer.p2p.wire import PROTOCOL, PeerError, SwarmStats
@@ -46,7 +43,7 @@ from swarmrl.transfer.store import ShardStore
 log = logging.getLogger(__name__)
 
 
-class SwarmPeer:
+class SwarmPeer(LoopThread):
     """This process's presence in the swarm: DHT membership, shard serving, peer fetching, bans.
 
         peer = SwarmPeer(cfg, run_id, initial_peers=run_info.dht_peers).start()
@@ -55,7 +52,12 @@ class SwarmPeer:
         peer.close()
     """
 
+    thread_name = "swarm-p2p"
+    what = "the swarm peer"
+    not_running = PeerError
+
     def __init__(self, config: P2PConfig, run_id: str, *, initial_peers: list[str] | None = None):
+        super().__init__(config.startup_timeout_s)
         self.config = config
         self.run_id = run_id
         self.initial_peers = list(initial_peers if initial_peers is not None else config.initial_peers)
@@ -66,13 +68,11 @@ class SwarmPeer:
         self.health = PeerHealth(config, self.stats)
         self.banned = self.health.banned
         self.server = ShardServer(config, self.stats, self.banned, self._poke)
-        self.client = ShardClient(config, self.stats, self._call)
+        self.client = ShardClient(config, self.stats, self.call)
         self.watches = Watches(config, self.stats, self.client, self.banned)
         self.directory = HolderDirectory(config, run_id, self.stats, self.banned, self.watches, self.client,
-                                         self._call, self._submit)
+                                         self.call, self.submit)
         self.announcer = Announcer(config, run_id, self.stats, self.server)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._p2p: P2P | None = None
         self._dht: DHTNode | None = None
         self._rsa: CachingSignatureValidator | None = None
@@ -82,60 +82,9 @@ class SwarmPeer:
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
-    def start(self) -> SwarmPeer:
-        """Start the daemon, join the DHT, begin serving. Raises if that fails within startup_timeout_s."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-p2p", daemon=True)
-        self._thread.start()
-        try:
-            self._call(self._start(), self.config.startup_timeout_s + 10)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def close(self) -> None:
-        """Stop serving and announcing, leave the DHT, stop the daemon. Safe to call twice."""
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        if loop.is_running():
-            try:
-                asyncio.run_coroutine_threadsafe(self._stop(), loop).result(15)
-            except Exception as e:  # noqa: BLE001 (best effort on the way out)
-                log.debug("swarm shutdown: %s", e)
-            loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(10)
-        if not loop.is_running():
-            loop.close()
-
-    def __enter__(self) -> SwarmPeer:
-        return self.start() if self._loop is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        """Run `coro` on the peer's loop and wait for its result (TimeoutError after `timeout`)."""
-        if self._loop is None:
-            coro.close()
-            raise PeerError("the swarm peer is not running")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError as e:
-            fut.cancel()
-            raise TimeoutError(f"timed out after {timeout} s") from e
-
-    def _submit(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Start `coro` on the peer's loop without waiting for it."""
-        if self._loop is None:
-            coro.close()
-            return
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
-
     async def _start(self) -> None:
+        """Start the daemon, join the DHT, begin serving and announcing (`start` runs it, within the startup
+        timeout; `close` undoes it)."""
         cfg = self.config
         self._p2p, self._dht, self._rsa = await open_dht(
             initial_peers=self.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
@@ -156,10 +105,6 @@ class SwarmPeer:
             await self._dht.shutdown()
         if self._p2p is not None:
             await self._p2p.shutdown()
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in others:
-            t.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
 
     def _poke(self) -> None:
         self.announcer.poke()
