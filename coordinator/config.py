@@ -45,9 +45,8 @@ class CoordinatorConfig(BaseModel):
         "housekeeping more. On PostgreSQL, max_connections must cover every coordinator process's pool.")
     worker_threads: int = Field(
         8, ge=1, le=256, description="Threads that do the signed requests' work (the body's digest, the payload, the "
-        "transaction) for nodes. Few: a process runs Python on one core at a time, and more threads only contend "
-        "for it (16 instead of 8 doubled the p99 latency at the same throughput: bench/RESULTS.md). The operator's "
-        "requests have operator_threads of their own.")
+        "transaction) for nodes; the operator's requests have operator_threads of their own. Few: a process runs "
+        "Python on one core at a time, and more threads only contend for it (measured: bench/RESULTS.md).")
     workers: int = Field(
         1, ge=1, le=64, description="Server processes, one core each, sharing the port (SO_REUSEPORT: the kernel "
         "spreads connections over them) and the store. On SQLite one more process, the store's writer, commits the "
@@ -55,29 +54,22 @@ class CoordinatorConfig(BaseModel):
         "turns; on PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
         "metrics and long-poll slots are per process. With [p2p], the first process runs the DHT seed.")
     request_nice: int = Field(
-        5, ge=0, le=19, description="SQLite: how much lower than the store's committer thread (the one thread that "
-        "holds the write lock, which every write waits for) the process's other threads run, in nice steps; 0: the "
-        "same. Only raises their nice value (no privilege needed). With the request threads level with it, the "
-        "committer often waits for a core while holding the lock (bench/RESULTS.md).")
+        5, ge=0, le=19, description="SQLite: how many nice steps below the store's committer thread (which holds the "
+        "write lock every write waits for) the process's other threads run; 0: the same. No privilege needed "
+        "(measured: bench/RESULTS.md).")
     realtime_committer: bool = Field(
-        True, description="SQLite: run the store's committer thread (the one that holds the write lock, which every "
-        "write waits for) under the real-time FIFO policy at its lowest priority, where the process may (Linux with "
-        "CAP_SYS_NICE: root, or a container granted it; elsewhere it runs as any thread, and the log says so). It "
-        "then takes a core the moment it can run instead of waiting behind request threads and other processes "
-        "while every write waits for it (bench/RESULTS.md). It only commits queued writes, and the kernel's "
-        "real-time throttling leaves other threads a share of every core.")
+        True, description="SQLite: run the store's committer thread under the real-time FIFO policy at its lowest "
+        "priority where the process may (Linux with CAP_SYS_NICE; elsewhere it runs as any thread, and the log says "
+        "so), so that the write lock is never held by a thread waiting for a core (measured: bench/RESULTS.md).")
     store_writer_process: bool = Field(
-        True, description="SQLite with workers > 1: one more process, the store's writer, writes the submissions "
-        "and heartbeats (the hottest writes) of every worker in one group commit, instead of each worker committing "
-        "its own in turn (`coordinator.db.writer`; side by side in bench/RESULTS.md); a worker then serves a known "
-        "node's submission or heartbeat on its event loop, awaiting the write. Other writes stay in the worker that "
-        "serves them.")
+        True, description="SQLite with workers > 1: one more process, the store's writer, commits every worker's "
+        "submissions and heartbeats together (`coordinator.db.writer`) instead of each worker committing its own in "
+        "turn; other writes stay in the worker that serves them (measured: bench/RESULTS.md).")
     store_writer_commit_interval_ms: float = Field(
         2.0, ge=0, le=100, description="The store's writer process (store_writer_process): under load, at most one "
-        "commit this often; a submission that arrives sooner after the previous commit waits for the rest of it "
-        "(at most this long), and the ones that arrive meanwhile share its commit. Fewer, larger commits cost less "
-        "CPU per submission (bench/RESULTS.md); an idle coordinator commits at once. 0: commit whatever is queued "
-        "as soon as the previous commit ends.")
+        "commit this often, so a write waits at most this long and shares its commit with the ones that arrive "
+        "meanwhile; an idle coordinator commits at once; 0: commit what is queued as soon as the previous commit "
+        "ends (measured: bench/RESULTS.md).")
     store_group_commit: int = Field(
         64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
         "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "

@@ -1,10 +1,14 @@
 """The coordinator's Prometheus metrics (GET /metrics), through prometheus_client.
 
 Every name starts with `swarmrl_coordinator_` (`runtime.metrics.metric_name`). What the store knows (groups by
-outcome, nodes by state, checkpoint spread, rejection reasons, the ledger, per-node counters, the trainer's last
-report) is read at scrape time in one read transaction; request counts and latencies are counted as requests
+outcome, nodes by state, checkpoint spread, rejection reasons, the ledger, the nodes' counters summed, the
+watchdog's word, the trainer's last report) is read at scrape time; request counts and latencies are counted as requests
 pass (`HttpMetrics`). Trainer metric keys become label values (`metric="eval/accuracy"`), never names, so no two
 keys can collide however they are spelled.
+
+Every label set is bounded whatever the pool's size: nothing here is labelled by node (a series set per node ever
+seen grew to megabytes at 10,000 identities, and each scrape read every node row). Per-node figures are in
+GET /v1/nodes and on the dashboard.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import Metric
+from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from swarmrl.coordinator import registry as nodes_registry
+from swarmrl.coordinator.db.schema import nodes
 from swarmrl.coordinator.status import recent_metrics
 from swarmrl.protocol.overview import Blocker
 from swarmrl.runtime.metrics import counter, gauge, metric_name, registry_of
@@ -24,6 +29,7 @@ from swarmrl.runtime.metrics import counter, gauge, metric_name, registry_of
 if TYPE_CHECKING:
     from swarmrl.coordinator.service import Coordinator
 
+_NODE_SUMS = select(func.coalesce(func.sum(nodes.c.idle_s), 0.0), func.coalesce(func.sum(nodes.c.busy_s), 0.0))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ROLE = "coordinator"
 _METHODS = frozenset({"GET", "POST", "PUT", "HEAD", "DELETE", "PATCH", "OPTIONS"})
@@ -43,16 +49,15 @@ def store_families(svc: Coordinator) -> list[Metric]:
     ov = svc.overviews.overview()
     run = svc.config.run.run_id
 
-    def per_node(tx):  # noqa: ANN001, ANN202 (a read transaction)
+    def read(tx):  # noqa: ANN001, ANN202 (a read transaction)
         last = recent_metrics(tx, 1)
-        return nodes_registry.list_nodes(tx), (last[0] if last else None)
+        return tx.execute(_NODE_SUMS).one(), (last[0] if last else None)
 
-    node_rows, last = svc.store.read(per_node)
+    (idle_s, busy_s), last = svc.store.read(read)
     behind: dict[str, float] = {}
     for s in ov.spread:
         key = behind_label(ov.current_version, s.version)
         behind[key] = behind.get(key, 0) + s.nodes
-    ids = [((n.id, n.name), n) for n in node_rows]
     fams: list[Metric] = [
         gauge(ROLE, "info", "The run this coordinator serves and its key (value 1).", labels=("run", "key"),
               samples=[((run, svc.identity.public_key_hex), 1.0)]),
@@ -69,14 +74,10 @@ def store_families(svc: Coordinator) -> list[Metric]:
         counter(ROLE, "ledger_groups", "Groups accepted into the contribution ledger.", ov.ledger_groups),
         counter(ROLE, "ledger_tokens", "Completion tokens of the groups in the ledger.", ov.ledger_tokens),
         counter(ROLE, "receipts", "Receipts signed for accepted groups.", ov.receipts),
-        counter(ROLE, "node_groups_accepted", "Groups of a node the verifier accepted.", labels=("node", "name"),
-                samples=[(k, n.groups_accepted) for k, n in ids]),
-        counter(ROLE, "node_groups_rejected", "Groups of a node the verifier rejected.", labels=("node", "name"),
-                samples=[(k, n.groups_rejected) for k, n in ids]),
-        counter(ROLE, "node_idle_seconds", "Seconds a node waited for work or weights since it started (its "
-                "untrusted self-report).", labels=("node", "name"), samples=[(k, n.idle_s) for k, n in ids]),
-        counter(ROLE, "node_busy_seconds", "Seconds a node spent generating and submitting since it started (its "
-                "untrusted self-report).", labels=("node", "name"), samples=[(k, n.busy_s) for k, n in ids]),
+        gauge(ROLE, "nodes_idle_seconds", "Seconds the nodes waited for work or weights, summed over every node "
+              "since each started (their untrusted self-reports; per node: GET /v1/nodes).", float(idle_s)),
+        gauge(ROLE, "nodes_busy_seconds", "Seconds the nodes spent generating and submitting, summed likewise.",
+              float(busy_s)),
     ]
     if ov.training is not None:
         t = ov.training

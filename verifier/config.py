@@ -16,45 +16,11 @@ class Tolerances(BaseModel):
     """Thresholds of the full check. The field defaults are for float32 (both engines' default on the CPU); the
     verifier's dtype picks its set (`for_dtype`), and a config's `tolerances` fields override single values.
 
-    Calibration (bench/byzantine.py, calibration part; table in bench/RESULTS.md): groups of 8 rollouts made by
-    the vLLM and torch engines are recomputed by the verifier's prefill (transformers, fp32, CPU, batched as in
-    service), and so are groups made (by vLLM) with every weight tensor perturbed by Gaussian noise of 0.1% or
-    1% of its RMS. Models: random tiny (0.86M, 64 groups, <= 24 tokens), random ~27M (8 groups x 128 tokens),
-    and the swarm run's warm-started and RL-trained (140 steps) tiny checkpoints (64 groups, <= 6 tokens):
-
-    - max |logprob_node - logprob_verifier| per group, honest: <= 4.5e-7 (tiny), 2.3e-6 (27M), 7.2e-6 (warm),
-      1.1e-5 (RL-trained); the worst seen anywhere was 8.8e-5 (one group among ~5,500 of an earlier swarm run,
-      RL-trained checkpoint; there the verifier's own batched fp32 prefill was 7.4e-5 off an fp64 reference
-      while the vLLM node was within 1.5e-5: trained weights make fp32 noise grow). Weights perturbed by 0.1%:
-      >= 9.4e-4 (tiny), 5.9e-3 (27M), 9.5e-4 (warm), but down to 2.4e-4 (RL-trained: confident tokens hide
-      logit changes, d logprob ~ (1 - p) d logit). `logprob_abs` = 5e-4 is 5.7x the worst honest error; it
-      catches every 0.1% group of the random and warm models and most RL-trained ones, and activation proofs
-      catch all of them (below), so no single threshold has to separate the two on its own.
-    - engine-vs-verifier logit error: <= 4.8e-7 (tiny), 4.8e-6 (27M), 7.7e-6 (warm), 1.7e-5 (RL-trained),
-      7.4e-5 worst; no honest token was ever a replay mismatch. A sampled token can only flip where the top-2
-      perturbed gap is below the logit error / T; `tie_margin` = 1e-3 is 13x the worst error. Gaps under the
-      margin were 6 tokens in 6,613 (tiny), 3 in 8,192 (27M) and none in 4,720 (warm, RL-trained): the margin
-      only lets an attacker choose between two tokens the rule makes almost equally likely, at about 1
-      position in 1,000.
-    - activation proofs: honest compared entries are off by <= 0.501 fp16 ulp (fp16 rounding; engine noise on
-      the top-k entries is <= 2.7e-6 relative, ~0.003 ulp), group means 0.17-0.31; with weights perturbed by
-      0.1%, every group had max >= 1.6 ulp (RL-trained; 1.7 warm, 2.5 tiny) and mean >= 0.57.
-      `proof_max_ulp` = 1.0 and `proof_mean_ulp` = 0.55 sit between; the mean bound is flat because entries
-      repeat across positions (see verifier.proofs).
-    - `proof_boundary_rel` = 1e-3 skips entries within 0.1% of the (k+1)-th magnitude: 370x that noise.
-
-    A larger model in fp32 will have larger noise: rerun the calibration for it.
-
-    bfloat16 (and float16, given the same values): `BF16_ESTIMATES`, NOT MEASURED on a GPU yet (none here);
-    bench/gpu_check.py measures them there (torch engine and verifier in bf16 on CUDA, honest groups; it prints
-    what it saw and suggests values). The estimates: bf16 activations carry ~2^-8 relative error. The same script
-    on this CPU in bf16 (random "mini" models of the three architectures, 24 groups of 8 x 32 tokens; CPU bf16
-    kernels, not CUDA's) saw logprob errors up to 1.1e-2, replay gaps of mismatched tokens up to 1e-2, proof
-    entries off by up to 24 fp16 ulp (means 1.2-1.6), and top-k state entries 2.2% apart between engine and
-    verifier, which made the boundary skip of 1e-2 too narrow (a group rejected). Hence: `logprob_abs` 5e-2,
-    `tie_margin` 0.1 (replay then excuses a few tokens in 10^3 as near-ties), `proof_boundary_rel` 6e-2,
-    `proof_max_ulp` 48 and `proof_mean_ulp` 8, i.e. TOPLOC-style statistics. Whether 0.1% weight perturbations
-    stay detectable there must be measured, not assumed.
+    The promise: in float32 every honest group passes with a margin (5.7x to 370x the worst honest error measured)
+    and every group made with weights perturbed by 0.1% fails, on the models calibrated (bench/byzantine.py's
+    calibration; the measurements and how each threshold follows from them are in bench/RESULTS.md, "Calibration
+    (fp32, CPU)"). A larger model has larger fp32 noise: rerun the calibration for it. The bfloat16 values
+    (`BF16_ESTIMATES`) are estimates, not yet measured on a GPU (bench/gpu_check.py measures them there).
     """
 
     model_config = ConfigDict(extra="forbid")
