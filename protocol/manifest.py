@@ -74,6 +74,9 @@ class DeltaFile(BaseModel):
     path: str = Field(max_length=255, description="The rebuilt file, relative POSIX path in the checkpoint.")
     size: int = Field(ge=0, lt=_INT64_END, description="Its size in bytes.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Its sha256: the full checkpoint's file, bit for bit.")
+    header_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="The sha256 of its safetensors header block: "
+                               "with every tensor's hash, and tensors that tile the data, the whole file is checked "
+                               "in one pass.")
     payload: str = Field(max_length=255, description="The manifest file holding the delta (not kept once applied).")
     tensors: list[TensorHash] = Field(max_length=1_000_000, description="Every tensor of the rebuilt file.")
 

@@ -87,6 +87,19 @@ def test_a_payload_that_does_not_rebuild_the_signed_tensors_is_refused(tmp_path)
         delta.rebuild(base_dir, staged, spec, tmp_path / "other" / "out")
 
 
+def test_a_payload_with_another_header_is_refused_even_with_every_tensor_right(tmp_path):
+    """Same tensors, other header bytes (metadata): every tensor hash matches, the signed header hash does not."""
+    base_w = _tensors()
+    target_w = _step(base_w, 1e-3, seed=1)
+    honest, base = _file(target_w, torch.float32), _file(base_w, torch.float32)
+    forged = save(target_w, metadata={"format": "pt", "note": "not what was signed"})
+    assert delta.tensor_hashes(forged) == delta.tensor_hashes(honest)
+    base_dir, staged, spec = _delta_dirs(tmp_path, base, honest, delta.encode(base, forged))
+    spec.files[0].size = len(forged)
+    with pytest.raises(ManifestError, match="header does not match"):
+        delta.rebuild(base_dir, staged, spec, tmp_path / "out")
+
+
 def test_a_damaged_payload_is_a_manifest_error_never_a_crash(tmp_path):
     base_w = _tensors()
     base, target = _file(base_w, torch.bfloat16), _file(_step(base_w, 1e-4, seed=2), torch.bfloat16)

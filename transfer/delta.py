@@ -80,7 +80,7 @@ def parse_header(header: bytes | memoryview, data_len: int) -> tuple[int, list[T
     return 8 + n, sorted(tensors, key=lambda t: t.begin)
 
 
-def read_tensors(data: bytes) -> tuple[int, list[Tensor]]:
+def read_tensors(data: bytes | bytearray) -> tuple[int, list[Tensor]]:
     """`parse_header` of a whole safetensors file."""
     if len(data) < 8:
         raise DeltaError("no safetensors header")
@@ -88,7 +88,7 @@ def read_tensors(data: bytes) -> tuple[int, list[Tensor]]:
     return parse_header(data, len(data) - 8 - n)
 
 
-def tensor_hashes(data: bytes) -> list[TensorHash]:
+def tensor_hashes(data: bytes | bytearray) -> list[TensorHash]:
     """What a delta manifest lists for a weights file: every tensor's name, dtype, shape and sha256."""
     start, tensors = read_tensors(data)
     view = memoryview(data)
@@ -150,8 +150,10 @@ def _encode_tensor(seg: np.ndarray, base: np.ndarray | None, dtype: str) -> byte
     return b"\x00" + _planes(x, k)
 
 
-def _decode_tensor(raw: memoryview, p: int, n: int, base: np.ndarray | None, dtype: str) -> tuple[np.ndarray, int]:
-    """(the tensor's `n` bytes, where the next section starts) from the section at `p`."""
+def _decode_tensor(raw: memoryview, p: int, out: np.ndarray, base: np.ndarray | None, dtype: str) -> int:
+    """Write the tensor the section at `p` encodes into `out` (its bytes in the file); where the next section
+    starts. A sparse section copies the base and flips only the changed elements' bits."""
+    n = len(out)
     k = _ITEMSIZE.get(dtype, 1)
     if n % k:
         k = 1
@@ -162,27 +164,26 @@ def _decode_tensor(raw: memoryview, p: int, n: int, base: np.ndarray | None, dty
         if p + n > len(raw):
             raise DeltaError("the payload ends early")
         x = np.frombuffer(raw[p:p + n], dtype=np.uint8).reshape(k, -1).T.copy().view(_UINT[k]).ravel()
-        p += n
-    elif mode == 1 and base is not None:
-        if p + 16 > len(raw):
-            raise DeltaError("the payload ends early")
-        count, glen = struct.unpack("<QQ", raw[p:p + 16])
-        p += 16
-        if count > n // k or p + glen + count * k > len(raw):
-            raise DeltaError("a sparse section does not fit")
-        positions = np.cumsum(_from_varints(np.frombuffer(raw[p:p + glen], dtype=np.uint8), count) + 1) - 1
-        p += glen
-        if count and positions.max() >= n // k:  # max, not last: a forged gap can wrap the sum around
-            raise DeltaError("a changed position lies outside its tensor")
-        vals = np.frombuffer(raw[p:p + count * k], dtype=np.uint8).reshape(k, -1).T.copy().view(_UINT[k]).ravel()
-        p += count * k
-        x = np.zeros(n // k, dtype=_UINT[k])
-        x[positions.astype(np.int64)] = vals
-    else:
+        if base is not None:
+            np.bitwise_xor(x, _elements(base, dtype)[0], out=x)
+        out[:] = x.view(np.uint8)
+        return p + n
+    if mode != 1 or base is None:
         raise DeltaError(f"unknown section mode {mode}")
-    if base is not None:
-        x ^= _elements(base, dtype)[0]
-    return x.view(np.uint8), p
+    if p + 16 > len(raw):
+        raise DeltaError("the payload ends early")
+    count, glen = struct.unpack("<QQ", raw[p:p + 16])
+    p += 16
+    if count > n // k or p + glen + count * k > len(raw):
+        raise DeltaError("a sparse section does not fit")
+    positions = np.cumsum(_from_varints(np.frombuffer(raw[p:p + glen], dtype=np.uint8), count) + 1) - 1
+    p += glen
+    if count and positions.max() >= n // k:  # max, not last: a forged gap can wrap the sum around
+        raise DeltaError("a changed position lies outside its tensor")
+    vals = np.frombuffer(raw[p:p + count * k], dtype=np.uint8).reshape(k, -1).T.copy().view(_UINT[k]).ravel()
+    out[:] = base
+    out.view(_UINT[k])[positions.astype(np.int64)] ^= vals
+    return p + count * k
 
 
 def _pairs(tensors: list[Tensor], base: bytes) -> list[tuple[Tensor, np.ndarray | None]]:
@@ -220,7 +221,7 @@ def encode(base: bytes, target: bytes, level: int = DEFAULT_LEVEL) -> bytes:
     return MAGIC + struct.pack("<Q", start) + target[:start] + packed
 
 
-def apply(base: bytes, payload: bytes, size: int) -> bytes:
+def apply(base: bytes, payload: bytes, size: int) -> bytearray:
     """The file `payload` makes of `base`, which must be `size` bytes long (the signed size: nothing in the
     payload decides how much is decompressed). DeltaError if the payload is malformed. Not checked against any
     hash: that is `check`'s job."""
@@ -239,10 +240,12 @@ def apply(base: bytes, payload: bytes, size: int) -> bytes:
             payload[head + start:], max_output_size=size - start + 32 * len(tensors) + 64))
     except zstandard.ZstdError as e:
         raise DeltaError(f"the payload does not decompress: {e}") from None
-    data = np.zeros(size - start, dtype=np.uint8)
+    rebuilt = bytearray(size)  # written in place: no copy of the whole file at the end
+    rebuilt[:start] = header
+    data = np.frombuffer(rebuilt, dtype=np.uint8)[start:]
     p = 0
     for t, b in _pairs(tensors, base):
-        data[t.begin:t.end], p = _decode_tensor(raw, p, t.end - t.begin, b, t.dtype)
+        p = _decode_tensor(raw, p, data[t.begin:t.end], b, t.dtype)
     for a, b_ in _uncovered(tensors, len(data)):
         if p + b_ - a > len(raw):
             raise DeltaError("the payload ends early")
@@ -250,14 +253,18 @@ def apply(base: bytes, payload: bytes, size: int) -> bytes:
         p += b_ - a
     if p != len(raw):
         raise DeltaError("the payload has bytes left over")
-    return header + data.tobytes()
+    return rebuilt
 
 
-def check(data: bytes, expected: DeltaFile) -> None:
-    """ManifestError unless `data` is the file `expected` describes: its size, every tensor (name, dtype, shape,
-    sha256, in order) and its sha256."""
+def check(data: bytes | bytearray, expected: DeltaFile) -> None:
+    """ManifestError unless `data` is the file `expected` describes: its size, its header block, every tensor
+    (name, dtype, shape, sha256, in order) and so, when the tensors tile the data region as safetensors writes them,
+    the whole file bit for bit (otherwise its sha256 is checked too)."""
     if len(data) != expected.size:
         raise ManifestError(f"{expected.path}: rebuilt {len(data)} bytes, the manifest says {expected.size}")
+    start, tensors = read_tensors(data)
+    if hashlib.sha256(memoryview(data)[:start]).hexdigest() != expected.header_sha256:
+        raise ManifestError(f"{expected.path}: the rebuilt header does not match its signed hash")
     got = tensor_hashes(data)
     if len(got) != len(expected.tensors):
         raise ManifestError(f"{expected.path}: rebuilt {len(got)} tensors, the manifest lists "
@@ -265,13 +272,17 @@ def check(data: bytes, expected: DeltaFile) -> None:
     for have, want in zip(got, expected.tensors, strict=True):
         if have != want:
             raise ManifestError(f"{expected.path}: tensor {want.name!r} does not match its signed hash")
-    if hashlib.sha256(data).hexdigest() != expected.sha256:
+    overlap = any(a.end > b.begin for a, b in zip(tensors, tensors[1:], strict=False))
+    tiled = not overlap and not _uncovered(tensors, len(data) - start)
+    if not tiled and hashlib.sha256(data).hexdigest() != expected.sha256:
         raise ManifestError(f"{expected.path}: the rebuilt file does not match its signed hash")
 
 
 def describe(path: str, payload_path: str, target: bytes) -> DeltaFile:
     """The manifest's entry for a weights file `path` sent as the payload file `payload_path`."""
-    return DeltaFile(path=path, size=len(target), sha256=hashlib.sha256(target).hexdigest(), payload=payload_path,
+    start, _ = read_tensors(target)
+    return DeltaFile(path=path, size=len(target), sha256=hashlib.sha256(target).hexdigest(),
+                     header_sha256=hashlib.sha256(target[:start]).hexdigest(), payload=payload_path,
                      tensors=tensor_hashes(target))
 
 
