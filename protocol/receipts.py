@@ -54,8 +54,12 @@ class Receipt(Strict):
         return unsigned.model_copy(update={"signature": identity.sign(unsigned.signed_bytes())})
 
 
-def verify_receipt(receipt: Receipt, coordinator_key: str, node_id: str | None = None) -> str | None:
-    """Why `receipt` is not a valid receipt of `coordinator_key` (for `node_id`, when given), or None."""
+def verify_receipt(receipt: Receipt, coordinator_key: str, node_id: str | None = None,
+                   run_id: str | None = None) -> str | None:
+    """Why `receipt` is not a valid receipt of `coordinator_key` (for `node_id` and for run `run_id`, when given),
+    or None. One coordinator key may serve several runs: a receipt of another run is work for that run."""
+    if run_id is not None and receipt.run_id != run_id:
+        return f"for run {receipt.run_id!r}, not {run_id!r}"
     if node_id is not None and receipt.node_id != node_id:
         return f"issued to node {receipt.node_id[:12]}…, not to this node"
     try:

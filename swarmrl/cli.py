@@ -130,7 +130,7 @@ def cmd_pool(args: argparse.Namespace) -> None:
 def cmd_ledger(args: argparse.Namespace) -> None:
     from swarmrl.ledgercmd import ledger_command
 
-    ledger_command(args.url, args.node, args.csv, args.verify, args.coordinator_key)
+    ledger_command(args.url, args.node, args.csv, args.verify, args.coordinator_key, args.run_id)
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--verify", type=Path, metavar="RECEIPTS_JSONL", help="check a node's receipts file (e.g. "
                     "node-data/receipts.jsonl) offline; exit status 1 if any line is not a valid receipt")
     pl.add_argument("--coordinator-key", metavar="HEX", help="the pool's coordinator public key (for --verify)")
+    pl.add_argument("--run-id", metavar="RUN", help="with --verify: every receipt must be of this run (default: the "
+                    "run of the first valid receipt; the run is printed)")
     pl.set_defaults(fn=cmd_ledger)
     pm = sub.add_parser("model", help="build a checkpoint of any supported architecture and size (default: the tiny "
                                       "adder, warmed up to a target accuracy)")

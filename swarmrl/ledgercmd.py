@@ -4,10 +4,10 @@
         every page of the coordinator's ledger: accepted groups and tokens per node and policy version
         (NODE_ID may be the first characters of the id, as every screen shows it, when no other id starts so)
 
-    swarmrl ledger --verify node-data/receipts.jsonl --coordinator-key HEX [--node NODE_ID] [--csv]
-        offline, trusting nothing but the coordinator's public key: checks every receipt's signature (and that it
-        was issued to NODE_ID, when given) and adds the valid ones up the same way; exit status 1 when any line is
-        not a valid receipt, each such line said with why
+    swarmrl ledger --verify node-data/receipts.jsonl --coordinator-key HEX [--run-id RUN] [--node NODE_ID] [--csv]
+        offline, trusting nothing but the coordinator's public key: checks every receipt's signature, that it is of
+        one run (RUN when given; the run is printed) and issued to NODE_ID (when given), and adds the valid ones up
+        the same way; exit status 1 when any line is not a valid receipt, each such line said with why
 
 Both print one table (or CSV with the columns node_id, name, policy_version, groups, tokens, last_accepted_at), so
 a node's receipts can be set beside the operator's ledger.
@@ -44,6 +44,8 @@ class Checked:
     valid: int
     duplicates: int
     refused: list[tuple[int, str]]
+    run_id: str | None = None
+    """The run every valid receipt is of (None when there is none)."""
 
 
 def fetch_ledger(url: str, node_id: str | None = None) -> list[LedgerEntry]:
@@ -98,8 +100,10 @@ def _pool_node_ids(url: str) -> list[str]:
         return [n.node_id for n in client.nodes()]
 
 
-def check_receipts(path: Path, coordinator_key: str, node_id: str | None = None) -> Checked:
-    """Check every line of a receipts file against `coordinator_key` (and `node_id`); add up the valid ones."""
+def check_receipts(path: Path, coordinator_key: str, node_id: str | None = None, run_id: str | None = None
+                   ) -> Checked:
+    """Check every line of a receipts file against `coordinator_key` (and `node_id`); add up the valid ones. All of
+    them must be of one run: `run_id`, else the run of the first valid line (the others are refused, saying so)."""
     sums: dict[tuple[str, int], list[float]] = {}
     seen: set[tuple[str, str]] = set()
     refused: list[tuple[int, str]] = []
@@ -112,7 +116,11 @@ def check_receipts(path: Path, coordinator_key: str, node_id: str | None = None)
         except ValidationError as e:
             refused.append((n, f"not a receipt: {describe_validation_error(e, limit=2, root='line')}"))
             continue
-        problem = verify_receipt(receipt, coordinator_key, node_id)
+        problem = verify_receipt(receipt, coordinator_key, node_id, run_id)
+        if problem is not None and run_id is None and problem.startswith("for run"):
+            problem += " (the first valid line's run: give --run-id to check another)"
+        if problem is None and run_id is None:
+            run_id = receipt.run_id
         if problem is not None:
             refused.append((n, problem))
             continue
@@ -126,7 +134,7 @@ def check_receipts(path: Path, coordinator_key: str, node_id: str | None = None)
     entries = [LedgerEntry(node_id=k[0], name="", policy_version=k[1], groups=int(v[0]), tokens=int(v[1]),
                            last_accepted_at=v[2], cursor=i)
                for i, (k, v) in enumerate(sorted(sums.items()), 1)]
-    return Checked(entries, valid, duplicates, refused)
+    return Checked(entries, valid, duplicates, refused, run_id if valid else None)
 
 
 def _when(t: float) -> str:
@@ -153,7 +161,7 @@ def print_entries(entries: list[LedgerEntry], title: str, as_csv: bool) -> None:
 
 
 def ledger_command(url: str | None, node_id: str | None, as_csv: bool, verify: Path | None,
-                   coordinator_key: str | None) -> None:
+                   coordinator_key: str | None, run_id: str | None = None) -> None:
     if verify is not None:
         if not coordinator_key:
             sys.exit("swarmrl ledger --verify: give the pool's key with --coordinator-key (offline: nothing else is "
@@ -165,8 +173,9 @@ def ledger_command(url: str | None, node_id: str | None, as_csv: bool, verify: P
                 node_id = resolve_node_id(node_id, _receipt_node_ids(verify), str(verify))
             except NodeIdError as e:
                 sys.exit(f"swarmrl ledger: {e}")
-        checked = check_receipts(verify, coordinator_key.strip().lower(), node_id)
-        print_entries(checked.entries, f"{checked.valid} valid receipts in {verify}", as_csv)
+        checked = check_receipts(verify, coordinator_key.strip().lower(), node_id, run_id)
+        run = f" of run {checked.run_id}" if checked.run_id else ""
+        print_entries(checked.entries, f"{checked.valid} valid receipts{run} in {verify}", as_csv)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         if checked.duplicates:
             err.print(f"{checked.duplicates} duplicate lines (a group already credited) counted once")

@@ -40,6 +40,32 @@ def test_receipts_verify_and_refuse_forgeries() -> None:
     assert verify_receipt(bare, coordinator.public_key_hex).startswith("bad signature")
 
 
+def test_receipts_are_checked_and_shown_for_one_run(tmp_path: Path) -> None:
+    """One coordinator key may serve several runs: `ledger --verify` checks every receipt against one run and
+    prints it (the first valid line's run, or --run-id)."""
+    import subprocess
+    import sys
+
+    from swarmrl.ledgercmd import check_receipts
+
+    coordinator, node = Identity.generate(), Identity.generate()
+    mine = receipt(coordinator, node.node_id, "a")
+    theirs = Receipt.sign(coordinator, **{**mine.model_dump(exclude={"signature"}), "run_id": "other-run",
+                                          "prompt_id": "b"})
+    assert verify_receipt(theirs, coordinator.public_key_hex, run_id="r") == "for run 'other-run', not 'r'"
+    path = tmp_path / "receipts.jsonl"
+    path.write_text(mine.model_dump_json() + "\n" + theirs.model_dump_json() + "\n")
+    checked = check_receipts(path, coordinator.public_key_hex)
+    assert (checked.valid, checked.run_id) == (1, "r")
+    assert [n for n, _ in checked.refused] == [2] and "not 'r'" in checked.refused[0][1]
+    other = check_receipts(path, coordinator.public_key_hex, run_id="other-run")
+    assert (other.valid, other.run_id, [n for n, _ in other.refused]) == (1, "other-run", [1])
+    cli = subprocess.run([sys.executable, "-m", "swarmrl.cli", "ledger", "--verify", str(path), "--coordinator-key",
+                          coordinator.public_key_hex, "--run-id", "r"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1 and "1 valid receipts of run r" in cli.stdout, cli
+    assert "line 2" in cli.stderr and "other-run" in cli.stderr
+
+
 def test_receipt_book_keeps_each_valid_receipt_once(tmp_path: Path) -> None:
     coordinator, node, forger = Identity.generate(), Identity.generate(), Identity.generate()
     path = tmp_path / "receipts.jsonl"
