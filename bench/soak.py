@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from swarmrl.runtime.lifetime import interrupt_on_sigterm
 from swarmrl.testing.soak import FAULTS, SoakPool, Timeline
 
 
@@ -74,6 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="swarmrl-soak-"))
     out.mkdir(parents=True, exist_ok=True)
+    interrupt_on_sigterm()  # stopped by SIGTERM (a timeout), it still stops every role it started
     pool = SoakPool(out / "pool").start()
     end_s, next_fault, k = args.minutes * 60.0, args.fault_every_s, 0
     try:
@@ -81,6 +83,7 @@ def main() -> None:
             task = bar.add_task("soak", total=end_s)
             while pool.now() < end_s:
                 pool.steps()
+                pool.check_alive()
                 pool.note_held()
                 if pool.now() >= next_fault:
                     pool.fault(FAULTS[k % len(FAULTS)])

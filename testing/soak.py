@@ -67,7 +67,7 @@ class SoakPool:
                          "poll_interval_s": 0.1},
             # A random model earns little reward: train on every group, so that steps measure the pool, not luck.
             "trainer": {"batch_groups": batch_groups, "eval_every": 0, "long_poll_s": 1, "poll_interval_s": 0.1,
-                        "keep_states": 2, "loss.filter_zero_advantage": "false"},
+                        "keep_states": 2, "loss.filter_zero_advantage": "false", "max_steps": 10**9},
         }
         self.procs = {role: RoleProcess(role, config / f"{role}.toml", logs / f"{role}.log", args=_sets(s))
                       for role, s in sets.items()}
@@ -104,6 +104,12 @@ class SoakPool:
         except Exception:  # the coordinator is being restarted: nothing to say now
             return None
 
+    def check_alive(self) -> None:
+        """RuntimeError, with its last lines, when a role exited on its own (every role here runs until stopped)."""
+        dead = [n for n, p in self.procs.items() if not p.alive]
+        if dead:
+            raise RuntimeError(f"{dead[0]} exited on its own:\n{self.procs[dead[0]].tail()}")
+
     def wait_steps(self, more: int, bound_s: float, poll_s: float = 0.5) -> None:
         """Until `more` further steps are logged; TimeoutError, with the watchdog's blockers and each role's last
         lines, when no step comes for `bound_s`, or RuntimeError when a role exits on its own."""
@@ -112,9 +118,7 @@ class SoakPool:
         while self.steps() < target:
             if self.steps() > seen:
                 seen, last_step_at = self.steps(), self.now()
-            dead = [n for n, p in self.procs.items() if not p.alive]
-            if dead:
-                raise RuntimeError(f"{dead[0]} exited on its own:\n{self.procs[dead[0]].tail()}")
+            self.check_alive()
             self.note_held()
             if self.now() - last_step_at > bound_s:
                 t = self.training()
