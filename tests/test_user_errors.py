@@ -215,3 +215,26 @@ def test_a_setup_directory_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "docker" / "setup_pool.py"), str(target)], env=ENV,
                           capture_output=True, text=True, timeout=120)
     one_line_error(proc, "setup_pool.py:", f"{target} is a file", "give setup_pool.py a directory")
+
+
+def test_the_trainer_says_what_is_wrong_with_its_key_and_its_checkpoint(tmp_path: Path, run_factory,
+                                                                        init_ckpt: Path) -> None:
+    listed = tmp_path / "keys" / "listed.key"
+    op = Identity.generate()
+    op.save(listed)
+    run = run_factory(op_key=op)
+    common = ["--set", f"coordinator_url={run.url}", "--set", "progress=false", "--set", "eval_every=0",
+              "--set", f"state_dir={tmp_path / 'state'}"]
+    # A key the coordinator does not list: made, said so, then refused in one line before any work.
+    new = tmp_path / "keys" / "trainer.key"
+    proc = swarmrl("trainer", *common, "--set", f"key_path={new}", "--set", f"init_checkpoint={init_ckpt}",
+                   cwd=tmp_path)
+    one_line_error(proc, "swarmrl trainer:", "does not list the trainer's key as an operator key", str(new),
+                   Identity.load(new).public_key_hex, "add that public key to the coordinator's operator_keys")
+    assert "a new key was made there" in proc.stderr
+    # A checkpoint path that is no directory here is never taken for a model hub's name.
+    proc = swarmrl("trainer", *common, "--set", f"key_path={listed}", "--set", "init_checkpoint=mypool/init",
+                   cwd=tmp_path)
+    one_line_error(proc, "swarmrl trainer:", f"init_checkpoint {tmp_path / 'mypool' / 'init'} is not a checkpoint "
+                   "directory", "fix init_checkpoint")
+    assert "huggingface" not in (proc.stdout + proc.stderr).lower() and "new key" not in proc.stderr

@@ -118,6 +118,8 @@ def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop
         pub_client = CoordinatorClient(cfg.coordinator_url, identity)
         owned = [client, pub_client]
     try:
+        if identity is not None:  # a signed read that moves nothing: a key the coordinator does not list is said now
+            client.training_batch(after_id=0, limit=1)  # type: ignore[union-attr]
         return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display).run()
     except CoordinatorError as e:
         if identity is not None and e.status == 403:  # only an operator endpoint's refusal of the key is a 403
