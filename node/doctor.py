@@ -176,6 +176,16 @@ def check_ports(cfg: NodeConfig) -> list[Check]:
                                  f"stop what uses port {port}, or change {what}.host_maddrs"))
                 continue
         out.append(Check("OK", "ports", f"{what} port {port} is free"))
+    if cfg.metrics_port:  # another role of the pool on this machine may serve its metrics there already
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((cfg.metrics_host, cfg.metrics_port))
+            except OSError as e:
+                out.append(Check("FAIL", "ports", f"metrics_port {cfg.metrics_port} on {cfg.metrics_host} cannot be "
+                                 f"used: {e.strerror}", "give each role on this machine its own metrics_port, or "
+                                 "leave it unset (off)"))
+            else:
+                out.append(Check("OK", "ports", f"metrics port {cfg.metrics_port} is free"))
     return out or [Check("OK", "ports", "no fixed port: the node dials out, and listens on any free port")]
 
 

@@ -238,3 +238,39 @@ def test_the_trainer_says_what_is_wrong_with_its_key_and_its_checkpoint(tmp_path
     one_line_error(proc, "swarmrl trainer:", f"init_checkpoint {tmp_path / 'mypool' / 'init'} is not a checkpoint "
                    "directory", "fix init_checkpoint")
     assert "huggingface" not in (proc.stdout + proc.stderr).lower() and "new key" not in proc.stderr
+
+
+def test_the_doctor_finds_a_metrics_port_another_role_holds() -> None:
+    from swarmrl.node.config import NodeConfig
+    from swarmrl.node.doctor import check_ports
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        checks = check_ports(NodeConfig(metrics_port=port, p2p={"enabled": False}))
+    assert [(c.status, c.name) for c in checks] == [("FAIL", "ports")]
+    assert f"metrics_port {port} on 127.0.0.1 cannot be used" in checks[0].detail
+    assert "its own metrics_port" in checks[0].fix
+    free = check_ports(NodeConfig(metrics_port=port, p2p={"enabled": False}))  # released: free again
+    assert [c.status for c in free] == ["OK"] and f"metrics port {port} is free" in free[0].detail
+
+
+def test_the_verifier_started_before_the_coordinator_says_the_start_order(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "verifier", "--set", f"coordinator_url={url}",
+                             "--set", f"key_path={tmp_path / 'verifier.key'}"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if "start the coordinator first" in line:
+                break
+        out = "".join(seen)
+        assert f"coordinator {url} unreachable" in out and "the verifier checks groups once it answers" in out, out
+        assert proc.poll() is None and "Traceback" not in out, out  # waiting, not stopped
+    finally:
+        proc.kill()
+        proc.wait()

@@ -58,6 +58,7 @@ class Verifier:
         self.cfg = cfg
         self.identity = identity or operator_identity(cfg.key_path, "verifier")
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity, coordinator_key=cfg.coordinator_key)
+        self.client.outage.context = lambda: "the verifier checks groups once it answers (start the coordinator first)"
         self.task: Task | None = None
         rules = cfg.quarantine_rules()
         self.policy = CheckPolicy(rules, cfg.policy_seed)
