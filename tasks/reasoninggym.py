@@ -56,6 +56,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swarmrl.protocol.tasks import Problem, Task
+from swarmrl.runtime.errors import UserError
 
 REPLAY_CHECK_ITEMS = 32
 """Items of each range (held-out, training) generated again in another process when the task loads."""
@@ -72,6 +73,11 @@ UNSAFE_SCORERS = frozenset({"binary_matrix", "countdown", "intermediate_integrat
 model's completion would execute on the verifier, so they are refused. tests/test_reasoning_gym_task.py probes every
 dataset's scorer and requires exactly these to execute code."""
 _STORED = re.compile(r"([0-9]{1,18}):([0-9a-f]{16})")
+
+
+class MixtureRefused(UserError, ValueError):
+    """The options' mixture cannot be used in a swarm (a dataset refuses its config, or does not replay): the
+    operator's to fix in `[run.task.options]`, said in one line (a ValueError too, as `load_task` promises)."""
 
 
 class DatasetChoice(BaseModel):
@@ -156,8 +162,9 @@ def build_mixture(options: ReasoningGymOptions) -> Any:
             try:
                 create_dataset(name, **d.config)
             except (AssertionError, TypeError, ValueError) as bad:
-                raise ValueError(f"reasoning-gym dataset {name!r} refuses config {d.config}: {bad!r}") from None
-        raise ValueError(f"reasoning-gym refuses the mixture: {e!r}") from None
+                raise MixtureRefused(f"[run.task.options] datasets.{name}: reasoning-gym refuses config {d.config}: "
+                                     f"{bad!r}") from None
+        raise MixtureRefused(f"[run.task.options] datasets: reasoning-gym refuses the mixture: {e!r}") from None
 
 
 def item_digest(entry: dict[str, Any]) -> str:
@@ -207,9 +214,9 @@ def check_replay(options: ReasoningGymOptions) -> None:
     there = {int(i): tuple(v) for i, v in json.loads(proc.stdout).items()}
     for i, (name, digest) in here.items():
         if there.get(i) != (name, digest):
-            raise ValueError(f"reasoning-gym dataset {name!r} does not generate item {i} the same way in two "
-                             "processes, so the verifier could not regenerate what the coordinator drew: it "
-                             "cannot be used in a swarm (remove it from the task's datasets)")
+            raise MixtureRefused(f"[run.task.options] datasets.{name}: reasoning-gym dataset {name!r} does not "
+                                 f"generate item {i} the same way in two processes, so the verifier could not "
+                                 "regenerate what the coordinator drew: remove it from the datasets")
     _REPLAYED.add(key)
 
 

@@ -5,12 +5,16 @@ process would generate differently refused when the task loads."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from swarmrl.protocol.tasks import TaskSpec, load_task, registered_tasks, task_options
 from swarmrl.tasks.reasoninggym import (
     UNSAFE_SCORERS,
+    MixtureRefused,
     ReasoningGymOptions,
     ReasoningGymTask,
     build_mixture,
@@ -111,9 +115,9 @@ def test_bad_options_are_refused_with_a_reason(options, reason):
 
 
 def test_a_config_a_dataset_refuses_is_named_at_load():
-    with pytest.raises(ValueError, match="dataset 'chain_sum' refuses config"):
+    with pytest.raises(MixtureRefused, match="datasets.chain_sum: reasoning-gym refuses config"):
         load_task(spec(datasets={"chain_sum": {"config": {"min_terms": 3, "max_terms": 2}}}))
-    with pytest.raises(ValueError, match="dataset 'chain_sum' refuses config"):
+    with pytest.raises(MixtureRefused, match="datasets.chain_sum: reasoning-gym refuses config"):
         load_task(spec(datasets={"chain_sum": {"config": {"no_such_field": 1}}}))
 
 
@@ -130,9 +134,20 @@ def test_a_dataset_another_process_generates_differently_is_refused_at_load(data
     # Real reasoning-gym 0.1.25 datasets whose items change with the interpreter's hash seed (5 of its 105 did in
     # a scan: these two, knight_swap, polynomial_multiplication, word_ladder): the verifier's process would not
     # regenerate what the coordinator's drew.
-    with pytest.raises(ValueError, match=f"dataset '{dataset}' does not generate item .* the same way in two "
-                                         "processes"):
+    with pytest.raises(MixtureRefused, match=f"dataset '{dataset}' does not generate item .* the same way in two "
+                                             "processes"):
         load_task(spec(datasets={dataset: {}}, eval_size=10))
+
+
+def test_the_command_line_says_why_a_mixture_is_refused_in_one_line(tmp_path):
+    config = Path(__file__).resolve().parent.parent / "examples" / "reasoning-gym" / "swarm.toml"
+    out = subprocess.run([sys.executable, "-m", "swarmrl.cli", "demo", "--config", str(config), "--set",
+                          f"run_dir={tmp_path / 'run'}", "--set", 'run.task.options.datasets={"ransom_note": {}}'],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
+    assert "[run.task.options] datasets.ransom_note: reasoning-gym dataset 'ransom_note' does not generate" in \
+        out.stdout + out.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # refused before any role started
 
 
 def test_exactly_the_scorers_that_run_the_answer_as_code_are_refused(tmp_path):
