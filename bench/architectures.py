@@ -3,11 +3,12 @@ sampler's cost at a 152k vocabulary against plain vLLM sampling, and the verifie
 
 Three parts (each can be skipped):
 
-1. archs: random "mini" Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) with a byte-level BPE, ChatML prompts and
-   two stop tokens; honest groups from the vLLM engine and the torch engine at T = 0.7 and 1.0 (one engine per
-   architecture: the temperature is per request) go through the verifier's cheap checks and full check
-   (`swarmrl.testing.local.verify_groups`), fp32 on the CPU. `archs` counts [rejected, total] groups per arch@T
-   over both engines;
+1. archs: random "mini" models of every architecture `swarmrl model` builds (Llama, Qwen2, Qwen3, Mistral, Phi3,
+   Gemma2 tied with softcapping and logits spread 4, GPT-2, OPT) with a byte-level BPE, ChatML prompts and two
+   stop tokens; honest groups from the vLLM engine and the torch engine at T = 0.7 and 1.0 go through the
+   verifier's cheap checks and full check (`swarmrl.testing.local.verify_groups`), fp32 on the CPU. `archs`
+   counts [rejected, total] groups per arch@T over both engines, `arch_max_dlogprob` the largest |claimed -
+   recomputed| logprob per architecture;
 2. sampler: node tokens/s of the vLLM engine with the replayable sampler (proofs off, to time the sampler alone)
    against plain vLLM sampling (temperature T, logprobs=0, unseeded) in the same engine on the same prompts, with a
    Qwen2 of vocabulary 152064 (the small30m body; an 8192-token BPE, rows beyond it are padding as in Qwen's
@@ -45,7 +46,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from swarmrl.models.build import ModelConfig, build_model, save_checkpoint  # noqa: E402
+from swarmrl.models.build import ARCHS, ModelConfig, build_model, save_checkpoint  # noqa: E402
 from swarmrl.models.tokenizers import build_bpe_tokenizer  # noqa: E402
 from swarmrl.node.engine import EngineConfig  # noqa: E402
 from swarmrl.node.engines import build_engine  # noqa: E402
@@ -78,7 +79,9 @@ def arch_part(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     by_engine: dict[str, list[int]] = {}
     details: dict[str, Any] = {}
     for arch in args.archs:
-        ckpt = checkpoint(out / f"arch-{arch}", ModelConfig.preset("mini", arch=arch, stop_rate=args.stop_rate),
+        # A tied architecture keeps its tied head (a stop rate unties it): its completions run to max_tokens.
+        stop_rate = None if arch in args.tied else args.stop_rate
+        ckpt = checkpoint(out / f"arch-{arch}", ModelConfig.preset("mini", arch=arch, stop_rate=stop_rate),
                           args.bpe_vocab)
         policy = load_policy(ckpt, 0)
         for kind in args.engines:
@@ -124,7 +127,11 @@ def arch_part(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                         row[1] += stats["groups"]
             finally:
                 engine.close()
-    return {"archs": counts, "archs_by_engine": by_engine, "arch_details": details}
+    worst: dict[str, float] = {}
+    for key, d in details.items():
+        arch = key.split("@")[0]
+        worst[arch] = max(worst.get(arch, 0.0), d["max_logprob_diff"])
+    return {"archs": counts, "archs_by_engine": by_engine, "arch_max_dlogprob": worst, "arch_details": details}
 
 
 # -- 2. the sampler at a 152k vocabulary ----------------------------------------------------------------------------
@@ -207,7 +214,8 @@ def verify_part(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/bench-architectures"))
-    p.add_argument("--archs", nargs="+", default=["llama", "qwen2", "qwen3"])
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS))
+    p.add_argument("--tied", nargs="*", default=["gemma2"], help="archs built tied, without a stop rate")
     p.add_argument("--engines", nargs="+", default=["vllm", "torch"], choices=["vllm", "torch"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.7, 1.0])
     p.add_argument("--groups", type=int, default=500, help="groups per arch, temperature and engine")
@@ -238,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result |= verify_part(args, args.out)
     result["wall_s"] = round(time.time() - t0, 1)
     (args.out / "architectures.json").write_text(json.dumps(result, indent=1))
-    summary = {k: result[k] for k in ("archs", "sampler_overhead", "verify_cost_ratio_256") if k in result}
+    summary = {k: result[k] for k in ("archs", "arch_max_dlogprob", "sampler_overhead", "verify_cost_ratio_256")
+               if k in result}
     print(json.dumps(summary | {k: v for k, v in result.items() if k not in summary and k != "arch_details"}))
     return result
 

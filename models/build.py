@@ -194,11 +194,12 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=stops if len(stops) > 1 else stops[0])
     logit_std = cfg.logit_std if cfg.logit_std is not None else ARCHS[cfg.arch].logit_std
+    model.eval()  # measured without dropout (GPT-2 and OPT have some), as every role runs the model
     if logit_std is not None:
         _scale_logits(model, logit_std, gen)
     if cfg.stop_rate is not None:
         _set_stop_rate(model, tokenizer, stops, cfg.stop_rate, gen)
-    return model
+    return model.train()  # as transformers hands out a new model
 
 
 def logit_spread(model: PreTrainedModel, gen: torch.Generator) -> float:

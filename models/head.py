@@ -70,9 +70,14 @@ class OutputHead:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         device = next(self.model.parameters()).device
         ids = (torch.arange(1, 9, device=device) * 7919 % max(vocab - 1, 1))[None]
-        whole = self.model(input_ids=ids, use_cache=False).logits[0].float()
-        states = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
-        got = self(states).float()
+        training = self.model.training
+        self.model.eval()  # dropout (GPT-2's, in a freshly built model) would make two forwards differ
+        try:
+            whole = self.model(input_ids=ids, use_cache=False).logits[0].float()
+            states = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+            got = self(states).float()
+        finally:
+            self.model.train(training)
         err = float((got - whole).abs().max())
         scale = float(whole.abs().max().clamp_min(1.0))
         if not err <= 1e-3 * scale:

@@ -55,7 +55,7 @@ def _replays(ckpt: Path, arch: str, kind: str) -> None:
         assert res.tokens >= GROUPS * 4  # something was generated and checked
     CLASSES[arch] = json.loads((ckpt / "config.json").read_text())["architectures"][0]
     RESULTS[(arch, kind)] = (f"0 of {GROUPS * len(TEMPERATURES)} honest groups rejected (T "
-                             f"{', '.join(f'{t:g}' for t in TEMPERATURES)}); edited token caught")
+                             f"{', '.join(f'{t:.1f}' for t in TEMPERATURES)}); edited token caught")
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
