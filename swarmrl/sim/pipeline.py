@@ -208,6 +208,6 @@ class Trainer:
         self.version += 1
         self.steps += 1
         self.step_times.append(w.clock.now)
-        w.clock.after(w.model_bytes * 8 / (w.sc.trainer.upload_mbit * 1e6), w.publish)
+        w.clock.after(w.upload_bytes * 8 / (w.sc.trainer.upload_mbit * 1e6), w.publish)
         self.training = False
         self.collect()

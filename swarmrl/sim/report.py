@@ -78,7 +78,10 @@ def _plots(f: dict, out: Path) -> None:
             ax.plot(*zip(*pts, strict=True), marker=".", label=label)
     ax.set_xlabel("published at (hours)")
     ax.set_ylabel("seconds to reach")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no version reached the nodes within the run", ha="center", transform=ax.transAxes)
     save(fig, "version_reach.png")
 
 

@@ -23,7 +23,7 @@ from swarmrl.sim.weights import Fetcher, Versions, Weights
 from swarmrl.verifier.budget import IdentityBudget
 from swarmrl.verifier.policy import CheckPolicy
 
-REACH_NODES = 500  # nodes whose every fetch is recorded, for the time a version takes to reach them
+REACH_NODES = 300  # nodes whose every fetch is recorded, for the time a version takes to reach them
 
 
 class RequestQueue:
@@ -81,6 +81,8 @@ class World:
         self.versions = Versions()
         self.weights = Weights(sc.model, self.versions)
         self.model_bytes = sc.model.full_bytes
+        self.upload_bytes = self.model_bytes * (sc.model.delta_ratio if sc.model.broadcast == "delta" else 1.0)
+        """What the trainer uploads per version (the publisher sends deltas when the run broadcasts them)."""
         self.tokens_per_rollout = r.max_tokens * r.mean_token_share
         self.coordinator = Coordinator(self)
         self.nodes = Nodes(self, self.rng)
