@@ -56,8 +56,9 @@ class ModelSource(BaseModel):
 
 
 class DemoConfig(BaseModel):
-    """A local swarm's run config. Every field can be set with `--set name=value`. Relative paths are relative to the
-    working directory; the task's own data paths resolve against `data_dir`."""
+    """A local swarm's run config. Every field can be set with `--set name=value`. A relative path is relative to the
+    config file's directory when written there, to the working directory when given with --set; the task's own data
+    paths resolve against `data_dir`."""
 
     model_config = ConfigDict(extra="forbid")
 
