@@ -14,6 +14,8 @@ so a role configured for another run cannot quietly train or verify against the 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from swarmrl.protocol import proofs
@@ -54,6 +56,10 @@ class RunSpec(Strict):
                                "k versions behind the reference version (the lease's, the coordinator's current "
                                "one, the trainer's) is refused or dropped; 0: synchronous on-policy.")
     proofs: ProofSpec = Field(default_factory=ProofSpec, description="Activation proofs rollouts must carry.")
+    weights_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The dtype of the weights every checkpoint is published in (the trainer keeps fp32 "
+        "master weights): float32 where nodes run on CPUs, bfloat16 where they run bf16 on GPUs (half the bytes, "
+        "and far smaller deltas).")
 
     def mismatch(self, expected: RunSpec) -> str | None:
         """Why this run is not the `expected` one (each differing field, both values), or None when equal."""

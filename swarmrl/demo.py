@@ -14,6 +14,7 @@ plot and writes a JSON report.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from datetime import datetime
 from pathlib import Path
@@ -185,9 +186,25 @@ def evaluate_published(client: CoordinatorClient, coordinator_key: str, work: Pa
 
     signed = client.latest_manifest()
     assert signed is not None, "nothing was published"
-    manifest, out = CheckpointFetcher(work, coordinator_key, [HttpOrigin(client)]).fetch(signed)
+    fetcher = CheckpointFetcher(work, coordinator_key, [HttpOrigin(client)], manifests=client.manifest)
+    manifest, out = fetcher.fetch(signed)  # a delta: rebuilt from the full checkpoint its chain starts at
     model, tok = load_checkpoint(out)
     return (manifest.version, *_scores(model, tok, task, cfg))
+
+
+def checkpoint_traffic(status: RunStatus) -> dict[str, Any]:
+    """What a receiver fetched per published version (the trainer's `publish_bytes` reports: a delta's payloads, or
+    the full checkpoint), against the full checkpoint's size."""
+    per_version = {int(r.metrics["publish_version"]): (int(r.metrics["publish_bytes"]),
+                                                       int(r.metrics["publish_full_bytes"]))
+                   for r in status.metrics if "publish_bytes" in r.metrics}
+    if not per_version:
+        return {}
+    ratios = sorted(sent / full for sent, full in per_version.values() if full)
+    return {"versions": len(per_version), "full_bytes": max(full for _, full in per_version.values()),
+            "median_bytes_sent": int(statistics.median(sent for sent, _ in per_version.values())),
+            "median_ratio": round(statistics.median(ratios), 4) if ratios else None,
+            "bytes_sent": [[v, sent] for v, (sent, _) in sorted(per_version.items())]}
 
 
 def describe_model(source: ModelSource) -> str:
@@ -349,12 +366,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "nodes": cfg.nodes,
         "stop_reason": stop_reason,
         "plot": str(run_dir / "progress.png"),
+        "checkpoint_traffic": checkpoint_traffic(status),
     }
+    traffic = report["checkpoint_traffic"]
+    sent = (f"\ncheckpoints: {traffic['median_bytes_sent'] / 1e3:.0f} kB sent per version (median of "
+            f"{traffic['versions']}), the full checkpoint {traffic['full_bytes'] / 1e3:.0f} kB" if traffic else "")
     console.print(Panel(
         f"held-out accuracy [bold]{report['initial_accuracy']:.3f} -> {final_acc:.3f}[/], mean reward "
         f"{report['initial_reward']:.3f} -> {final_reward:.3f} in {report['steps']} steps, "
         f"{report['wall_seconds']:.0f} s ({stop_reason}); groups accepted {report['groups_accepted']}, "
-        f"rejected {report['groups_rejected']}; engine {report['engine']}\nplot: {report['plot']}",
+        f"rejected {report['groups_rejected']}; engine {report['engine']}{sent}\nplot: {report['plot']}",
         title="result"))
     (run_dir / "report.json").write_text(json.dumps(report, indent=1))
     if cfg.report is not None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from swarmrl.protocol.identity import Identity
+from swarmrl.protocol.manifest import CheckpointManifest
 from swarmrl.protocol.run import RunSpec, SamplingSpec
 from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.testing.groups import training_group
@@ -27,6 +30,7 @@ from swarmrl.trainer.state import (
     restore_rng,
     save_state,
 )
+from swarmrl.transfer.delta import rebuild
 from swarmrl.transfer.store import assemble_checkpoint
 from tests.support.trainer import FakeCoordinator, trainer_cfg
 
@@ -86,6 +90,20 @@ def test_states_are_pruned_but_protected_ones_kept(tmp_path, init_ckpt):
 # -- the loop against a coordinator -----------------------------------------------------------------
 
 
+def _received(published: list[CheckpointManifest], get_shard: Callable[[str], bytes], root: Path) -> Path:
+    """The checkpoint of the last of `published` as a receiver of all of them makes it: a full one assembled, a
+    delta rebuilt on the version before it."""
+    out = root
+    for m in published:
+        out = root / f"v{m.version}"
+        if m.delta is None:
+            assemble_checkpoint(m, get_shard, out)
+        else:
+            staged = assemble_checkpoint(m, get_shard, root / f"staged-{m.version}")
+            rebuild(root / f"v{m.delta.base_version}", staged, m.delta, out)
+    return out
+
+
 def test_run_trainer_resumes_with_monotonic_versions(tmp_path, init_ckpt):
     fake = FakeCoordinator(tmp_path)
     cfg = trainer_cfg(tmp_path, init_ckpt, max_steps=2)
@@ -123,8 +141,10 @@ def test_run_trainer_resumes_with_monotonic_versions(tmp_path, init_ckpt):
     assert 0 not in {step for step, _, _ in fake.metrics_posted[len(by_step):]}  # no second step-0 eval
     assert len(list_states(cfg.state_dir)) == cfg.keep_states
 
-    # What the coordinator received is exactly the trainer's newest weights.
-    out = assemble_checkpoint(fake.published[-1], fake.store.get, tmp_path / "received")
+    # What the coordinator received is exactly the trainer's newest weights: versions after the first of each
+    # start go as deltas (full_every's default), rebuilt on the version before as a receiver does.
+    assert [m.delta.base_version if m.delta else None for m in fake.published] == [None, 0, 1, None, 3]
+    out = _received(fake.published, fake.store.get, tmp_path / "received")
     received, _ = load_checkpoint(out)
     saved = load_state(latest(cfg.state_dir))
     assert saved.state.version == 4

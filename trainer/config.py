@@ -74,6 +74,12 @@ class TrainerConfig(BaseModel):
         "exchange, MiB. A node shares a shard only once it holds all of it, so smaller shards spread sooner, "
         "while each costs some CPU (measured in bench/RESULTS.md).",
     )
+    full_every: int = Field(
+        20, ge=1, description="Publish a full checkpoint at least every N versions, the versions between as deltas "
+        "against the one before (transfer/delta.py: a receiver fetches what changed, a few percent of a bf16 "
+        "checkpoint at RL learning rates, bench/RESULTS.md); 1: every version in full. Nodes need not know it: each "
+        "delta names its base.",
+    )
     publish_in_background: bool = Field(
         True, description="Upload and publish checkpoints on a background thread while training goes on."
     )

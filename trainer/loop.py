@@ -209,7 +209,8 @@ class _Run:
                         info.current_version, self.ts.version)
             self.ts.version = info.current_version
         self.publisher = Publisher(pub_client, self.run_id, background=cfg.publish_in_background,
-                                   shard_size=int(cfg.shard_mb * (1 << 20))) if env.is_main else None
+                                   shard_size=int(cfg.shard_mb * (1 << 20)), dtype=info.spec.weights_dtype,
+                                   full_every=cfg.full_every, work_dir=self.state_dir) if env.is_main else None
         self.display = StepDisplay(cfg.max_steps, self.ts.step, enabled=display and env.is_main)
         self.exporter = TrainerExporter() if env.is_main else None
 
@@ -375,8 +376,12 @@ class _Run:
                 "groups_filtered": float(collected.filtered),
                 "published_version": float(self.publisher.published_version),
             }
-            if self.publisher.last is not None:
-                metrics["publish_s"] = self.publisher.last.seconds
+            last = self.publisher.last
+            if last is not None:
+                metrics["publish_s"] = last.seconds
+                if last.error is None:  # what each receiver fetched for that version, against the full checkpoint
+                    metrics.update(publish_version=float(last.version), publish_bytes=float(last.sent_bytes),
+                                   publish_full_bytes=float(last.full_bytes))
             if eval_acc is not None:
                 metrics["eval_accuracy"] = eval_acc
                 self.display.print(f"step {ts.step} (v{ts.version}): eval accuracy {eval_acc:.3f}")
