@@ -23,7 +23,15 @@ node must receive it once.
 
     sudo .venv/bin/python bench/broadcast.py --nodes 8 --rate-mbit 100 --size-mb 200
 
-The last output line is one JSON object: swarm_s, origin_only_s, limit_s, nodes, size_mb, and details.
+Delta mode (`--delta-changed F`): the checkpoint is bfloat16, and version 2 differs from version 1 in a share F of
+its elements (each by one unit in the last place, as RL steps change bf16 weights). Run (a) broadcasts version 2
+in full; run (c) broadcasts it as a delta (`transfer.delta`, staged as the trainer's publisher stages it) to the
+same N nodes holding version 1 each: every node fetches the payload through the same swarm and origin (the
+malicious peer announces the delta's shards too), rebuilds version 2 and checks every tensor's hash.
+`delta_vs_full` is (c)'s time over (a)'s.
+
+The last output line is one JSON object: swarm_s, origin_only_s, limit_s, nodes, size_mb, and details (with
+`--delta-changed`: delta_s, delta_vs_full, delta_mb).
 """
 
 from __future__ import annotations
@@ -178,6 +186,34 @@ def make_checkpoint(out: Path, size_mb: float) -> None:
     (out / "config.json").write_text(json.dumps({"model_type": "bench", "tensors": i}))
 
 
+def make_delta_pair(work: Path, size_mb: float, changed: float) -> tuple[Path, Path]:
+    """Versions 1 and 2 of a bfloat16 checkpoint of `size_mb` MB: 2 is 1 with a share `changed` of its elements
+    moved by one unit in the last place (up or down at random)."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    remaining = int(size_mb * 1e6) // 2 + 1
+    v1, v2, i = {}, {}, 0
+    while remaining > 0:
+        n = min(remaining, 1 << 22)
+        w = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
+        bits = w.view(torch.int16).clone()
+        moved = torch.rand(n, generator=gen) < changed
+        bits[moved] += (torch.randint(0, 2, (int(moved.sum()),), generator=gen, dtype=torch.int16) * 2 - 1)
+        v1[f"layers.{i}.weight"], v2[f"layers.{i}.weight"] = w, bits.view(torch.bfloat16)
+        remaining -= n
+        i += 1
+    dirs = []
+    for version, tensors in ((1, v1), (2, v2)):
+        out = work / f"ckpt-v{version}"
+        out.mkdir(parents=True)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps({"model_type": "bench", "tensors": i}))
+        dirs.append(out)
+    return dirs[0], dirs[1]
+
+
 # =========================================================================================================
 # workers (each runs inside one namespace)
 # =========================================================================================================
@@ -290,6 +326,8 @@ def worker_node(cfg: dict[str, Any]) -> None:
 
         pcfg = P2PConfig(host_maddrs=[f"/ip4/{cfg['ip']}/tcp/0"], initial_peers=cfg["bootstrap"], **cfg.get("p2p", {}))
         peer = SwarmPeer(pcfg, RUN_ID).start()
+    if cfg.get("held"):  # delta mode: the node holds version 1 (fetched and checked before), as its own copy
+        shutil.copytree(Path(cfg["held"]), Path(cfg["root"]) / Path(cfg["held"]).name)
     # Made before "ready", as a node has it before a broadcast: an HTTP client loads its TLS certificates,
     # which took 0.3 s after "go" with 8 nodes starting at once on 2 cores.
     client = CoordinatorClient(f"http://{cfg['origin_ip']}:{HTTP_PORT}", timeout=120)
@@ -425,8 +463,8 @@ def origin_link_summary(samples: list[tuple[float, int]], t_go: float, rate_mbit
 
 
 def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, signed_path: Path,
-              coordinator_key: str, data_dir: Path, key_path: Path) -> dict[str, Any]:
-    phase = "swarm" if swarm else "origin"
+              coordinator_key: str, data_dir: Path, key_path: Path, held: Path | None = None) -> dict[str, Any]:
+    phase = ("swarm" if swarm else "origin") + ("-delta" if held is not None else "")
     logs = work / f"logs-{phase}"
     logs.mkdir(exist_ok=True)
     from swarmrl.runtime.config import apply_overrides
@@ -445,7 +483,8 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
         nodes = []
         for i in range(args.nodes):
             cfg = {"ip": f"{SUBNET}.1.{i + 1}", "swarm": swarm, "bootstrap": boot, "origin_ip": origin_ip,
-                   "root": str(work / phase / f"node{i}"), "p2p": p2p, "fetch": fetch}
+                   "root": str(work / phase / f"node{i}"), "p2p": p2p, "fetch": fetch,
+                   "held": str(held) if held is not None else None}
             nodes.append(Worker(f"node{i}", net.hosts[f"node{i}"], "node", cfg, logs))
         bad = []
         if swarm:
@@ -584,6 +623,9 @@ def main() -> None:
     ap.add_argument("--seed-p2p", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a P2PConfig field on the origin's seed, e.g. --seed-p2p seed_max_uploads=2")
     ap.add_argument("--skip-origin-only", action="store_true", help="skip (b); origin_only_s is then N*S/B")
+    ap.add_argument("--delta-changed", type=float, default=0.0, metavar="F",
+                    help="delta mode: a bf16 checkpoint whose next version changes this share of its elements; "
+                    "run (c) broadcasts that version as a delta to nodes holding the one before")
     ap.add_argument("--workdir", default=None, help="default: a temporary directory in /dev/shm or /tmp")
     ap.add_argument("--worker", nargs=2, metavar=("ROLE", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -616,13 +658,33 @@ def main() -> None:
         signal.signal(s, lambda *_: sys.exit(1))
     try:
         t = time.time()
-        make_checkpoint(work / "ckpt", args.size_mb)
         coordinator = Identity.generate()
         data_dir = work / "coordinator"
         key_path = data_dir / "coordinator.key"
         coordinator.save(key_path)
-        manifest = cut_checkpoint(work / "ckpt", run_id=RUN_ID, version=1, store=ShardStore(data_dir / "shards"),
-                                  shard_size=int(args.shard_mb * (1 << 20)))
+        shard_size = int(args.shard_mb * (1 << 20))
+        held, delta_path, delta_manifest = None, work / "manifest-delta.json", None
+        if args.delta_changed > 0:
+            from swarmrl.protocol.manifest import CheckpointManifest
+            from swarmrl.trainer.publisher import published_weights, stage
+
+            v1, v2 = make_delta_pair(work, args.size_mb, args.delta_changed)
+            staged = work / "staged"
+            staged.mkdir()
+            spec = stage(v2, staged, published_weights(v2, "bfloat16"), (1, published_weights(v1, "bfloat16")))
+            cut = cut_checkpoint(staged, run_id=RUN_ID, version=2, store=ShardStore(data_dir / "shards"),
+                                 shard_size=shard_size)
+            delta_manifest = CheckpointManifest.model_validate({**cut.model_dump(), "delta": spec.model_dump()})
+            delta_path.write_text(SignedManifest.sign(delta_manifest, coordinator).model_dump_json())
+            held = work / "held" / "v00000001"
+            held.parent.mkdir()
+            os.replace(v1, held)
+            shutil.rmtree(staged)
+            os.replace(v2, work / "ckpt")
+        else:
+            make_checkpoint(work / "ckpt", args.size_mb)
+        manifest = cut_checkpoint(work / "ckpt", run_id=RUN_ID, version=1 if held is None else 2,
+                                  store=ShardStore(data_dir / "shards"), shard_size=shard_size)
         shutil.rmtree(work / "ckpt")
         signed_path = work / "manifest.json"
         signed_path.write_text(SignedManifest.sign(manifest, coordinator).model_dump_json())
@@ -651,6 +713,14 @@ def main() -> None:
             origin = run_phase(net, args, work, False, signed_path, key, data_dir, key_path)
             print(f"(b) origin only: {origin['time_s']:.1f} s (first node {origin['first_s']:.1f} s); "
                   f"CPU busy {origin['cpu_busy']:.0%}", flush=True)
+        delta = None
+        if held is not None and delta_manifest is not None:
+            delta = run_phase(net, args, work, True, delta_path, key, data_dir, key_path, held=held)
+            print(f"(c) swarm, as a delta of {delta_manifest.total_bytes / 1e6:.2f} MB to nodes holding the version "
+                  f"before: {delta['time_s']:.2f} s (first node {delta['first_s']:.2f} s), "
+                  f"{delta['time_s'] / swarm['time_s']:.3f} of the full checkpoint's time; bad shards caught "
+                  f"{delta['bad_shards']}, peers banned {delta['banned_peers']}; CPU busy {delta['cpu_busy']:.0%}",
+                  flush=True)
         limit = size * 8 / (args.rate_mbit * 1e6)
         origin_s = origin["time_s"] if origin else args.nodes * limit
         print(f"lower bound S/B: {limit:.1f} s; swarm is {origin_s / swarm['time_s']:.1f}x faster than origin-only "
@@ -669,6 +739,9 @@ def main() -> None:
             "vs_limit": round(swarm["time_s"] / limit, 3),
             "swarm": swarm,
             "origin_only": origin,
+            **({"delta_s": round(delta["time_s"], 2), "delta_vs_full": round(delta["time_s"] / swarm["time_s"], 4),
+                "delta_mb": round(delta_manifest.total_bytes / 1e6, 3), "delta_changed": args.delta_changed,
+                "delta": delta} if delta is not None and delta_manifest is not None else {}),
         }))
     finally:
         cleanup()
