@@ -1,6 +1,8 @@
 """Checkpoint transfer: one way to move a signed checkpoint from the trainer to every node and verifier.
 
 - `store`: content-addressed shards on disk, cutting a checkpoint into them, assembling one from them;
+- `delta`: the lossless delta codec between two versions' weights files, and rebuilding a delta checkpoint from the
+  base version held (every tensor checked against the signed hashes);
 - `sources`: where shards come from, as a fetcher sees it (`ShardSource`), and the coordinator's HTTP origin;
 - `schedule`: which shard to fetch next from which source, a pure function of a download's state;
 - `download`: the threads that carry the schedule out (fetch, check, store, write into the files);
