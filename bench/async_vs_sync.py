@@ -239,6 +239,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    from swarmrl.runtime.lifetime import interrupt_on_sigterm
+
+    interrupt_on_sigterm()  # SIGTERM runs the demos' cleanup: their swarms stop with this process
     args = parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

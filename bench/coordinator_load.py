@@ -48,6 +48,7 @@ from sqlalchemy import create_engine, text
 
 from swarmrl.protocol.identity import Identity
 from swarmrl.runtime.client import CoordinatorClient
+from swarmrl.runtime.lifetime import interrupt_on_sigterm
 from swarmrl.testing.load import LoadPlan, LoadSwarm, percentile, publish_version_zero
 from swarmrl.testing.postgres import fresh_database
 from swarmrl.testing.processes import RoleProcess
@@ -237,6 +238,7 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    interrupt_on_sigterm()  # SIGTERM runs each run's cleanup (its ExitStack): the coordinator and load processes go
     args = parse_args(argv)
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     counts = [int(n) for n in args.nodes.split(",")]

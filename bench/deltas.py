@@ -172,6 +172,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="draws the traces' prompts and samples (one trace per seed)")
     ap.add_argument("--workdir", default=None, help="where the models are built and kept (reused when there)")
     args = ap.parse_args()
+    from swarmrl.runtime.lifetime import interrupt_on_sigterm
+
+    interrupt_on_sigterm()  # SIGTERM stops the broadcast run it started too (subprocess.run kills it on the way out)
     torch.set_num_threads(1)
     from rich.console import Console
 

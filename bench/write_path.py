@@ -36,8 +36,28 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def import_from(checkout: Path) -> None:
+    """Make `import swarmrl.<package>` load the checkout at `checkout`, not the installed one: each package from the
+    folder its pyproject.toml maps it to (a baseline worktree is not installed)."""
+    import importlib.abc
+    import importlib.util
+    import tomllib
+
+    folders = tomllib.loads((checkout / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+    class CheckoutFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: object = None, target: object = None) -> Any:
+            if name not in folders:
+                return None
+            where = checkout / folders[name]
+            return importlib.util.spec_from_file_location(name, where / "__init__.py",
+                                                          submodule_search_locations=[str(where)])
+
+    sys.meta_path.insert(0, CheckoutFinder())
+
+
 def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
-    """Run the in-process coordinator and its nodes (imports from whichever checkout PYTHONPATH names)."""
+    """Run the in-process coordinator and its nodes (imports from the checkout `import_from` named)."""
     import orjson
 
     from swarmrl.coordinator.admission import AdmissionConfig
@@ -130,18 +150,26 @@ def _worktree(rev: str, into: Path) -> Path:
 
 def _round(checkouts: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Both versions at once; each one's figures."""
+    from swarmrl.runtime.lifetime import PARENT_PID_ENV  # here, not above: a worker imports its own checkout's
+
     procs = {}
     for name, root in checkouts.items():
-        env = {**os.environ, "PYTHONPATH": str(root)}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--nodes", str(args.nodes),
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(root), "--nodes", str(args.nodes),
                "--warmup", str(args.warmup), "--submissions", str(args.submissions)]
         procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{stderr[-3000:]}")
-        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{stderr[-3000:]}")
+            out[name] = json.loads(stdout.strip().splitlines()[-1])
+    finally:  # stopped early (SIGTERM, a failure): the workers go too
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return out
 
 
@@ -152,11 +180,18 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=50, help="simulated nodes, taking turns")
     p.add_argument("--warmup", type=int, default=200, help="submissions before measuring, per round")
     p.add_argument("--submissions", type=int, default=800, help="measured submissions per round and version")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
+    if args.worker is not None:
+        import_from(args.worker)
+        from swarmrl.runtime.lifetime import die_with_parent_if_asked
+
+        die_with_parent_if_asked()
         print(json.dumps(worker(args.nodes, args.warmup, args.submissions)))
         return
+    from swarmrl.runtime.lifetime import interrupt_on_sigterm
+
+    interrupt_on_sigterm()  # SIGTERM runs the cleanup below: the workers and the baseline's worktree go
     from rich.console import Console
 
     console = Console(stderr=True)

@@ -9,7 +9,6 @@ contribution: completion tokens of accepted groups and the coordinator's receipt
 
 from __future__ import annotations
 
-import signal
 import threading
 
 from rich.console import Console, Group
@@ -22,6 +21,7 @@ from rich.text import Text
 from swarmrl.node.agent import Node
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.stats import NodeStats
+from swarmrl.runtime.lifetime import interrupt_on_sigterm
 
 REFRESH_PER_S = 2
 
@@ -83,7 +83,7 @@ def run_node(cfg: NodeConfig) -> NodeStats:
         cfg, record = join_pool(cfg)
         pool = record.record.name
     node = Node(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: node.stop())
+    interrupt_on_sigterm(node.stop)  # the node's loop stops by itself, and the process then ends at once
     if not cfg.progress:
         try:
             return node.run()

@@ -25,7 +25,13 @@ from typing import Any
 from rich.console import Console
 from rich.logging import RichHandler
 
-from swarmrl.runtime.lifetime import die_with_parent_if_asked
+from swarmrl.runtime.lifetime import (
+    Terminated,
+    die_with_parent_if_asked,
+    exit_now,
+    interrupt_on_sigterm,
+    sigterm_received,
+)
 
 _SET_EXAMPLES = {"coordinator": "port=8000", "trainer": "lr=0.001", "verifier": "sample_rate=1.0",
                  "node": "engine.kind=torch", "demo": "engine=torch", "pool": "pool=NAME"}
@@ -184,6 +190,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    interrupt_on_sigterm()  # SIGTERM stops a command as Ctrl-C does, cleaning up what it started
     die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="swarmrl", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -267,13 +274,18 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         args.fn(args)
-    except KeyboardInterrupt:  # Ctrl-C: what it stopped was cleaned up on the way out; no traceback for it
-        Console(stderr=True).print("interrupted")
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what it stopped was cleaned up on the way out; no traceback
+        terminated = isinstance(e, Terminated)
+        Console(stderr=True).print("terminated" if terminated else "interrupted")
+        if terminated:
+            exit_now(143)  # cleaned up: the interpreter's own teardown would only delay the exit by seconds
         sys.exit(130)
     except _user_errors() as e:  # the user's to fix: the message says what and how; --debug adds the traceback
         if args.debug:
             raise
         sys.exit(f"swarmrl {args.command}: {e}")
+    if sigterm_received():  # a command that stopped by itself on SIGTERM (the node) and cleaned up on the way
+        exit_now(0)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -101,7 +101,7 @@ def warm_and_save(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Pat
         meta = {**meta, "warmup_accuracy": acc}
         console.print(f"[bold]model[/] warm start done in {time.time() - t0:.0f} s: accuracy {acc:.3f}")
     save_checkpoint(model, tok, out, meta=meta)
-    console.print(f"[bold]model[/] -> {out}")
+    console.print(f"[bold]model[/] saved to {out} (weights, tokenizer and swarmrl.json)")
     return meta
 
 
