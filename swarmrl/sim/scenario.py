@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from swarmrl.protocol import quarantine
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.protocol.strict import Strict
 
 
@@ -182,6 +183,4 @@ def load(path: Path) -> Scenario:
     try:
         return Scenario.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise ScenarioError(f"{path}: {where}: {first['msg']} ({e.error_count()} problem(s) in all)") from None
+        raise ScenarioError(f"{path}: {describe_validation_error(e, limit=1, root='(top level)')}") from None
