@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+from pydantic import ValidationError
 
 from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import EngineConfig
 from swarmrl.node.engines import resolve_engine_kind, vllm_available
 from swarmrl.protocol.identity import Identity, IdentityError
 from swarmrl.protocol.run import RunInfo
+from swarmrl.runtime.errors import not_a_coordinator
 
 GIB = 1024**3
 SKEW_WARN_S = 5.0
@@ -198,6 +200,9 @@ def check_coordinator(cfg: NodeConfig, timeout: float = 10.0) -> list[Check]:
         t1 = time.time()
         resp.raise_for_status()
         info = RunInfo.model_validate_json(resp.content)
+    except ValidationError as e:  # something answers there, but not a coordinator
+        return [Check("FAIL", "coordinator", str(not_a_coordinator(url, e)),
+                      "fix coordinator_url (or the pool's name)")]
     except (httpx.HTTPError, ValueError) as e:
         return [Check("FAIL", "coordinator", f"{url} does not answer /v1/info: {type(e).__name__}: {e}"[:300],
                       "check coordinator_url (or the pool's name), your network and firewall; the pool may be down "

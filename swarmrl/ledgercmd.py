@@ -54,6 +54,7 @@ def fetch_ledger(url: str, node_id: str | None = None) -> list[LedgerEntry]:
 
     out: list[LedgerEntry] = []
     with CoordinatorClient(url, retries=3) as client:
+        client.info()  # a URL that is no coordinator is said in one line (NotACoordinator), not as a parse error
         after: int | None = 0
         while after is not None:
             page = client.ledger(after=after, limit=PAGE, node_id=node_id)
@@ -97,6 +98,7 @@ def _pool_node_ids(url: str) -> list[str]:
     from swarmrl.runtime.client import CoordinatorClient
 
     with CoordinatorClient(url, retries=3) as client:
+        client.info()  # as in fetch_ledger
         return [n.node_id for n in client.nodes()]
 
 

@@ -274,3 +274,14 @@ def test_the_verifier_started_before_the_coordinator_says_the_start_order(tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_doctor_and_the_ledger_say_when_a_url_is_not_a_coordinator(tmp_path: Path, web_page: str) -> None:
+    from swarmrl.node.config import NodeConfig
+    from swarmrl.node.doctor import check_coordinator
+
+    [check] = check_coordinator(NodeConfig(coordinator_url=web_page))
+    assert check.status == "FAIL" and f"{web_page} is not a swarmrl coordinator" in check.detail
+    assert "Welcome to nginx" in check.detail and "validation error" not in check.detail.lower()
+    proc = swarmrl("ledger", "--url", web_page, cwd=tmp_path)
+    one_line_error(proc, "swarmrl ledger:", f"{web_page} is not a swarmrl coordinator", "check coordinator_url")
