@@ -740,6 +740,11 @@ def main() -> None:
             "swarm": swarm,
             "origin_only": origin,
             **({"delta_s": round(delta["time_s"], 2), "delta_vs_full": round(delta["time_s"] / swarm["time_s"], 4),
+                # the network's part: until the last payload shard was stored on every node (the rest is rebuilding
+                # and checking, CPU that the bench's nodes share; a real node has its own)
+                "delta_last_shard_s": delta["last_shard_s"],
+                "delta_vs_full_last_shard": round(delta["last_shard_s"] / swarm["last_shard_s"], 4),
+                "delta_node_cpu_s": round(delta["cpu_s"]["node_python"] / args.nodes, 2),
                 "delta_mb": round(delta_manifest.total_bytes / 1e6, 3), "delta_changed": args.delta_changed,
                 "delta": delta} if delta is not None and delta_manifest is not None else {}),
         }))

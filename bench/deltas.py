@@ -224,6 +224,7 @@ def main() -> None:
         "apply_s_per_gb": round(max(apply_rates), 3),
         "bit_identical": identical,
         "broadcast_delta_vs_full": bcast.get("delta_vs_full") if bcast else None,
+        "broadcast_delta_vs_full_last_shard": bcast.get("delta_vs_full_last_shard") if bcast else None,
         "steps": args.steps,
         "seed": args.seed,
         "wall_s": round(elapsed, 1),
