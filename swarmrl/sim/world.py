@@ -204,8 +204,8 @@ class World:
 
 def region_rates(sc: Scenario, sample: int | None = None) -> tuple[list[list[float]], dict]:
     """Each region's download rates (bytes/s), from one broadcast of the version size the scenario sends most
-    (a delta, with delta broadcasts) to `sample` nodes drawn as the scenario's, driven by the real scheduler;
-    the origin's link scaled to the sample's share of the pool. Returns the rates and the broadcast's figures."""
+    (a delta, with delta broadcasts) to `sample` nodes drawn as the scenario's, driven by the real scheduler.
+    Returns the rates and the broadcast's figures."""
     from swarmrl.sim import broadcast
 
     rng = random.Random(sc.sim.seed + 1)
@@ -216,7 +216,11 @@ def region_rates(sc: Scenario, sample: int | None = None) -> tuple[list[list[flo
              for i in picked]
     m = sc.model
     size = m.full_bytes * (m.delta_ratio if m.broadcast == "delta" else 1.0)
-    origin = sc.coordinator.origin_up_mbit * 1e6 / 8 * n / sc.nodes.count
+    # The origin's link, scaled to the sample's share of the pool, but never below one node's fastest download:
+    # the seed sends every shard once before any twice (SeedLedger), and those first copies leave at its full rate
+    # whatever the pool's size.
+    full_origin = sc.coordinator.origin_up_mbit * 1e6 / 8
+    origin = min(full_origin, max(full_origin * n / sc.nodes.count, max(lk.down_bps for lk in links)))
     out = broadcast.run(links, origin, size, sc.sim.broadcast_shards, sc.sim.broadcast_peers, seed=sc.sim.seed)
     rates: list[list[float]] = [[] for _ in regions]
     for i, done in zip(picked, out.done_s, strict=True):
