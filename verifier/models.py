@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from swarmrl.models.build import load_causal_lm
+from swarmrl.models.head import head_of
 from swarmrl.models.prompts import load_tokenizer, pad_token_id, stop_token_ids
 from swarmrl.models.weights import load_weights_in_place
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
@@ -64,6 +65,7 @@ def load_policy(path: Path, version: int, dtype: torch.dtype = torch.float32, de
     else:
         model = load_causal_lm(path, dtype, device)
         model.requires_grad_(False)
+        head_of(model)  # a model whose logits cannot be replayed is refused here, before any group is judged
         tok = load_tokenizer(path)
     cfg = model.config
     stops = stop_token_ids(path, model=model, tokenizer=tok)
