@@ -128,7 +128,8 @@ def test_every_refusal_site_names_its_code_and_bodies_have_one_writer() -> None:
 
 
 def test_clients_decide_on_codes_not_on_the_words_of_reasons() -> None:
-    """No client code looks inside a refusal's reason (`"x" in e.reason`, `str(e).startswith(...)`)."""
+    """No client code looks inside a refusal's reason (`"x" in e.reason`, `str(e).startswith(...)`), nor tells
+    refusals apart by their 4xx status (several codes share one)."""
     found = []
     for path, tree in _sources(CLIENT_ROOTS):
         for node in ast.walk(tree):
@@ -140,7 +141,12 @@ def test_clients_decide_on_codes_not_on_the_words_of_reasons() -> None:
                 text = ast.unparse(node.func.value)
             if re.search(r"\.reason\b|\bstr\(e\)|\bstr\(err\)", text):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)[:100]}")
-    assert found == [], "decisions on the words of a reason:\n" + "\n".join(found)
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "status":
+                statuses = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, int)]
+                if any(400 <= v < 500 and v != 429 for v in statuses):  # 429 and 5xx are HTTP's: wait, retry
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert found == [], "decisions on the words of a reason, or on a 4xx status instead of the code:\n" + \
+        "\n".join(found)
 
 
 def test_signature_errors_carry_the_codes_the_gate_answers_with() -> None:

@@ -36,6 +36,7 @@ import transformers
 from swarmrl.models.prompts import pad_token_id
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import RunInfo
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.run import check_run
 from swarmrl.protocol.tasks import load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
@@ -122,7 +123,7 @@ def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop
             client.training_batch(after_id=0, limit=1)  # type: ignore[union-attr]
         return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display).run()
     except CoordinatorError as e:
-        if identity is not None and e.status == 403:  # only an operator endpoint's refusal of the key is a 403
+        if identity is not None and e.code is RefusalCode.NOT_OPERATOR:  # the coordinator does not list the key
             raise not_an_operator("trainer", cfg.key_path, identity, cfg.coordinator_url) from e
         raise
     finally:

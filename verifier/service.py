@@ -33,6 +33,7 @@ from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.leases import lease_problem
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import PendingGroup, Verdict
+from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.run import RunSpec, check_run
 from swarmrl.protocol.tasks import Task, load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
@@ -244,7 +245,7 @@ class Verifier:
                 try:
                     worked = self.poll_once()
                 except CoordinatorError as e:
-                    if e.status == 403:  # the key is not an operator key: no retry changes that
+                    if e.code is RefusalCode.NOT_OPERATOR:  # no retry changes that
                         raise not_an_operator("verifier", self.cfg.key_path, self.identity,
                                               self.cfg.coordinator_url) from e
                     log.error("poll failed: %s", e)
