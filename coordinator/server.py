@@ -77,11 +77,12 @@ def uvicorn_config(app: FastAPI) -> uvicorn.Config:
                           http=CoalescingHttpProtocol)
 
 
-def _listen(host: str, port: int, shared: bool = False) -> socket.socket:
+def _listen(host: str, port: int, shared: bool = False, first: bool = True) -> socket.socket:
     """A listening TCP socket on (host, port); port 0 picks a free one. Bound here so the real port is known (and
-    printed) before the server starts, with no race for it. `shared`: other workers' sockets bind the port too."""
+    printed) before the server starts, with no race for it. `shared`: other workers' sockets bind the port too;
+    `first`: no worker of this coordinator has bound it yet (the later workers' own binds must not probe it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if shared and port:
+    if shared and port and first:
         # SO_REUSEPORT would share the port with a coordinator already on it: bind once without it first, so that
         # one is found before this one opens (and migrates) its store.
         _listen(host, port).close()
@@ -205,7 +206,7 @@ def _serve_worker(config: CoordinatorConfig, identity: Identity, port: int, firs
                   parent: int, writer: str | None) -> None:
     die_with_parent(parent)
     first.close()  # the first worker's socket: it accepts its own connections
-    sock = _listen(config.host, port, shared=True)
+    sock = _listen(config.host, port, shared=True, first=False)
     app = build_app(config, identity, writer=writer)
     lower_request_priority(app.state.coordinator.store, config.request_nice)
     uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
