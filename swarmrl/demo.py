@@ -14,6 +14,7 @@ plot and writes a JSON report.
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from datetime import datetime
@@ -150,16 +151,19 @@ def prepare_model(cfg: DemoConfig, task: Task, init_dir: Path, console: Console)
     return ckpt, {**meta, "accuracy": accuracy, "reward": reward}
 
 
-def refuse_unreplayable(ckpt: Path, run: RunSpec, cfg: DemoConfig, swarm: Swarm, url: str, console: Console) -> None:
-    """Probe the model with the nodes' engine and replay it with the verifier's checks at the run's temperature
-    (`compat.check_model`); when that fails, write report.json (the refusal, and the standing of the nodes once they
-    have registered: none has had work) and raise `ModelRefused` with the one line that says what failed."""
+def refuse_unreplayable(ckpt: Path, run: RunSpec, cfg: DemoConfig, swarm: Swarm, url: str, task: Task,
+                        console: Console) -> None:
+    """Probe the model with the nodes' engine on the task's prompts and replay it with the verifier's checks at the
+    run's temperature (`compat.check_model`), so that no node is leased work for it first; when that fails, write
+    report.json (the refusal, and the standing of the nodes once they have registered: none has had work) and
+    raise `ModelRefused` with the one line that says what failed."""
     from swarmrl.compat import ModelRefused, check_model, engine_kinds
 
     kind = cfg.roles.get("node", {}).get("engine", {}).get("kind", cfg.engine)
     console.print(f"[bold]model[/] compatibility check: {kind} engine and the verifier at T = "
                   f"{run.sampling.temperature:g}")
-    problem = check_model(Path(ckpt), run, engine_kinds(kind))
+    rng = random.Random(cfg.seed)
+    problem = check_model(Path(ckpt), run, engine_kinds(kind), prompts=[task.sample(rng).prompt for _ in range(4)])
     if problem is None:
         return
     client = CoordinatorClient(url)
@@ -323,7 +327,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     try:
         start_roles(swarm, cfg, run, url, port, keys)
         ckpt, before = prepare_model(cfg, task, run_dir / "init", console)
-        refuse_unreplayable(ckpt, run, cfg, swarm, url, console)  # before anything is published: no node has work
+        refuse_unreplayable(ckpt, run, cfg, swarm, url, task, console)  # before anything is published
         swarm.start("trainer", "trainer", {
             "coordinator_url": url, "key_path": str(run_dir / "keys" / "trainer.key"),
             "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(Path(ckpt).resolve()),
