@@ -1,7 +1,7 @@
 """Every architecture `swarmrl model` builds works in every role: honest groups from each engine are replayed by
 the real verifier with 0 rejects at T = 0.7 and 1.0, and after new weights are loaded into the running engine (the
-next policy version), and an edited token is caught. The README's compatibility
-table is this file's output (`test_readme_compatibility_table`), not written by hand.
+next policy version), and an edited token is caught; the trainer's logprobs are the sampler's. The README's
+compatibility table is this file's output (`test_readme_compatibility_table`), not written by hand.
 
 Models are tiny random checkpoints saved by transformers (`swarmrl model --arch A --size mini --tokenizer bpe`, one
 layer, a 512-token BPE); Gemma2's are tied, softcapped and scaled to logits with a spread of 4, where a verifier
@@ -75,6 +75,34 @@ def test_torch_engine_groups_are_replayed(ckpts, arch):
 def test_vllm_engine_groups_are_replayed(ckpts, arch):
     pytest.importorskip("vllm", exc_type=ImportError)
     _replays(ckpts, arch, "vllm")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_trainers_logprobs_are_the_samplers(ckpts, arch):
+    """The trainer's loss uses log_softmax(model(...).logits / T) of the sampled tokens: the model's own logits, so
+    they match what the node claimed (and the verifier accepted) for every architecture."""
+    import random
+
+    from swarmrl.models.build import load_checkpoint
+    from swarmrl.node.engine import EngineConfig
+    from swarmrl.node.engines import build_engine
+    from swarmrl.testing.local import group_requests
+    from swarmrl.trainer.grpo import token_logprobs
+
+    model, tok = load_checkpoint(ckpts[arch])
+    engine = build_engine(EngineConfig(kind="torch"), ckpts[arch], 0.7)
+    try:
+        reqs = group_requests(tok, ["What is 3 plus 4?", "12+30="], 4, 0.7, random.Random(0))
+        comps = engine.generate(reqs, 12)
+    finally:
+        engine.close()
+    worst = 0.0
+    for q, c in zip(reqs, comps, strict=True):
+        ids = torch.tensor([q.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature=0.7)
+        worst = max(worst, float((lp[0, len(q.prompt_ids) - 1:] - torch.tensor(c.logprobs)).abs().max()))
+    assert worst < 1e-4, (arch, worst)
 
 
 def test_gemma2_logits_are_the_models_own(ckpts):
