@@ -81,7 +81,25 @@ def cmd_trainer(args: argparse.Namespace) -> None:
     cfg = _load(TrainerConfig, args)  # a wrong config is said before the trainer's imports take their seconds
     from swarmrl.trainer.loop import run_trainer
 
-    run_trainer(cfg)
+    run_trainer(cfg, check_model=None if cfg.check_engine == "off" else _model_check(cfg.check_engine))
+
+
+def _model_check(engine: str):  # noqa: ANN202 - trainer.loop.ModelCheck
+    """The trainer's start-up check: the run's model through `engine` (as nodes run it) and the verifier's checks,
+    probed with the run's own task prompts (`swarmrl.compat.check_model`)."""
+
+    def check(ckpt: Path, spec) -> str | None:  # noqa: ANN001 - protocol.run.RunSpec
+        import random
+
+        from swarmrl.compat import check_model, engine_kinds
+        from swarmrl.protocol.tasks import load_task
+
+        task, rng = load_task(spec.task), random.Random(0)
+        logging.getLogger("swarmrl.trainer").info("checking that the verifier replays %s through the %s engine at "
+                                                  "T = %g", ckpt.name, engine, spec.sampling.temperature)
+        return check_model(ckpt, spec, engine_kinds(engine), prompts=[task.sample(rng).prompt for _ in range(4)])
+
+    return check
 
 
 def cmd_verifier(args: argparse.Namespace) -> None:

@@ -333,6 +333,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "state_dir": str(run_dir / "trainer"), "init_checkpoint": str(Path(ckpt).resolve()),
             "lr": cfg.lr, "batch_groups": cfg.batch_groups, "max_steps": cfg.max_steps,
             "eval_every": cfg.eval_every, "eval_size": cfg.eval_size, "progress": False,
+            "check_engine": "off",  # checked above, with the nodes' own engine, before any role had work
             **({"device": "cuda"} if cfg.device == "cuda" else {}),
         }, TrainerConfig)
         client = CoordinatorClient(url)

@@ -66,6 +66,7 @@ class FaultRun:
             "coordinator_url": self.url, "key_path": str(keys / "trainer.key"), "state_dir": str(self.state_dir),
             "init_checkpoint": str(checkpoint), "batch_groups": batch_groups, "max_steps": max_steps,
             "eval_every": 0, "long_poll_s": 1.0, "poll_interval_s": 0.1, "keep_states": 2, "progress": False,
+            "check_engine": "torch",  # the nodes' engine here
             "loss": {"filter_zero_advantage": False}})  # a random model earns no reward: train on every group
         verifier = VerifierConfig.model_validate({
             "coordinator_url": self.url, "key_path": str(keys / "verifier.key"), "work_dir": str(root / "verifier"),

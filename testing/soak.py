@@ -67,7 +67,8 @@ class SoakPool:
                          "poll_interval_s": 0.1},
             # A random model earns little reward: train on every group, so that steps measure the pool, not luck.
             "trainer": {"batch_groups": batch_groups, "eval_every": 0, "long_poll_s": 1, "poll_interval_s": 0.1,
-                        "keep_states": 2, "loss.filter_zero_advantage": "false", "max_steps": 10**9},
+                        "keep_states": 2, "loss.filter_zero_advantage": "false", "max_steps": 10**9,
+                        "check_engine": "torch"},  # the nodes' engine here
         }
         self.procs = {role: RoleProcess(role, config / f"{role}.toml", logs / f"{role}.log", args=_sets(s))
                       for role, s in sets.items()}

@@ -165,6 +165,29 @@ def test_the_demo_refuses_a_model_it_cannot_replay_and_bans_no_node(nan_ckpt, tm
     assert all(not n["banned"] and n["leased"] == 0 for n in report["nodes"]), report
 
 
+def test_a_pools_trainer_refuses_a_model_it_cannot_replay_before_publishing(nan_ckpt, tmp_path, run_factory):
+    """A pool started role by role: the trainer's start-up check (`check_engine`) refuses the model in one line
+    before it publishes anything, so the registered node gets no lease and nobody is banned."""
+    from swarmrl.protocol.identity import Identity
+
+    key = tmp_path / "trainer.key"
+    op = Identity.generate()
+    op.save(key)
+    run = run_factory(op_key=op)
+    node = run.node("waiting")
+    sets = [f"coordinator_url={run.url}", f"key_path={key}", f"state_dir={tmp_path / 'state'}",
+            f"init_checkpoint={nan_ckpt}", "check_engine=torch", "progress=false"]
+    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "trainer", *[a for v in sets for a in ("--set", v)]],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "refused before it starts" in last and "model nan" in last and "Nothing was published" in last, last
+    assert run.op.status().run.current_version == -1  # no checkpoint: no lease can be granted
+    assert node.lease(max_prompts=1, held_version=-1) is None
+    [standing] = run.op.status().nodes
+    assert not standing.banned and standing.groups_rejected == 0 and standing.prompts_leased == 0
+
+
 def _table() -> str:
     rows = ["| architecture | transformers class | what it exercises | " + " | ".join(ENGINES.values()) + " |",
             "|---|---|---|" + "---|" * len(ENGINES)]

@@ -130,7 +130,8 @@ def test_a_node_joined_by_pool_name_earns_receipts_for_its_ledger_entries(tmp_pa
             configs = {
                 "trainer": TrainerConfig(coordinator_url=url, key_path=str(trainer_key), init_checkpoint=str(ckpt),
                                          state_dir=str(tmp_path / "trainer"), batch_groups=4, max_steps=1000,
-                                         eval_every=1000, eval_size=20, progress=False, metrics_port=ports["trainer"]),
+                                         eval_every=1000, eval_size=20, progress=False, metrics_port=ports["trainer"],
+                                         check_engine="torch"),
                 "verifier": VerifierConfig(coordinator_url=url, key_path=verifier_key, work_dir=tmp_path / "verifier",
                                            metrics_port=ports["verifier"]),
                 "node": NodeConfig(key_path=tmp_path / "node.key", work_dir=tmp_path / "node", name="volunteer",

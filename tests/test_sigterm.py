@@ -171,7 +171,7 @@ def test_every_role_exits_within_five_seconds_of_sigterm(tmp_path: Path) -> None
         ckpt = save_checkpoint(model, tok, tmp_path / "init")
         trainer = _role(tmp_path, "trainer", TrainerConfig(
             coordinator_url=url, key_path=tmp_path / "operator.key", state_dir=tmp_path / "trainer",
-            init_checkpoint=ckpt, progress=False, batch_groups=4, eval_size=8), "eval accuracy")
+            init_checkpoint=ckpt, progress=False, batch_groups=4, eval_size=8, check_engine="torch"), "eval accuracy")
         exits["trainer"] = _stop_and_measure(trainer)
         exits["coordinator"] = _stop_and_measure(coord)
     finally:

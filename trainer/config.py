@@ -10,6 +10,7 @@ component its own slice of the job config.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +41,11 @@ class TrainerConfig(BaseModel):
     metrics_host: str = Field("127.0.0.1", description="Interface the metrics port listens on (0.0.0.0: all).")
     run: RunSpec | None = Field(None, description="The run this trainer is meant for (the pool's [run] table); when "
                                 "set, the trainer refuses to start against a coordinator whose run differs.")
+    check_engine: Literal["auto", "vllm", "torch", "off"] = Field(
+        "auto", description="Before a fresh run publishes anything, probe init_checkpoint with this node engine at "
+        "the run's temperature and replay it with the verifier's checks (swarmrl/compat.py); a model the trusted side "
+        "cannot replay is refused in one line, so no node is ever banned for it. auto: vLLM where installed (what "
+        "nodes run by default), else torch; off: no check (the demo checks before it starts the trainer).")
 
     # -- optimiser ----------------------------------------------------------------------------------
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate (1e-3 collapsed the tiny model).")

@@ -26,6 +26,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from swarmrl.models.prompts import pad_token_id
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import RunInfo
 from swarmrl.protocol.refusals import RefusalCode
-from swarmrl.protocol.run import check_run
+from swarmrl.protocol.run import RunSpec, check_run
 from swarmrl.protocol.tasks import load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.runtime.errors import UserError
@@ -77,6 +78,8 @@ from swarmrl.trainer.state import (
 
 log = logging.getLogger(__name__)
 
+ModelCheck = Callable[[Path, RunSpec], "str | None"]  # why a checkpoint cannot be replayed (swarmrl.compat), or None
+
 
 # -- 2. the run -------------------------------------------------------------------------------------
 
@@ -94,14 +97,14 @@ class TrainerSummary:
 
 
 def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop: threading.Event | None = None,
-                display: bool | None = None) -> TrainerSummary:
+                display: bool | None = None, check_model: ModelCheck | None = None) -> TrainerSummary:
     """Train until `cfg.max_steps` (counted across restarts) or until `stop` is set; returns a summary.
 
     Resumes from the newest state in `cfg.state_dir` if there is one, else starts from
     `cfg.init_checkpoint`. `client` defaults to a signed `CoordinatorClient` for `cfg.coordinator_url`
     with the identity at `cfg.key_path`. Under torchrun every rank calls this; only rank 0 talks to the
-    coordinator, writes states and publishes. Returns after the last checkpoint is published.
-    """
+    coordinator, writes states and publishes. Returns after the last checkpoint is published. `check_model`: a
+    line it says of `init_checkpoint` before a fresh start publishes anything refuses the run."""
     joined = dist.is_available() and dist.is_initialized()
     env = init_distributed(cfg.device)
     if cfg.threads > 0:
@@ -121,7 +124,8 @@ def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop
     try:
         if identity is not None:  # a signed read that moves nothing: a key the coordinator does not list is said now
             client.training_batch(after_id=0, limit=1)  # type: ignore[union-attr]
-        return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display).run()
+        return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display,
+                    check_model).run()
     except CoordinatorError as e:
         if identity is not None and e.code is RefusalCode.NOT_OPERATOR:  # the coordinator does not list the key
             raise not_an_operator("trainer", cfg.key_path, identity, cfg.coordinator_url) from e
@@ -137,7 +141,8 @@ class _Run:
     """The state of one `run_trainer` call; its methods are the steps above, in order."""
 
     def __init__(self, cfg: TrainerConfig, env: DistEnv, client: TrainerClient | None,
-                 pub_client: TrainerClient | None, stop: threading.Event | None, display: bool):
+                 pub_client: TrainerClient | None, stop: threading.Event | None, display: bool,
+                 check_model: ModelCheck | None = None):
         self.cfg, self.env, self.client, self.stop = cfg, env, client, stop
         self.state_dir = Path(cfg.state_dir)
         self.history: list[dict[str, float]] = []
@@ -177,6 +182,9 @@ class _Run:
             if not (cfg.init_checkpoint / "config.json").is_file():  # never a model hub's name: a directory here
                 raise UserError(f"init_checkpoint {cfg.init_checkpoint.absolute()} is not a checkpoint directory (no "
                                 "config.json): fix init_checkpoint (`swarmrl model DIR` makes one)")
+            if env.is_main and check_model is not None and (problem := check_model(cfg.init_checkpoint, info.spec)):
+                raise UserError(f"the run is refused before it starts: {problem}. Nothing was published: use a model "
+                                "this install can replay (README: Models)")
             self.model, self.tokenizer = load_checkpoint(cfg.init_checkpoint)
             self.ts = TrainerState(run_id=self.run_id)
             torch.manual_seed(cfg.seed)
