@@ -72,3 +72,25 @@ def test_model_cache_fetches_any_version_resumes_from_disk_and_evicts_the_least_
         with pytest.raises(VersionUnavailable, match="version 0"):
             again.get(0)
         assert not (work / "v00000000").exists()
+
+
+def test_a_version_the_verifier_cannot_load_is_unavailable_not_a_crash(tmp_path):
+    """A model the trusted side cannot replay (here NaN logits: its head does not reproduce its forward) is the
+    trusted side's limit: VersionUnavailable, so its groups get 'cannot verify' and nobody a ban."""
+    from safetensors.torch import load_file, save_file
+
+    v0 = make_checkpoint(tmp_path / "ck0")
+    bad = _next_version(v0, tmp_path / "ck1", 1)
+    weights = load_file(str(bad / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("norm.weight") and "layers" not in k)
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with open_pool(tmp_path / "pool", v0) as pool:
+        pool.publish(bad)
+        cache = ModelCache(pool.op, pool.coordinator_key, tmp_path / "verifier", keep=2)
+        try:
+            assert cache.get(0).version == 0
+            with pytest.raises(VersionUnavailable, match="version 1: this verifier cannot load it"):
+                cache.get(1)
+        finally:
+            cache.close()

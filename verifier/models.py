@@ -116,8 +116,10 @@ class ModelCache:
             self.swarm = None
 
     def get(self, version: int) -> PolicyModel:
-        """The model of `version`; VersionUnavailable when the coordinator cannot supply it. A manifest or shard
-        that fails its signature or hash raises ManifestError (the coordinator's fault, not the node's)."""
+        """The model of `version`; VersionUnavailable when the coordinator cannot supply it, or when this verifier
+        cannot load it (an architecture it cannot replay: the trusted side's limit, never a node's fault, so no
+        node is banned for it). A manifest or shard that fails its signature or hash raises ManifestError (the
+        coordinator's fault, not the node's)."""
         if version in self._loaded:
             self._loaded.move_to_end(version)
             return self._loaded[version][0]
@@ -129,7 +131,11 @@ class ModelCache:
             log.info("unloaded policy version %d", old)
             if _same_except_weights(old_manifest, manifest):
                 reuse = old_policy
-        policy = load_policy(path, version, self.dtype, self.device, reuse=reuse)
+        try:
+            policy = load_policy(path, version, self.dtype, self.device, reuse=reuse)
+        except Exception as e:  # noqa: BLE001 - whatever stops it loading, the model is what cannot be verified
+            raise VersionUnavailable(f"version {version}: this verifier cannot load it: {type(e).__name__}: {e}"
+                                     ) from None
         self._loaded[version] = (policy, manifest)
         log.info("loaded policy version %d from %s", version, path)
         return policy
