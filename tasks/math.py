@@ -23,6 +23,7 @@ from pydantic import Field, field_validator
 from swarmrl.protocol.tasks import Problem, Task
 from swarmrl.tasks.data import FileTaskOptions, load_split
 from swarmrl.tasks.mathcheck import MathChecker
+from swarmrl.tasks.templates import question_template
 
 
 class MathOptions(FileTaskOptions):
@@ -34,14 +35,7 @@ class MathOptions(FileTaskOptions):
     @field_validator("template")
     @classmethod
     def _has_question(cls, template: str) -> str:
-        try:
-            filled = template.format(question="Q")
-        except (IndexError, KeyError, ValueError) as e:
-            raise ValueError(f"template must have {{question}} as its only field (write a literal brace twice, "
-                             f"e.g. \\boxed{{{{}}}}): {e!r}") from None
-        if filled == template:
-            raise ValueError("template must contain {question}")
-        return template
+        return question_template(template)
 
 
 def gsm8k_answer(text: str) -> str:

@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from swarmrl.protocol.tasks import Problem, Task
 from swarmrl.runtime.errors import UserError
+from swarmrl.tasks.templates import question_template
 
 REPLAY_CHECK_ITEMS = 32
 """Items of each range (held-out, training) generated again in another process when the task loads."""
@@ -131,14 +132,7 @@ class ReasoningGymOptions(BaseModel):
     @field_validator("template")
     @classmethod
     def _has_question(cls, template: str) -> str:
-        try:
-            filled = template.format(question="Q")
-        except (IndexError, KeyError, ValueError) as e:
-            raise ValueError(f"template must have {{question}} as its only field (write a literal brace twice): "
-                             f"{e!r}") from None
-        if filled == template:
-            raise ValueError("template must contain {question}")
-        return template
+        return question_template(template)
 
     @model_validator(mode="after")
     def _room_to_train(self) -> ReasoningGymOptions:

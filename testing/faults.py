@@ -25,7 +25,7 @@ from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.runtime.config import dump_toml
 from swarmrl.runtime.retry import RetryPolicy
 from swarmrl.testing.audit import Audit, audit
-from swarmrl.testing.processes import RoleProcess
+from swarmrl.testing.processes import RoleProcess, kill_and_restart, stop_all
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.trainer.state import read_step_log
 from swarmrl.verifier.config import VerifierConfig
@@ -156,17 +156,10 @@ class FaultRun:
 
     def kill_and_restart(self, name: str, when: str = "") -> None:
         """SIGKILL `name` (no cleanup of any kind runs) and start it again."""
-        proc = self.procs[name]
-        proc.kill()
         self.kills.append((name, when))
-        proc.start()
-        if name == "coordinator":
-            proc.url()
+        kill_and_restart(self.procs[name])
 
     def stop(self) -> None:
         """Stop every process (the coordinator last: the others may still be talking to it)."""
-        for name, proc in self.procs.items():
-            if name != "coordinator":
-                proc.stop(timeout=30)
-        self.procs["coordinator"].stop(timeout=30)
+        stop_all(self.procs)
         self.client.close()

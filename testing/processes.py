@@ -25,6 +25,23 @@ ROLE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUN
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
+def kill_and_restart(proc: RoleProcess) -> None:
+    """SIGKILL `proc` (no cleanup of any kind runs) and start it again; a coordinator is waited for (its URL)."""
+    proc.kill()
+    proc.start()
+    if proc.role == "coordinator":
+        proc.url()
+
+
+def stop_all(procs: dict[str, RoleProcess], timeout: float = 30.0) -> None:
+    """Stop every process, the coordinator last (the others may still be talking to it)."""
+    for name, proc in procs.items():
+        if name != "coordinator":
+            proc.stop(timeout=timeout)
+    if "coordinator" in procs:
+        procs["coordinator"].stop(timeout=timeout)
+
+
 class RoleProcess:
     """One role process at a time, started from `config`; its output goes to `log` (appended across restarts)."""
 

@@ -26,7 +26,7 @@ from swarmrl.protocol.overview import Training
 from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.runtime.retry import RetryPolicy
 from swarmrl.testing.faults import free_port
-from swarmrl.testing.processes import RoleProcess
+from swarmrl.testing.processes import RoleProcess, kill_and_restart, stop_all
 from swarmrl.trainer.state import read_step_log
 
 SETUP_POOL = Path(__file__).resolve().parents[1] / "docker" / "setup_pool.py"
@@ -141,19 +141,12 @@ class SoakPool:
 
     def fault(self, name: str) -> None:
         """SIGKILL `name` (no cleanup of any kind runs) and start it again."""
-        proc = self.procs[name]
-        proc.kill()
         self.timeline.faults.append((self.now(), name))
-        proc.start()
-        if name == "coordinator":
-            proc.url()
+        kill_and_restart(self.procs[name])
 
     def stop(self) -> None:
         """Stop every process (the coordinator last: the others may still be talking to it)."""
-        for name, proc in self.procs.items():
-            if name != "coordinator":
-                proc.stop(timeout=30)
-        self.procs["coordinator"].stop(timeout=30)
+        stop_all(self.procs)
         self.client.close()
 
 
