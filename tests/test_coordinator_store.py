@@ -28,7 +28,7 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
 from tests.support.postgres import fresh_database, needs_pg
 
-HEAD = "0009"
+HEAD = "0010"
 """The newest migration's revision."""
 
 
@@ -448,6 +448,28 @@ def test_answers_stored_before_0009_stay_through_it_both_ways(store_url: str) ->
         s.close()
     with _database_at(store_url, "0008", down=True) as conn:
         assert answers(conn) == want
+
+
+def test_a_database_at_0009_gets_the_liveness_counters(store_url: str) -> None:  # noqa: F811
+    """Revision 0010 adds the feed's read cursor, starting at the acknowledged one (what the trainer has been
+    handed is at least what it acknowledged), and the watchdog's last-seen times, at 0 (never); a downgrade removes
+    them."""
+    from swarmrl.coordinator.db.schema import FEED_READ, TRAINER_SEEN_AT, VERIFIER_SEEN_AT
+
+    with _database_at(store_url, "0009") as conn:
+        conn.execute(text("UPDATE kv SET value = 7 WHERE key = 'feed_acked'"))
+    s = Store(store_url)
+    try:
+        assert _revision(s) == HEAD
+        assert s.read(lambda tx: (counter(tx, FEED_READ), counter(tx, TRAINER_SEEN_AT),
+                                  counter(tx, VERIFIER_SEEN_AT))) == (7, 0, 0)
+        assert s.write(lambda tx: feed.trainer_seen(tx, 1000.0, handed=9)) is None
+        assert s.read(lambda tx: (feed.read_cursor(tx), counter(tx, TRAINER_SEEN_AT))) == (9, 1000)
+    finally:
+        s.close()
+    with _database_at(store_url, "0009", down=True) as conn:
+        keys = {r[0] for r in conn.execute(text("SELECT key FROM kv"))}
+        assert "feed_read" not in keys and "trainer_seen_at" not in keys and "feed_acked" in keys
 
 
 def test_the_migrations_make_what_the_schema_says(store: Store) -> None:
