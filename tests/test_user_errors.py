@@ -40,6 +40,18 @@ def one_line_error(proc: subprocess.CompletedProcess[str], *words: str) -> str:
     return last
 
 
+def output_until(proc: subprocess.Popen[str], marker: str) -> str:
+    """What the running `proc` printed up to and including its first line holding `marker` (or all of it, when it
+    ends first)."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            break
+    return "".join(seen)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,14 +140,8 @@ def test_the_trainer_started_before_the_coordinator_waits_for_it_and_says_so(tmp
     proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "trainer", "--set", f"coordinator_url={url}",
                              "--set", f"key_path={tmp_path / 'trainer.key'}", "--set", "progress=false"],
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line)
-            if "start the coordinator first" in line:
-                break
-        out = "".join(seen)
+        out = output_until(proc, "start the coordinator first")
         assert f"coordinator {url} unreachable" in out and "the trainer starts once it answers" in out, out
         # It made a key, and said so with what to do about it.
         assert "a new key was made there" in out and "operator_keys" in out, out
@@ -261,14 +267,8 @@ def test_the_verifier_started_before_the_coordinator_says_the_start_order(tmp_pa
     proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "verifier", "--set", f"coordinator_url={url}",
                              "--set", f"key_path={tmp_path / 'verifier.key'}"],
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line)
-            if "start the coordinator first" in line:
-                break
-        out = "".join(seen)
+        out = output_until(proc, "start the coordinator first")
         assert f"coordinator {url} unreachable" in out and "the verifier checks groups once it answers" in out, out
         assert proc.poll() is None and "Traceback" not in out, out  # waiting, not stopped
     finally:
