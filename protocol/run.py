@@ -6,7 +6,8 @@ bootstrap peers); every other role reads it from there instead of keeping its ow
 
 - nodes: how to sample (`sampling`), how stale their weights may be (`max_staleness`), which proofs to attach;
 - the verifier: the task whose reward it recomputes, the staleness bound, the proof parameters it requires;
-- the trainer: the task it evaluates on, the staleness bound, the sampling temperature its loss must use.
+- the trainer: the task it evaluates on, the staleness bound, the sampling temperature its loss must use, and the
+  corrections of the gap between the nodes' and its own token probabilities (`corrections`).
 
 A verifier or trainer whose own config names a `run` refuses to start when it differs (`RunSpec.mismatch`),
 so a role configured for another run cannot quietly train or verify against the wrong facts.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from swarmrl.protocol import proofs
 from swarmrl.protocol.identity import Identity
@@ -44,6 +45,28 @@ class ProofSpec(Strict):
     topk: int = Field(proofs.TOPK, ge=1, le=255, description="Hidden-state entries committed per token.")
 
 
+class CorrectionSpec(Strict):
+    """How the trainer corrects the gap between the probability a node's engine gave a token (the logprob the rollout
+    carries) and the trainer's own: rho = pi_trainer / pi_engine per token (`trainer.grpo` says which trainer policy).
+    Both corrections are off by default: on the fp32 CPU path the two agree to 1e-6 and there is nothing to correct."""
+
+    tis_cap: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Token-level truncated importance sampling: each token's "
+        "policy-gradient term is weighted by min(rho, tis_cap) (2 is usual); None: off.")
+    mask_band: tuple[float, float] | None = Field(
+        None, description="Masked importance sampling (IcePop): a token whose rho leaves [low, high] is dropped from "
+        "the loss (no gradient; the step's token count, the loss's denominator, is unchanged); 0 < low < 1 < high, "
+        "e.g. [0.5, 2.0]; None: off.")
+
+    @field_validator("mask_band")
+    @classmethod
+    def _band_brackets_one(cls, band: tuple[float, float] | None) -> tuple[float, float] | None:
+        if band is not None and not 0 < band[0] < 1 < band[1]:
+            raise ValueError(f"[{band[0]}, {band[1]}] must hold 0 < low < 1 < high (e.g. [0.5, 2.0]): a band that "
+                             "leaves out ratio 1 drops the tokens on which engine and trainer agree")
+        return band
+
+
 class RunSpec(Strict):
     """The facts of one training run (a pool) that never change while it runs."""
 
@@ -60,6 +83,8 @@ class RunSpec(Strict):
         "float32", description="The dtype of the weights every checkpoint is published in (the trainer keeps fp32 "
         "master weights): float32 where nodes run on CPUs, bfloat16 where they run bf16 on GPUs (half the bytes, "
         "and far smaller deltas).")
+    corrections: CorrectionSpec = Field(default_factory=CorrectionSpec, description="How the trainer corrects the "
+                                        "engine/trainer probability gap (truncation, masking); off by default.")
 
     def mismatch(self, expected: RunSpec) -> str | None:
         """Why this run is not the `expected` one (each differing field, both values), or None when equal."""
