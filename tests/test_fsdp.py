@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from swarmrl.protocol.run import CorrectionSpec
 from swarmrl.protocol.tasks import TaskSpec, load_task
 from swarmrl.testing.groups import training_group
 from swarmrl.trainer.evaluate import correct_count
@@ -25,8 +26,11 @@ from swarmrl.trainer.model import ModelConfig, build_model, build_tokenizer
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=64, seed=0)
 EVAL_N = 24
 SCENARIOS = {
-    "plain": (GRPOConfig(), 0),
-    "kl_micro": (GRPOConfig(kl_coef=0.1, clip_high=0.1), 2),  # KL to a sharded reference, micro-batches of 2
+    "plain": (GRPOConfig(), 0, CorrectionSpec()),
+    # KL to a sharded reference, micro-batches of 2
+    "kl_micro": (GRPOConfig(kl_coef=0.1, clip_high=0.1), 2, CorrectionSpec()),
+    # The mismatch corrections: truncation and masking, their shares summed over ranks and micro-batches.
+    "corrected_micro": (GRPOConfig(), 2, CorrectionSpec(tis_cap=1.5, mask_band=(0.3, 3.0))),
 }
 
 
@@ -58,7 +62,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         tok = build_tokenizer()
         batch = fixed_batch(tok)
         results = {}
-        for name, (cfg, micro) in SCENARIOS.items():
+        for name, (cfg, micro, correction) in SCENARIOS.items():
             model = shard_model(build_model(TINY, tok))
             ref = shard_model(build_model(TINY, tok)) if cfg.kl_coef > 0 else None
             if ref is not None:  # a reference that differs from the policy, so the KL is not zero
@@ -67,7 +71,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                         p.mul_(0.9)
             opt = make_optimizer(model, lr=1e-3)
             stats = fsdp_grpo_step(model, opt, batch, cfg, env, grad_clip=1.0, micro_batch_size=micro,
-                                   ref_model=ref)
+                                   ref_model=ref, correction=correction)
             msd, osd = full_state(model, opt, env)
             if rank == 0:
                 results[name] = {"stats": stats, "params": msd, "optim": osd}
@@ -100,7 +104,7 @@ def fsdp_results(tmp_path_factory):
 def test_fsdp_step_equals_single_process_step(fsdp_results, name):
     _, results = fsdp_results
     torch.set_num_threads(1)
-    cfg, micro = SCENARIOS[name]
+    cfg, micro, correction = SCENARIOS[name]
     tok = build_tokenizer()
     batch = fixed_batch(tok)
     model = build_model(TINY, tok)
@@ -111,11 +115,17 @@ def test_fsdp_step_equals_single_process_step(fsdp_results, name):
             for p in ref.parameters():
                 p.mul_(0.9)
     opt = make_optimizer(model, lr=1e-3)
-    stats = grpo_step(model, opt, batch, cfg, grad_clip=1.0, micro_batch_size=micro, ref_model=ref)
+    stats = grpo_step(model, opt, batch, cfg, grad_clip=1.0, micro_batch_size=micro, ref_model=ref,
+                      correction=correction)
 
     got = results[name]
-    assert 0 < stats["clip_fraction"] < 1  # the batch exercises both clipped and unclipped tokens
-    for key in ("loss", "tokens", "clip_fraction", "mean_abs_ratio_minus_1", "entropy", "kl", "grad_norm"):
+    if correction.tis_cap is None:
+        assert 0 < stats["clip_fraction"] < 1  # the batch exercises both clipped and unclipped tokens
+    else:  # ... and tokens truncated, masked and neither
+        assert 0 < stats["truncated_fraction"] and 0 < stats["masked_fraction"]
+        assert stats["truncated_fraction"] + stats["masked_fraction"] < 1
+    for key in ("loss", "tokens", "clip_fraction", "mean_abs_ratio_minus_1", "entropy", "kl", "grad_norm",
+                "truncated_fraction", "masked_fraction"):
         assert got["stats"][key] == pytest.approx(stats[key], abs=1e-5), key
     if cfg.kl_coef > 0:
         assert got["stats"]["kl"] > 0

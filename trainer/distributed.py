@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from swarmrl.trainer.grpo import Batch, GRPOConfig, grpo_step
+from swarmrl.protocol.run import CorrectionSpec
+from swarmrl.trainer.grpo import NO_CORRECTION, Batch, GRPOConfig, grpo_step
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def fsdp_grpo_step(
     grad_clip: float = 1.0,
     micro_batch_size: int = 0,
     ref_model: nn.Module | None = None,
+    correction: CorrectionSpec = NO_CORRECTION,
 ) -> dict[str, float]:
     """One GRPO step of an FSDP-sharded `model` on the global `batch` (the same on every rank).
 
@@ -158,7 +160,7 @@ def fsdp_grpo_step(
     """
     if not env.distributed:
         return grpo_step(model, optimizer, batch, cfg, temperature=temperature, grad_clip=grad_clip,
-                         micro_batch_size=micro_batch_size, ref_model=ref_model)
+                         micro_batch_size=micro_batch_size, ref_model=ref_model, correction=correction)
     local = rank_slice(batch, env)
     return grpo_step(
         model, optimizer, local, cfg,
@@ -169,6 +171,7 @@ def fsdp_grpo_step(
         normaliser=max(float(batch.num_tokens), 1.0),
         loss_scale=float(env.world_size),
         reduce_sums=_all_reduce_sum,
+        correction=correction,
     )
 
 

@@ -10,6 +10,8 @@
    counts at most `clip_ratio_max` (INTELLECT-2's two-sided clipping: without it a token the new policy
    likes far more than the sampler did gets an unbounded push down). Optionally + kl_coef * KL(k3) to a
    reference policy. Averaged over every completion token of the batch (token-mean).
+5. Mismatch corrections (the run's `corrections`, both off by default), for engines whose probabilities are not the
+   trainer's (bf16 on GPUs; on the fp32 CPU path they agree to 1e-6). See `grpo_loss`.
 
 Everything here is single-process; `trainer.distributed` runs the same step sharded with FSDP.
 """
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from swarmrl.protocol.messages import TrainingGroup
+from swarmrl.protocol.run import CorrectionSpec
 
 
 class GRPOConfig(BaseModel):
@@ -167,16 +170,33 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
 
 # Stats are returned as sums so that micro-batches and ranks can simply be added; `finish_stats` turns
 # them into means. Order of the sums vector:
-STAT_KEYS = ("loss", "tokens", "clipped", "capped", "abs_ratio_dev", "entropy", "kl")
+STAT_KEYS = ("loss", "tokens", "clipped", "capped", "abs_ratio_dev", "entropy", "kl", "truncated", "masked")
+
+NO_CORRECTION = CorrectionSpec()
 
 
 def grpo_loss(new_logprobs: Tensor, batch: Batch, cfg: GRPOConfig, *, normaliser: float | Tensor | None = None,
-              ref_logprobs: Tensor | None = None, entropy: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              ref_logprobs: Tensor | None = None, entropy: Tensor | None = None,
+              correction: CorrectionSpec = NO_CORRECTION) -> tuple[Tensor, Tensor]:
     """(loss, stat sums) of one (micro-)batch.
 
     loss = sum over completion tokens of the per-token loss, divided by `normaliser` (default: this
     batch's token count). Pass the whole step's token count when accumulating micro-batches or ranks, so
     the sum of their losses is the token-mean over the whole step.
+
+    Mismatch corrections act on rho = pi_trainer / pi_engine of each token, pi_engine being the node's logprob. The
+    trainer's probability under the version that generated the token is not available (the trainer keeps only its
+    current weights), so pi_trainer is the current policy's, detached: the same for a group sampled by the current
+    version, and carrying the policy's drift too for a stale one (prime-rl does the same). In value rho is the
+    ratio the clipping above acts on, since the engine is the behaviour policy.
+    - `mask_band` (MIS, IcePop): a token whose rho leaves [low, high] is dropped: no loss, no gradient. The
+      normaliser stays the step's token count, so micro-batches and ranks still add up.
+    - `tis_cap` (TIS, the decoupled objective of verl's rollout correction and AReaL): the ratio is split into
+      pi_theta / pi_trainer, which the clip band bounds, times the behaviour weight pi_trainer / pi_engine = rho,
+      detached and truncated at the cap. The trainer takes one optimizer step per batch, so the first factor is 1 in
+      value (its gradient is that of log pi_theta) and neither the clip band nor clip_ratio_max binds: the mismatch
+      and the staleness no longer silence tokens by clipping (clip_fraction reads 0), and min(rho, cap) bounds each
+      token's weight instead. Both on: the band drops tokens first, the cap weighs the rest.
     """
     mask = batch.loss_mask
     adv = batch.advantages[:, None].to(new_logprobs.dtype)
@@ -184,12 +204,24 @@ def grpo_loss(new_logprobs: Tensor, batch: Batch, cfg: GRPOConfig, *, normaliser
     # whichever the sign of A; one of e^-20 has ~0 gradient), and keeps exp finite on padding and junk.
     log_ratio = ((new_logprobs - batch.sampler_logprobs) * mask).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
+    rho = ratio.detach()  # pi_trainer / pi_engine, pi_trainer being the current policy (see above)
+    keep = mask  # the tokens that carry loss; the corrections off, every completion token
+    if correction.mask_band is not None:
+        low, high = correction.mask_band
+        keep = mask * ((rho >= low) & (rho <= high))
+    surrogate_ratio, weight = ratio, None
+    if correction.tis_cap is not None:
+        # pi_theta / pi_trainer: exactly 1 in value, with the gradient of log pi_theta.
+        surrogate_ratio = torch.exp((new_logprobs - new_logprobs.detach()) * mask)
+        weight = rho.clamp(max=correction.tis_cap)
+    unclipped = surrogate_ratio * adv
+    clipped = surrogate_ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
     objective = torch.minimum(unclipped, clipped)
     # For A < 0, min() above picks ratio * A when the ratio is large, which is unbounded below: cap the
     # ratio at clip_ratio_max (a constant, so capped tokens get no gradient).
     objective = torch.where(adv < 0, torch.maximum(objective, cfg.clip_ratio_max * adv), objective)
+    if weight is not None:
+        objective = weight * objective
     per_token = -objective
 
     kl = torch.zeros_like(new_logprobs)
@@ -204,29 +236,36 @@ def grpo_loss(new_logprobs: Tensor, batch: Batch, cfg: GRPOConfig, *, normaliser
     tokens = mask.sum()
     if normaliser is None:
         normaliser = tokens.clamp(min=1.0)
-    loss = (per_token * mask).sum() / normaliser
+    loss = (per_token * keep).sum() / normaliser
 
     with torch.no_grad():
-        r = ratio.detach()
+        r = surrogate_ratio.detach()
         # Tokens whose gradient clipping removed: the clipped branch is the smaller one, or the cap holds.
         a = adv.expand_as(r)
         was_clipped = ((a > 0) & (r > 1.0 + cfg.clip_high)) | ((a < 0) & (r < 1.0 - cfg.clip_low))
         was_capped = (a < 0) & (r > cfg.clip_ratio_max)
         ent = entropy if entropy is not None else torch.zeros_like(r)
+        truncated = rho > correction.tis_cap if correction.tis_cap is not None else torch.zeros_like(keep)
         sums = torch.stack([
             loss.detach().double(),
             tokens.double(),
-            (((was_clipped | was_capped).float()) * mask).sum().double(),
-            (was_capped.float() * mask).sum().double(),
-            ((r - 1.0).abs() * mask).sum().double(),
+            (((was_clipped | was_capped).float()) * keep).sum().double(),
+            (was_capped.float() * keep).sum().double(),
+            ((rho - 1.0).abs() * mask).sum().double(),
             (ent * mask).sum().double(),
             (kl.detach() * mask).sum().double(),
+            (truncated.float() * keep).sum().double(),
+            (mask - keep).sum().double(),
         ])
     return loss, sums
 
 
 def finish_stats(sums: Tensor) -> dict[str, float]:
-    """Means per completion token (and the step's total loss) from the summed stats of `grpo_loss`."""
+    """Means per completion token (and the step's total loss) from the summed stats of `grpo_loss`.
+
+    truncated_fraction: share of the tokens kept whose TIS weight the cap cut, over all completion tokens;
+    masked_fraction: share dropped by the MIS band. Both 0 while the corrections are off.
+    """
     s = dict(zip(STAT_KEYS, sums.tolist(), strict=True))
     n = max(s["tokens"], 1.0)
     return {
@@ -237,6 +276,8 @@ def finish_stats(sums: Tensor) -> dict[str, float]:
         "mean_abs_ratio_minus_1": s["abs_ratio_dev"] / n,
         "entropy": s["entropy"] / n,
         "kl": s["kl"] / n,
+        "truncated_fraction": s["truncated"] / n,
+        "masked_fraction": s["masked"] / n,
     }
 
 
@@ -256,9 +297,11 @@ def grpo_step(
     normaliser: float | None = None,
     loss_scale: float = 1.0,
     reduce_sums: Callable[[Tensor], Tensor] | None = None,
+    correction: CorrectionSpec = NO_CORRECTION,
 ) -> dict[str, float]:
     """One optimizer step of GRPO on `batch`; returns the step's stats (means per token, loss, grad_norm).
-    `temperature` is the sampler's: its logprobs are log_softmax(logits / T), so ours must be too.
+    `temperature` is the sampler's: its logprobs are log_softmax(logits / T), so ours must be too. `correction` is
+    the run's (`RunSpec.corrections`).
 
     `normaliser`, `loss_scale` and `reduce_sums` exist for data parallelism (see trainer.distributed): the
     token count of the global batch, the factor that undoes the gradient averaging across ranks, and an
@@ -279,7 +322,8 @@ def grpo_step(
                 raise ValueError("kl_coef > 0 needs a ref_model")
             with torch.no_grad():
                 ref_lp, _ = token_logprobs(ref_model, mb.input_ids, mb.attention_mask, temperature)
-        loss, s = grpo_loss(new_lp, mb, cfg, normaliser=normaliser, ref_logprobs=ref_lp, entropy=entropy)
+        loss, s = grpo_loss(new_lp, mb, cfg, normaliser=normaliser, ref_logprobs=ref_lp, entropy=entropy,
+                            correction=correction)
         (loss * loss_scale).backward()
         sums += s
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

@@ -345,7 +345,7 @@ class _Run:
         batch = build_batch(groups, pad_token_id(self.tokenizer), cfg.loss.adv_eps)
         stats = fsdp_grpo_step(self.model, self.optimizer, batch, cfg.loss, env, temperature=self.temperature,
                                grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size,
-                               ref_model=self.ref_model)
+                               ref_model=self.ref_model, correction=self.info.spec.corrections)
         step_s = time.monotonic() - t0
 
         ts.step += 1
