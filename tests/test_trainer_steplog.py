@@ -48,3 +48,13 @@ def test_without_a_terminal_the_trainer_logs_its_steps_and_lines(caplog) -> None
         d.status("waiting")  # a transient status is not a log line
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and lines[0].startswith("step 3:") and "no spread in reward" in lines[1], lines
+
+
+def test_the_status_line_shows_the_mismatch_corrections_only_where_they_acted() -> None:
+    from swarmrl.trainer.metrics import status_line
+
+    line = status_line(3, 3, {"clip_fraction": 0.5, "truncated_fraction": 0.25, "masked_fraction": 0.125})
+    assert "clip 0.500 | trunc 0.250 | mask 0.125 | idle" in line, line
+    line = status_line(3, 3, {"clip_fraction": 0.5, "truncated_fraction": 0.0, "masked_fraction": 0.125})
+    assert "clip 0.500 | mask 0.125 | idle" in line, line
+    assert "trunc" not in status_line(3, 3, {"truncated_fraction": 0.0, "masked_fraction": 0.0})

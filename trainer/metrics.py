@@ -53,6 +53,9 @@ def status_line(step: int, version: int, m: dict[str, float]) -> str:
     parts += [
         f"H {m.get('entropy', 0):.3f}",
         f"clip {m.get('clip_fraction', 0):.3f}",
+        # The mismatch corrections' shares of tokens (`trainer.grpo`), only where a correction acted.
+        *[f"{label} {m[key]:.3f}" for key, label in (("truncated_fraction", "trunc"), ("masked_fraction", "mask"))
+          if m.get(key)],
         f"idle {m.get('trainer_idle_s', 0):.1f}s",
         f"step {m.get('step_s', 0):.2f}s",
         f"stale {int(m.get('groups_stale', 0))}",
