@@ -121,6 +121,8 @@ class CoordinatorConfig(BaseModel):
     claim_ttl_s: float = Field(
         120.0, gt=0, description="Seconds a verifier's claim on pending groups lasts before others may take them."
     )
+    draw_seed: int | None = Field(None, description="Seed of the groups' quarantine draws (tests only); None: the "
+                                  "operating system's randomness, which no node can predict.")
     housekeeping_interval_s: float = Field(
         5.0, gt=0, description="Seconds between sweeps that mark silent nodes gone and forget expired nonces, "
         "stored answers and challenges.")

@@ -144,7 +144,9 @@ def count_verdicts(tx: Tx, node_id: str, accepted: int = 0, rejected: int = 0, c
 
 
 def ban(tx: Tx, node_id: str, reason: str) -> None:
-    tx.execute(update(nodes).where(nodes.c.id == node_id).values(banned=True, ban_reason=reason))
+    """Ban a node for good; a node banned already keeps its first reason."""
+    tx.execute(update(nodes).where(nodes.c.id == node_id, nodes.c.banned.is_(False))
+               .values(banned=True, ban_reason=reason))
 
 
 def set_counters(tx: Tx, node_id: str, idle_s: float, busy_s: float, add_idle: float, add_busy: float,

@@ -12,18 +12,23 @@ A submitted group's life from here on (`rollout_groups.status`, `held`):
     RELEASE of node n at group g (`protocol.quarantine.on_pass`): if the check of g vouches (`Verdict.vouches`:
             drawn, not forced by the held cap), each of n's held groups submitted before g gets a vouch; those with
             `release_passes` vouches are accepted, oldest first, before g itself.
-    BAN of node n: n is banned (for good); every pending group of n, held or not, is rejected.
+    BAN of node n: n is banned (for good); every pending group of n, held or not, is rejected. A verdict that bans
+            bans whatever verdict on its group landed first: a failed check is final.
+
+A group's draw is made at its first claim and kept (`claim_pending`): a re-claim is judged with the same number.
 
 The verifier's policy only says whether it ran the full check (`Verdict.checked`) and whether that check vouches;
 when a held group is released or dropped is decided here, by the rule of `protocol.quarantine` (its bound:
-docs/quarantine.md). Verdicts on groups already decided, held, or unknown are ignored, so
+docs/quarantine.md). Verdicts on groups already decided, held, or unknown are ignored, bans aside, so
 a retried or duplicated batch changes nothing. A batch is validated whole before any of it is applied.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from sqlalchemy import BigInteger, Double, bindparam, func, select, update
 
@@ -59,10 +64,13 @@ _CLAIMED = (select(g.id, g.node_id, g.policy_version, g.payload, g.lease_id, g.p
                    _p.answer, _p.seeds, _p.position, _l.policy_version.label("lease_version"), _l.expires_at,
                    _l.sampling, _l.signature, _l.digests, _n.checks_passed.label("node_checks_passed"),
                    select(func.count()).select_from(_h).where(_h.c.node_id == g.node_id, _h.c.status == "pending",
-                                                              _h.c.held.is_(True)).scalar_subquery().label("node_held"))
+                                                              _h.c.held.is_(True)).scalar_subquery().label("node_held"),
+                   g.draw, g.draw_passes, g.draw_held)
             .select_from(rollout_groups.join(lease_prompts, (_p.lease_id == g.lease_id) & (_p.prompt_id == g.prompt_id))
                          .join(leases, _l.id == g.lease_id).join(nodes, _n.id == g.node_id))
             .where(g.id.in_(_ids)).order_by(g.id))
+_KEEP_DRAW = update(rollout_groups).where(g.id == bindparam("b_id"), g.draw.is_(None)).values(
+    draw=bindparam("b_draw", type_=Double), draw_passes=bindparam("b_passes"), draw_held=bindparam("b_held"))
 _PENDING_LOCKED = select(g.id).where(g.id == bindparam("b_id"), g.status == "pending").with_for_update()
 _decided = {"decided_at": bindparam("b_now", type_=Double), "claimed_until": None}
 _ACCEPT = update(rollout_groups).where(g.id == bindparam("b_id")).values(
@@ -91,14 +99,26 @@ def lock_groups(tx: Tx, group_ids: list[int]) -> dict[int, GroupRow]:
     return {r.id: load(GroupRow, r) for r in tx.execute(_LOCK, {"b_ids": sorted(set(group_ids))})}
 
 
-def claim_pending(tx: Tx, claimer: str, limit: int, now: float, until: float) -> list[ClaimedGroup]:
+def claim_pending(tx: Tx, claimer: str, limit: int, now: float, until: float,
+                  draw: Callable[[], float]) -> list[ClaimedGroup]:
     """Claim up to `limit` pending, unheld groups nobody holds a live claim on, oldest first, with their lease
-    facts. Rows another transaction has locked (being claimed or decided) are skipped, not waited for."""
+    facts. Rows another transaction has locked (being claimed or decided) are skipped, not waited for.
+
+    A group's draw is final: at its first claim it gets `draw()` and the node's passed checks and held groups as
+    they stand, stored; every later claim returns those (the claimed group's `draw`, `draw_passes`, `draw_held`),
+    so a check that outlasts its claim, or a crashed verifier, cannot have the group drawn again."""
     ids = list(tx.execute(_CLAIMABLE, {"b_now": now, "b_limit": limit}).scalars())
     if not ids:
         return []
     tx.execute(_CLAIM, {"b_ids": ids, "b_by": claimer, "b_until": until})
-    return [load(ClaimedGroup, r) for r in tx.execute(_CLAIMED, {"b_ids": ids})]
+    rows = [load(ClaimedGroup, r) for r in tx.execute(_CLAIMED, {"b_ids": ids})]
+    first = [replace(r, draw=draw(), draw_passes=r.node_checks_passed, draw_held=r.node_held)
+             for r in rows if r.draw is None]
+    if first:
+        tx.execute(_KEEP_DRAW, [{"b_id": r.id, "b_draw": r.draw, "b_passes": r.draw_passes, "b_held": r.draw_held}
+                                for r in first])
+    drawn = {r.id: r for r in first}
+    return [drawn.get(r.id, r) for r in rows]
 
 
 def lease_excerpt(r: ClaimedGroup) -> m.LeaseExcerpt:
@@ -170,6 +190,7 @@ class Verification:
 
     def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], long_polls: LongPolls):
         self.store, self.config, self.clock, self.long_polls = store, config, clock, long_polls
+        self._draws = random.SystemRandom() if config.draw_seed is None else random.Random(config.draw_seed)
         self.accept_hooks: list[Callable[[Tx, list[int], float], object]] = []
         """Called with the ids of the groups a verdict batch accepted (released ones included), inside the batch's
         transaction, before it commits (the ledger signs their receipts there)."""
@@ -187,11 +208,12 @@ class Verification:
                 if not admitted:  # the first try of a long poll: the nonce (and a retry's stored answer)
                     admit(tx, req)
                 raise_counter(tx, VERIFIER_SEEN_AT, int(now))  # the watchdog's: a verifier is at work
-                rows = claim_pending(tx, req.signer, req.payload.limit, now, now + self.config.claim_ttl_s)
+                rows = claim_pending(tx, req.signer, req.payload.limit, now, now + self.config.claim_ttl_s,
+                                     self._draws.random)
                 groups = [m.PendingGroup(
                     group_id=r.id, node_id=r.node_id, answer=r.answer, lease=lease_excerpt(r),
                     policy_version=r.policy_version, group=m.RolloutGroup.model_validate(r.payload),
-                    node_checks_passed=r.node_checks_passed, node_held=r.node_held) for r in rows]
+                    node_checks_passed=r.draw_passes, node_held=r.draw_held, draw=r.draw) for r in rows]
                 if groups:  # an empty answer claimed nothing: a retry may as well look again
                     remember(tx, req, m.PendingGroups(groups=groups), now)
                 return groups
@@ -234,6 +256,10 @@ class Verification:
                 if status == "pending" and not held:
                     accepted += self._apply(tx, grp, v, now, counts.setdefault(grp.node_id, [0, 0, 0]),
                                             self.config.release_passes)
+                elif v.ban and not v.accepted:
+                    # A failed check is final whatever verdict on this group landed first (a second verifier's,
+                    # on a group re-claimed while this check ran): the ban still drops what is unreleased.
+                    counts.setdefault(grp.node_id, [0, 0, 0])[1] += _ban(tx, grp.node_id, _reason(v), now)
             for node_id, (n_accepted, n_rejected, checks) in counts.items():
                 registry.count_verdicts(tx, node_id, accepted=n_accepted, rejected=n_rejected, checks=checks)
             for hook in self.accept_hooks:
@@ -256,10 +282,18 @@ class Verification:
             counts[2] += 1
             return [*released, grp.id]
         else:
-            reason = (v.reason or "rejected by the verifier")[:MAX_REASON_CHARS]
-            reject(tx, grp.id, reason, now)
+            reject(tx, grp.id, _reason(v), now)
             counts[1] += 1
             if v.ban:
-                registry.ban(tx, grp.node_id, reason)
-                counts[1] += reject_pending_of_node(tx, grp.node_id, "node banned", now)
+                counts[1] += _ban(tx, grp.node_id, _reason(v), now)
         return []
+
+
+def _reason(v: m.Verdict) -> str:
+    return (v.reason or "rejected by the verifier")[:MAX_REASON_CHARS]
+
+
+def _ban(tx: Tx, node_id: str, reason: str, now: float) -> int:
+    """Ban a node (its first ban's reason stays) and reject every group of it still pending; how many."""
+    registry.ban(tx, node_id, reason)
+    return reject_pending_of_node(tx, node_id, "node banned", now)

@@ -161,6 +161,9 @@ class PendingGroup(Strict):
     node_held: int = Field(0, ge=0, description="Groups of the submitting node held (unchecked, unreleased) when "
                                                 "this one was claimed: at `protocol.quarantine` max_held, its next "
                                                 "group is fully checked.")
+    draw: float = Field(ge=0, lt=1, description="The quarantine rule's random number for this group, drawn by the "
+                        "coordinator at the group's first claim and kept by every re-claim, as are "
+                        "node_checks_passed and node_held: a check that outlasts its claim is not drawn again.")
 
     @property
     def prompt_text(self) -> str:

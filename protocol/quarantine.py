@@ -9,8 +9,8 @@ same two functions against adaptive attackers.
 The rule, per identity (a node key), with the knobs of `Rules`:
 
 1. Warm-up: every group of an identity with fewer than K passed full checks is fully checked.
-2. After it, each group is fully checked with probability p, drawn by the verifier from randomness the node
-   cannot predict, after the group was submitted.
+2. After it, each group is fully checked with probability p, from a number the coordinator draws once, at the
+   group's first claim, from randomness the node cannot predict; every re-claim keeps it.
 3. A group not drawn gets the cheap checks only and is *held*. An identity may hold at most h groups: when it
    already does, its next group is fully checked anyway (an *overflow* check).
 4. A drawn (or warm-up) full check that passes *vouches* for every group the identity holds that it submitted
@@ -26,9 +26,9 @@ throughput, poisoned groups are at most a x that / ((1 - a) + a x that) of all g
 (`poisoned_share_bound`). m and h only lower the attacker's yield further (and bound one identity's exposure);
 the bound does not depend on them. A check that misses a cheat with probability 1 - d acts as p d.
 
-Invariant the callers keep: a drawn decision is always followed by a verdict. Anything that withholds a
-verdict (the verifier's per-identity budget) happens before the draw, never after it, or a node could have
-its checks drawn again until one comes out unchecked.
+What the callers keep: a group's draw is made once and kept by every re-claim, and a failed full check bans
+whatever verdict on the group landed first (docs/quarantine.md, "Re-claims and crashed verifiers"); otherwise a
+node could have its checks drawn again until one comes out unchecked.
 """
 
 from __future__ import annotations

@@ -37,12 +37,12 @@ def local_pool() -> str:
 
 def pending_group(*, group_id: int, node_id: str, prompt_text: str, answer: str, sampling: SamplingSpec,
                   seeds: Sequence[int], group: RolloutGroup, policy_version: int = 0, lease_version: int | None = None,
-                  **kw: int) -> PendingGroup:
+                  draw: float = 0.0, **kw: int) -> PendingGroup:
     """A PendingGroup as a coordinator hands it out: judged against a lease of `prompt_text` with `seeds` and
-    `sampling`, signed by `local_coordinator()` for `local_pool()`."""
+    `sampling`, signed by `local_coordinator()` for `local_pool()`. `draw` 0 is a full check for any p > 0."""
     lease = Lease.issue(local_coordinator(), local_pool(), lease_id=f"local{group_id}", node_id=node_id,
                         policy_version=policy_version if lease_version is None else lease_version, expires_at=0.0,
                         sampling=sampling, prompts=[LeasedPrompt(prompt_id=group.prompt_id, text=prompt_text,
                                                                  seeds=list(seeds))])
     return PendingGroup(group_id=group_id, node_id=node_id, answer=answer, lease=lease.excerpt(group.prompt_id),
-                        policy_version=policy_version, group=group, **kw)
+                        policy_version=policy_version, group=group, draw=draw, **kw)

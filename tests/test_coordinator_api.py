@@ -509,12 +509,17 @@ def test_verifier_flow_and_trainer_cursor(run: Run) -> None:
     assert [g.group_id for g in run.op.training_batch(after_id=0, limit=1).groups] == [1]
     assert run.op.training_batch(after_id=2, limit=10).groups == []
 
-    # Verdicts again (a retried batch): ignored.
+    # Verdicts again on decided groups (another verifier's, on groups it claimed again): ignored...
     state = run.accepted_state()
     run.op.verdicts([m.Verdict(group_id=g2, accepted=True, rewards=[1.0] * GROUP),
-                     m.Verdict(group_id=g1, accepted=False, ban=True), m.Verdict(group_id=999, accepted=False)])
+                     m.Verdict(group_id=g1, accepted=False), m.Verdict(group_id=999, accepted=False)])
     assert run.accepted_state() == state
     assert node.heartbeat(0) is None  # not banned
+    # ...except a ban: a failed check is final whatever landed first. What was accepted stays accepted.
+    run.op.verdicts([m.Verdict(group_id=g1, accepted=False, ban=True, reason="replay failed")])
+    after = run.accepted_state()
+    assert after[:4] == state[:4] and after[5] == state[5]  # the same counts and the same feed
+    refused(lambda: node.heartbeat(0), 403, "banned")
 
 
 def test_ban_drops_pending_groups(run: Run) -> None:

@@ -28,7 +28,7 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
 from tests.support.postgres import fresh_database, needs_pg
 
-HEAD = "0010"
+HEAD = "0011"
 """The newest migration's revision."""
 
 
@@ -165,14 +165,23 @@ def test_group_lifecycle_claims_and_feed(store: Store) -> None:
     with pytest.raises(Exception):  # noqa: B017 - the unique (lease, prompt) constraint, whatever the driver calls it
         _group(store, "L1", "L1.0")
 
+    numbers = iter([0.25, 0.5, 0.75, 0.01, 0.02, 0.03])
     claim = lambda who, limit, now, until: store.write(  # noqa: E731
-        lambda tx: verification.claim_pending(tx, who, limit, now, until))
+        lambda tx: verification.claim_pending(tx, who, limit, now, until, lambda: next(numbers)))
     claimed = claim("v1", 2, 100.0, 220.0)
     assert [r.id for r in claimed] == [g1, g2]
     assert (claimed[0].answer, claimed[0].seeds, claimed[0].lease_version) == ("0", [10, 20], 0)
+    assert [(r.draw, r.draw_passes, r.draw_held) for r in claimed] == [(0.25, 0, 0), (0.5, 0, 0)]
     assert [r.id for r in claim("v2", 5, 110.0, 230.0)] == [g3]
     assert claim("v2", 5, 120.0, 240.0) == []
-    assert [r.id for r in claim("v2", 5, 225.0, 345.0)] == [g1, g2]  # claims expire
+    # The node passes checks meanwhile; its groups' claims expire and are claimed again: the same draws, and the
+    # node's record as it stood at the first claim, not fresh ones.
+    store.write(lambda tx: registry.count_verdicts(tx, "n1", accepted=5, rejected=0, checks=5))
+    again = claim("v2", 5, 225.0, 345.0)
+    assert [r.id for r in again] == [g1, g2]  # claims expire
+    assert [(r.draw, r.draw_passes, r.draw_held, r.node_checks_passed) for r in again] == [
+        (0.25, 0, 0, 5), (0.5, 0, 0, 5)]
+    assert next(numbers) == 0.01  # nothing was drawn for them again
 
     accept = lambda gid, rewards: store.write(lambda tx: verification.accept(tx, gid, rewards, now=130.0))  # noqa: E731
     assert accept(g2, [1.0, 0.0]) == 1

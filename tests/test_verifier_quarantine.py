@@ -123,9 +123,12 @@ def test_release_needs_a_check_of_a_later_group(pool):
     third, _ = pool.op.pending(limit=10)
     pool.op.verdicts([m.Verdict(group_id=third.group_id, accepted=True, rewards=rewards)])
     assert len(feed(pool)) == 3 and pool.op.status().groups_held == 0
-    # A verdict on a held group is ignored (it is decided).
+    # Another verdict on a decided group changes nothing, unless it bans: a failed check is final whatever
+    # landed first (docs/quarantine.md); what was released stays released.
+    pool.op.verdicts([m.Verdict(group_id=second.group_id, accepted=False, reason="again")])
+    assert not pool.node_row(node.node_id).banned and len(feed(pool)) == 3
     pool.op.verdicts([m.Verdict(group_id=second.group_id, accepted=False, ban=True)])
-    assert not pool.node_row(node.node_id).banned
+    assert pool.node_row(node.node_id).banned and len(feed(pool)) == 3
 
 
 def test_each_group_is_checked_with_its_own_version(pool, tmp_path):
@@ -236,7 +239,7 @@ def test_an_adaptive_attacker_with_free_identities_live(tmp_path, ckpt, k, poiso
     (and it never even cheats: every check of a young identity is certain)."""
     rules = Rules(warmup_checks=k, sample_rate=0.25)
     cfg = {"warmup_checks": k, "sample_rate": 0.25, "max_held": rules.max_held, "policy_seed": 1}
-    with open_pool(tmp_path, ckpt, verifier=cfg) as pool:
+    with open_pool(tmp_path, ckpt, verifier=cfg, draw_seed=1) as pool:
         honest = [pool.node(name="honest", max_prompts=4)]
         attacker = adaptive.Attacker(pool, sim.batch(2), rules, bad.Truth(ckpt), random.Random(0))
         try:

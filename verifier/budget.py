@@ -8,8 +8,8 @@ them without a verdict, so the coordinator keeps them pending and hands them out
 Why defer rather than refuse: the budget is about the verifier's time, not about the node's honesty. An honest
 node in its warm-up (every group fully checked) or with a burst of work must not lose groups it generated in
 good faith; a refused group cannot be resubmitted (its lease prompt is used). Deferring costs an attacker its
-groups' freshness and nothing else, and gains it nothing: the decision whether to check is drawn only when a
-group is taken up, never for a deferred one (see `protocol.quarantine` on redraws). What deferral does not stop
+groups' freshness and nothing else, and gains it nothing: a group's draw is made once, at its first claim, and
+a deferred group keeps it (see `protocol.quarantine`). What deferral does not stop
 is many identities each within its budget; that needs admission of young identities at the coordinator.
 
 Memory: only identities whose bucket is not full are remembered, at most `max_identities` (the least recently

@@ -83,7 +83,9 @@ class VerifierConfig(BaseModel):
                                "groups fully checked; the others are held until later checks vouch for them.")
     max_held: int = Field(quarantine.MAX_HELD, ge=0, description="h: a node holding this many groups gets its next "
                           "group fully checked (an overflow check, which vouches for nothing).")
-    policy_seed: int | None = Field(None, description="Seed of the p draws (tests only); None: OS randomness.")
+    policy_seed: int | None = Field(None, description="Seed of the verifier's own random choices, such as the "
+                                    "positions a full check samples (tests only); None: OS randomness. The p "
+                                    "draws are the coordinator's (its draw_seed).")
     probe_tokens: int = Field(16, ge=1, description="Early exit: first, the prompt and this many completion tokens of "
                               "one rollout per group (chosen at random) are recomputed and checked; a group failing "
                               "there costs no more.")

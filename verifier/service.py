@@ -8,8 +8,9 @@ Per batch, in group-id order:
    rewards come last (step 5): they can cost far more than the checks (a sandbox runs code);
 2. the budget: an identity that has used its verifier time (`verifier.budget`) has its groups deferred: no
    verdict, no draw; the coordinator hands them out again later;
-3. the draw (`verifier.policy`, the rule of `protocol.quarantine`): warm-up, sampled or overflow full check,
-   or hold (an accepted verdict with `checked=False`; the coordinator holds it until later checks vouch);
+3. the draw (`verifier.policy`, the rule of `protocol.quarantine`, read with the number the coordinator drew at
+   the group's first claim): warm-up, sampled or overflow full check, or hold (an accepted verdict with
+   `checked=False`; the coordinator holds it until later checks vouch);
 4. the full checks (`verifier.full_check`, early exit), by policy version: a failure bans. A full check that
    cannot be completed (a verifier error) is counted as failed and bans too: a check that was drawn must end in
    a verdict with consequences, or a node could make the checks it would fail disappear;
@@ -62,7 +63,7 @@ class Verifier:
         self.client.outage.context = lambda: "the verifier checks groups once it answers (start the coordinator first)"
         self.task: Task | None = None
         rules = cfg.quarantine_rules()
-        self.policy = CheckPolicy(rules, cfg.policy_seed)
+        self.policy = CheckPolicy(rules)
         self._rng = random.SystemRandom() if cfg.policy_seed is None else random.Random(cfg.policy_seed + 1)
         self.staging = Staging(probe_tokens=cfg.probe_tokens, first_chunk_tokens=cfg.first_chunk_tokens,
                                chunk_growth=cfg.chunk_growth, logit_memory_mb=cfg.logit_memory_mb)
@@ -147,9 +148,9 @@ class Verifier:
                                         reason="not checked: another group of this node failed its checks"))
                 continue
             if self.budget is not None and self.budget.over(g.node_id):
-                self.stats.deferred += 1  # before the draw: see verifier.budget
+                self.stats.deferred += 1  # it keeps its draw: see verifier.budget
                 continue
-            check = self.policy.decide(g.node_checks_passed, g.node_held + held_here[g.node_id])
+            check = self.policy.decide(g.node_checks_passed, g.node_held + held_here[g.node_id], g.draw)
             if check.full:
                 full[g.policy_version].append((g, ctx, check))
             else:

@@ -125,6 +125,12 @@ class ClaimedGroup:
     node_checks_passed: int
     node_held: int
     """Groups of the node held when this one was claimed."""
+    draw: float | None
+    """The quarantine rule's number for this group, drawn at its first claim (None before it)."""
+    draw_passes: int | None
+    """The node's passed checks at the group's first claim."""
+    draw_held: int | None
+    """The node's held groups at the group's first claim."""
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,11 @@ rollout_groups = Table(
     Column("decided_at", Double),
     Column("held", Boolean, nullable=False, server_default=false()),
     Column("vouches", Integer, nullable=False, server_default="0"),
+    # The draw, made at the group's first claim and kept by every re-claim (`coordinator.verification`): the
+    # quarantine rule's random number, and the node's passed checks and held groups as they stood then.
+    Column("draw", Double),
+    Column("draw_passes", Integer),
+    Column("draw_held", Integer),
     UniqueConstraint("lease_id", "prompt_id"),
     CheckConstraint("status IN ('pending', 'accepted', 'rejected')", name="rollout_groups_status_values"),
     Index("rollout_groups_status", "status", "id"),

@@ -184,7 +184,7 @@ def section(root: Path, ckpt: Path, work: dict[str, int], engines: tuple[str, ..
                 # A seed of its own per run: runs sharing one would share their draws, and their luck.
                 vcfg = {"warmup_checks": rules.warmup_checks, "sample_rate": p, "max_held": rules.max_held,
                         "policy_seed": seed + len(runs)}
-                with open_pool(d, ckpt, sampling=sampling, verifier=vcfg) as pool:
+                with open_pool(d, ckpt, sampling=sampling, verifier=vcfg, draw_seed=seed + len(runs)) as pool:
                     honest = [pool.node(name=f"honest-{e}", engine=e, max_prompts=8) for e in engines]
                     attacker = Attacker(pool, strategy, rules, truth, random.Random(seed + len(runs)))
                     try:
