@@ -13,7 +13,9 @@ script runs them and writes the results.
 5. adaptive: attackers with a third of the throughput and free identities against the check rule
    (`testing.byzantine.adaptive`: `poisoned_share`); a hoarder next to honest nodes with backpressure on
    (`testing.byzantine.hoarding`: `honest_throughput_under_hoarding`, honest accepted groups/s with / without);
-   a man in the middle rewriting leases (`testing.byzantine.framing`: `framed_honest_nodes`, must be 0).
+   a man in the middle rewriting leases (`testing.byzantine.framing`: `framed_honest_nodes`, must be 0); two
+   verifiers racing for every cheating group, the re-claimer's verdict landing first
+   (`testing.byzantine.reclaims`: `cheat_check_rate_with_reclaims`, at least 0.95 p).
 
     python bench/byzantine.py                       # everything (about 60-80 min on 2 busy CPU cores)
     python bench/byzantine.py --skip-swarm --attempts 5 --honest-groups 200   # quicker
@@ -49,11 +51,11 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: float, hoarding_repeats: int
-             ) -> dict[str, Any]:
+def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: float, hoarding_repeats: int,
+             reclaim_rounds: int) -> dict[str, Any]:
     """docs/quarantine.md and docs/admission.md, through the real coordinator and verifier."""
     from swarmrl.testing.byzantine import adaptive as attackers
-    from swarmrl.testing.byzantine import framing, hoarding
+    from swarmrl.testing.byzantine import framing, hoarding, reclaims
 
     root = out / "adaptive"
     root.mkdir(parents=True, exist_ok=True)
@@ -63,6 +65,8 @@ def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: fl
     res["hoarding"] = hoarding.section(root / "hoarding", ckpt, duration_s=hoarding_s, repeats=hoarding_repeats,
                                        log=log)
     res["framing"] = framing.section(root / "framing", ckpt, log=log)
+    if reclaim_rounds:
+        res["reclaims"] = reclaims.section(root / "reclaims", ckpt, p=0.1, rounds=reclaim_rounds, log=log)
     (out / "adaptive.json").write_text(json.dumps(res, indent=1))
     return res
 
@@ -84,6 +88,7 @@ def main() -> None:
     p.add_argument("--adaptive-engines", default="vllm,torch", help="engines of the honest nodes")
     p.add_argument("--hoarding-seconds", type=float, default=60.0, help="seconds per hoarding arm")
     p.add_argument("--hoarding-repeats", type=int, default=3, help="rounds of the hoarding arms")
+    p.add_argument("--reclaim-rounds", type=int, default=2000, help="cheating groups raced for by two verifiers")
     for part in ("calibration", "suite", "cost", "swarm", "adaptive"):
         p.add_argument(f"--skip-{part}", action="store_true")
     args = p.parse_args()
@@ -122,7 +127,7 @@ def main() -> None:
     if not args.skip_adaptive:
         work = {k: int(v) for k, v in (kv.split("=") for kv in args.adaptive_work.split(",") if kv)}
         result["adaptive"] = adaptive(args.out, work, args.adaptive_engines.split(","), args.hoarding_seconds,
-                                      args.hoarding_repeats)
+                                      args.hoarding_repeats, args.reclaim_rounds)
         save()
     last = {k: result.get(k) for k in ("attacks", "honest_rejected", "honest_total", "verify_cost_ratio")}
     ad, co = result.get("adaptive", {}), result.get("cost", {})
@@ -133,6 +138,8 @@ def main() -> None:
                 amortised_verify_cost_ratio=co.get("amortised_verify_cost_ratio"),
                 honest_throughput_under_hoarding=hoard.get("honest_throughput_under_hoarding"),
                 framed_honest_nodes=frame.get("framed_honest_nodes"),
+                cheat_check_rate_with_reclaims=ad.get("reclaims", {}).get("cheat_check_rate_with_reclaims"),
+                reclaims=ad.get("reclaims"),
                 hoarding={k: v for k, v in hoard.items() if k != "runs"},
                 framing={k: v for k, v in frame.items() if k != "rows"})
     last["adaptive"] = {k: {kk: v[kk] for kk in ("poisoned", "trained_on", "poisoned_share", "identities",
