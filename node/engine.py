@@ -129,14 +129,6 @@ class InferenceEngine(ABC):
     def close(self) -> None:
         """Release the model and its caches; the engine cannot be used afterwards."""
 
-    def warmup(self) -> None:
-        """Generate once, two tokens from a one-token prompt, and discard the result. vLLM's first call costs
-        seconds (3.2 s for the 0.86M model on the CPU). Paid here, it is not paid inside the first lease,
-        whose clock is already running."""
-        if self.eos_id is None:
-            raise RuntimeError("no checkpoint loaded")
-        self.generate([GenerationRequest(prompt_ids=[self.eos_id], seed=0)], max_tokens=2)
-
     def __enter__(self) -> InferenceEngine:
         return self
 
