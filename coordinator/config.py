@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swarmrl.coordinator.admission import AdmissionConfig
+from swarmrl.coordinator.connections import ConnectionConfig
 from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.coordinator.watchdog import WatchdogConfig
 from swarmrl.pools.config import PoolConfig
@@ -135,6 +136,10 @@ class CoordinatorConfig(BaseModel):
     )
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="How many prompts an identity "
                                        "may hold in flight, and the share of the buffer unproven identities may hold.")
+    connections: ConnectionConfig = Field(
+        default_factory=ConnectionConfig, description="Per process: how long a request's head and body may take to "
+        "arrive, connections per source and in all, and the share of them kept for sources of proven nodes and "
+        "operators (coordinator.connections).")
     rate_limits: RateLimitConfig = Field(default_factory=RateLimitConfig, description="Requests per source and per "
                                          "identity (429 with Retry-After above them).")
     node_gone_after_s: float = Field(

@@ -7,6 +7,8 @@ through the whole TCP stack, the receiver's side included, and the receiver may 
 made 1.55 write calls per request it read (`bench/RESULTS.md`). Here the head waits for the body and both go out
 in one call. A write that nothing follows in the same step (the head of a streamed response, a
 stream's chunk) goes out when the step ends, so nothing waits longer than the event loop's current callbacks.
+
+`HttpToolsProtocol` is private to uvicorn: pyproject pins uvicorn to the version this was written against.
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ from fastapi import FastAPI
 
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
+from swarmrl.coordinator.connections import ConnectionGuard, raise_open_file_limit
 from swarmrl.coordinator.db.store import Store
 from swarmrl.coordinator.db.writer import WriterServer
-from swarmrl.coordinator.httpwrites import CoalescingHttpProtocol
+from swarmrl.coordinator.httpguard import GuardedHttpProtocol, RecordKeeper
 from swarmrl.coordinator.pool import attach_pool
 from swarmrl.coordinator.registry import Registry
 from swarmrl.coordinator.run_secret import RunSecret
@@ -71,10 +72,18 @@ def attach_seed(app: FastAPI, config: CoordinatorConfig) -> DhtSeed | None:
 
 
 def uvicorn_config(app: FastAPI) -> uvicorn.Config:
+    """The server of `app` in this process: every connection bounded by a `ConnectionGuard` of its own
+    (`app.state.connections`; `coordinator.connections`)."""
     # No access log and no proxy-header rewriting: per-request costs that nothing here uses (client addresses
-    # decide nothing; keys do). A response's head and body go out in one write (`coordinator.httpwrites`).
-    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", proxy_headers=False,
-                          http=CoalescingHttpProtocol)
+    # decide nothing; keys do). A response's head and body go out in one write (`coordinator.httpwrites`). No
+    # WebSocket upgrade: nothing here speaks it, and an upgraded connection would leave the guard's count.
+    svc = app.state.coordinator
+    config: CoordinatorConfig = svc.config
+    guard = app.state.connections = ConnectionGuard(config.connections, config.rate_limits)
+    protocol = GuardedHttpProtocol.bound(guard, max(config.max_body_bytes, config.max_shard_bytes))
+    return uvicorn.Config(RecordKeeper(app, guard, svc.store, config.admission.proven_after_groups),
+                          log_level="warning", access_log=False, lifespan="on", proxy_headers=False, http=protocol,
+                          ws="none")
 
 
 def _listen(host: str, port: int, shared: bool = False, first: bool = True) -> socket.socket:
@@ -228,6 +237,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     The URL line is printed once the socket listens (with the real port when `port` is 0): a client may connect
     as soon as it reads it."""
     identity = identity or config.load_identity()
+    raise_open_file_limit()  # before the workers fork: they inherit it; connections are bounded by the guard
     sock = _listen(config.host, config.port, shared=config.workers > 1)
     workers = None
     if config.workers > 1:
