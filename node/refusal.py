@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from swarmrl.node.config import NodeConfig
 from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.runtime.client import CoordinatorError
 
@@ -34,11 +33,23 @@ def is_other_pool(e: CoordinatorError) -> bool:
     return e.code is RefusalCode.OTHER_POOL
 
 
-def permanent(e: CoordinatorError, cfg: NodeConfig) -> PermanentRefusal | None:
-    """The PermanentRefusal a refusal amounts to, or None when the node should wait and try again."""
+# Refusals of the node itself rather than of one piece of its work: its membership decides (stop, or register again).
+_ABOUT_THE_NODE = frozenset({RefusalCode.BANNED, RefusalCode.CLOCK_SKEW, RefusalCode.UNKNOWN_NODE,
+                             RefusalCode.OTHER_POOL})
+
+
+def is_about_the_node(e: CoordinatorError) -> bool:
+    """Whether `e` refuses the node itself (banned, its clock, unknown, another pool), which the node's membership
+    deals with, rather than one request of its work (a stale submission, a full lease book), which is noted."""
+    return e.code in _ABOUT_THE_NODE
+
+
+def permanent(e: CoordinatorError, coordinator_url: str, key_path: Path) -> PermanentRefusal | None:
+    """The PermanentRefusal a refusal amounts to (its message names the coordinator and the node's key file), or
+    None when the node should wait and try again."""
     if e.code is RefusalCode.BANNED:
         return PermanentRefusal(
-            f"the pool at {cfg.coordinator_url} banned this node's key ({cfg.key_path}): {e.reason}. Work from this "
+            f"the pool at {coordinator_url} banned this node's key ({key_path}): {e.reason}. Work from this "
             "key is no longer accepted; ask the pool's operator if you think this is a mistake.")
     if e.code is RefusalCode.CLOCK_SKEW:
         return PermanentRefusal(
@@ -48,23 +59,23 @@ def permanent(e: CoordinatorError, cfg: NodeConfig) -> PermanentRefusal | None:
     return None
 
 
-def pinned_coordinator_key(cfg: NodeConfig, reported: str) -> str:
-    """The coordinator key to trust: the configured one, else the one pinned on first use; PermanentRefusal when
-    the coordinator presents another."""
-    if cfg.coordinator_key:
-        if cfg.coordinator_key != reported:
+def pinned_coordinator_key(configured: str | None, reported: str, coordinator_url: str, key_path: Path) -> str:
+    """The coordinator key to trust: the `configured` one, else the one pinned on first use next to the node's key
+    (`key_path`); PermanentRefusal when the coordinator at `coordinator_url` presents another."""
+    if configured:
+        if configured != reported:
             raise PermanentRefusal(
-                f"the coordinator at {cfg.coordinator_url} presents key {reported[:16]}…, not the key this node "
-                f"trusts ({cfg.coordinator_key[:16]}…, configured or pinned for the pool): refusing to work for it. "
+                f"the coordinator at {coordinator_url} presents key {reported[:16]}…, not the key this node "
+                f"trusts ({configured[:16]}…, configured or pinned for the pool): refusing to work for it. "
                 "If the pool's operator announced a new key, update coordinator_key (or remove the pool's pin from "
                 "pools.json in the work dir); otherwise check the URL.")
-        return cfg.coordinator_key
-    pin = Path(str(cfg.key_path) + ".coordinator")
+        return configured
+    pin = Path(str(key_path) + ".coordinator")
     if pin.exists():
         pinned = pin.read_text().strip()
         if pinned != reported:
             raise PermanentRefusal(
-                f"the coordinator at {cfg.coordinator_url} presents key {reported[:16]}…, but this node pinned "
+                f"the coordinator at {coordinator_url} presents key {reported[:16]}…, but this node pinned "
                 f"{pinned[:16]}… on first use (in {pin}): refusing. If the pool's operator announced a new key, "
                 f"delete {pin} (or set coordinator_key) and start again; otherwise check the URL.")
         return pinned

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from swarmrl.protocol.messages import ALREADY_SUBMITTED, RolloutSubmission, SubmitResult
+from swarmrl.protocol.overview import Training
 from swarmrl.protocol.refusals import RefusalCode
-from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
+from swarmrl.runtime.client import CoordinatorError
 
 log = logging.getLogger("swarmrl.node")
 
@@ -18,6 +20,10 @@ NO_WORK_ASK_EVERY_S = 10.0
 # Refusals the whole submission got on a retry that may repeat an applied earlier try: outcome unknown.
 _MAYBE_APPLIED = frozenset({RefusalCode.UNKNOWN_LEASE, RefusalCode.LEASE_EXPIRED, RefusalCode.REPLAYED,
                             RefusalCode.STALE_SUBMISSION})
+
+
+class TrainingSource(Protocol):
+    def training(self) -> Training: ...
 
 
 @dataclass
@@ -47,7 +53,7 @@ class NodeStats:
         self.leases += 1
         self.no_work = ""
 
-    def ask_why_no_work(self, client: CoordinatorClient, now: float) -> None:
+    def ask_why_no_work(self, client: TrainingSource, now: float) -> None:
         """The coordinator had no lease for this node: ask it why (GET /v1/training), at most every
         NO_WORK_ASK_EVERY_S (`now`: a monotonic clock). A failed question keeps the last answer."""
         if now - self.no_work_asked_at < NO_WORK_ASK_EVERY_S:
@@ -57,6 +63,13 @@ class NodeStats:
             self.no_work = client.training().why or "none leased just now (the pool is not blocked)"
         except Exception as e:  # only words for the panel: never worth stopping for
             log.debug("could not ask why there is no work: %s", e)
+
+    def outage_context(self, node_id: str) -> str:
+        """What the node `node_id` keeps while the coordinator cannot be reached (for the outage's log line)."""
+        if self.registrations:
+            return f"keeping policy v{self.held_version} and identity {node_id[:10]}"
+        # never joined: nothing is kept yet, and the URL may be wrong
+        return "not joined yet: check coordinator_url if that coordinator is up (`swarmrl node doctor` tries it)"
 
     @property
     def tokens_per_s(self) -> float:

@@ -113,8 +113,8 @@ def test_collecting_pages_after_the_cursor_and_starts_over_for_a_new_book(tmp_pa
 def test_node_counts_a_submission_result(tmp_path: Path) -> None:
     coordinator = Identity.generate()
     node = Node(NodeConfig(key_path=tmp_path / "node.key", work_dir=tmp_path / "node", progress=False))
-    node.receipts = ReceiptBook(tmp_path / "node" / "receipts.jsonl", node.identity.node_id,
-                                coordinator.public_key_hex)
+    node.membership.receipts = ReceiptBook(tmp_path / "node" / "receipts.jsonl", node.identity.node_id,
+                                           coordinator.public_key_hex)
     rollout = m.Rollout(seed=1, completion_ids=[4, 5, 2], logprobs=[-0.1, -0.2, -0.3], finish_reason="stop")
     groups = [m.RolloutGroup(prompt_id=f"l1.{i}", prompt_ids=[1, 4], rollouts=[rollout, rollout]) for i in range(3)]
     submission = m.RolloutSubmission(lease_id="l1", policy_version=0, groups=groups)
@@ -126,8 +126,8 @@ def test_node_counts_a_submission_result(tmp_path: Path) -> None:
     assert (s.groups_submitted, s.groups_accepted, s.groups_rejected) == (3, 2, 1)
     assert s.accepted_tokens == 12 and s.last_rejection == "l1.2: bad shape"
 
-    node.coordinator_key = coordinator.public_key_hex
-    node.download = Download(version=4, shards=40, bytes=84_000_000, counter_at_start=0)
+    node.membership.coordinator_key = coordinator.public_key_hex
+    node.weights.download = Download(version=4, shards=40, bytes=84_000_000, counter_at_start=0)
     console = Console(width=140, record=True)
     console.print(render(node, "alpha"))
     node.client.outage.failed("ConnectError: refused")

@@ -287,12 +287,12 @@ def test_a_request_for_another_pool_makes_the_node_register_again(tmp_path, chec
     try:
         address.serve(_coordinator(tmp_path, operator, "pool-a", "first"))
         node = Node(node_config(tmp_path, coordinator_url=address.proxy.url))
-        node._register()
+        node.membership.register()
         address.serve(_coordinator(tmp_path, operator, "pool-b", "second"))  # same key, another run
         with pytest.raises(CoordinatorError) as refused:
             node.client.heartbeat(held_version=-1)  # still signed for pool-a's run
         assert refused.value.code is RefusalCode.OTHER_POOL and "reworded" in refused.value.reason
-        node._refused(refused.value)  # as the node's main loop does with it
+        node.membership.refused(refused.value)  # as the node's main loop does with it
         assert node.stats.registrations == 2 and node.client.run is not None
         assert node.client.run.run_id == "pool-b"
         node.client.heartbeat(held_version=-1)  # signed for the new pool now: taken

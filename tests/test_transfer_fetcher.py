@@ -333,7 +333,7 @@ def test_a_node_keeps_the_files_of_the_version_it_is_loading(tmp_path, coordinat
         info=lambda: SimpleNamespace(current_version=served["latest"]),
         latest_manifest=lambda: signed[served["latest"]])
     node.fetcher = CheckpointFetcher(tmp_path / "node" / "checkpoints", coordinator.public_key_hex,
-                                     [StoreSource(store)], keep_versions=2, in_use=node._versions_in_use)
+                                     [StoreSource(store)], keep_versions=2, in_use=node.weights.in_use)
     node.stats.held_version = 1
     node.fetcher.fetch(signed[1])
     served["latest"] = 2
