@@ -44,14 +44,14 @@ _LIMITED = ("import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(
 class Tally:
     """What the attacker saw. `held`: its connections open now (a refused one until its refusal arrives); `refused`:
     connections answered (429, 503) and closed; `closed`: connections the coordinator closed unanswered (their
-    deadline), the first after `closed_after_s` seconds or more."""
+    deadline), the quickest after `closed_after_s` seconds (None: none yet)."""
 
     held: int = 0
     most_held: int = 0
     opened: int = 0
     refused: int = 0
     closed: int = 0
-    closed_after_s: float = float("inf")
+    closed_after_s: float | None = None
     connect_errors: int = 0
 
 
@@ -90,7 +90,8 @@ async def _slot(host: str, port: int, source: str, trickle_s: float, tally: Tall
             await _pause(stop, 1.0)  # what the answer's Retry-After asks
         else:
             tally.closed += 1
-            tally.closed_after_s = min(tally.closed_after_s, time.monotonic() - started)
+            lasted = time.monotonic() - started
+            tally.closed_after_s = lasted if tally.closed_after_s is None else min(tally.closed_after_s, lasted)
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
