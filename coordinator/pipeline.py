@@ -22,7 +22,8 @@ the bytes as sent. Refusals are answered here in the API's shape, `{"detail": re
 
 The schema describes these endpoints as they really are: the endpoint's message as the body, the signature in the
 `SIGNATURE_HEADER` header (`protocol.signing`), the optional Idempotency-Key header, answers as their models,
-refusals as `protocol.refusals.ErrorBody`.
+refusals as `protocol.refusals.ErrorBody`. An operator's answer carries the coordinator's signature, bound to the
+request's nonce (`protocol.signing.verify_answer`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from swarmrl.coordinator.middleware import send_error
 from swarmrl.coordinator.ratelimit import RateLimitConfig, source_of
 from swarmrl.coordinator.service import Coordinator
 from swarmrl.protocol.refusals import ErrorBody
-from swarmrl.protocol.signing import MAX_HEADER_CHARS, SIGNATURE_HEADER, Signature
+from swarmrl.protocol.signing import MAX_HEADER_CHARS, SIGNATURE_HEADER, Signature, answer_kind, sign
 from swarmrl.runtime.client import IDEMPOTENCY_HEADER
 
 T = TypeVar("T")
@@ -79,7 +80,8 @@ class Offload:
 @dataclass(frozen=True)
 class _Route:
     path: str  # what request metrics label it with (`scope["route"].path`, as for the router's routes)
-    operator: bool  # signed by an operator: served on the operator's threads
+    kind: str
+    operator: bool  # signed by an operator: served on the operator's threads, answers signed
     check: Callable[[str | None, bool], Signature]
     handle: Callable[[Signature, bytes, str | None, str], Answer]
     plan: Callable[[Signed], RemoteCall | Callable[[], Any]] | None  # a node's request, served on the event loop
@@ -126,7 +128,7 @@ class SignedRoutes:
                 raise
             return Answer.of(result)
 
-        self.routes[path] = _Route(path, role == "operator", check, handle, plan, idempotent, payload, answer,
+        self.routes[path] = _Route(path, kind, role == "operator", check, handle, plan, idempotent, payload, answer,
                                    empty, summary)
 
     def install_openapi(self, app: FastAPI) -> None:
@@ -187,6 +189,7 @@ class SignedDispatch:
         self.app, self.routes, self.limits = app, routes.routes, limits
         self.offload, self.operator_offload = offload, operator_offload
         self.gate, self.writer = routes.svc.gate, routes.svc.async_writer
+        self.identity, self.pool = routes.svc.identity, routes.svc.pool
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -223,6 +226,9 @@ class SignedDispatch:
             await send_error(send, *refusal)
             return
         headers = [*_JSON, (b"content-length", str(len(answer.body)).encode())] if answer.status != 204 else []
+        if route.operator and answer.status == 200:  # an operator's link may be rewritten: the answer is signed
+            signed = sign(self.identity, answer_kind(route.kind), self.pool, answer.body, nonce=sig.nonce)
+            headers.append((_SIGNATURE_HEADER, signed.header().encode()))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         await send({"type": "http.response.body", "body": answer.body})
 

@@ -18,6 +18,11 @@ body: the header's shape, kind, pool and clock window, then the signature over t
 verify), and only then reads the body, compares its sha256 with the signed one (`check_body`) and parses it.
 An unsigned, forged, misdirected or stale request costs the receiver microseconds whatever its size; a replayed
 one is refused on its nonce (the receiver remembers those).
+
+The coordinator's answers to operators (verifiers, the trainer) are signed too, in the answer's
+`SIGNATURE_HEADER`: kind `answer_kind(request kind)`, and the request's own nonce, so that an answer passes only
+for the request it answers (`verify_answer`). Whoever sits on an operator's link can then neither rewrite what a
+verifier judges (and get an honest node banned) nor what the trainer trains on, nor replay an old answer.
 """
 
 from __future__ import annotations
@@ -181,3 +186,19 @@ def verify_signed(sig: Signature, body: bytes, **kw: Any) -> None:
     """`verify(sig, **kw)` then `check_body(sig, body)`."""
     verify(sig, **kw)
     check_body(sig, body)
+
+
+def answer_kind(kind: str) -> str:
+    """The kind the coordinator signs its answer to a `kind` request with."""
+    return f"{kind}.answer"
+
+
+def verify_answer(header: str | None, body: bytes, *, request: str, key: str) -> None:
+    """SignatureError unless `header` is the coordinator's (`key`) signature of `body` as its answer to the request
+    whose signature header is `request` (the same pool, the kind's answer, the request's nonce: an answer to
+    another request, or an old one, is refused)."""
+    asked = parse_header(request)
+    sig = parse_header(header)
+    verify_signed(sig, body, kind=answer_kind(asked.kind), pool=asked.pool, key=key, max_skew_s=None)
+    if sig.nonce != asked.nonce:
+        raise SignatureError(RefusalCode.REPLAYED, "the answer was signed for another request (its nonce differs)")

@@ -28,6 +28,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from swarmrl.protocol import messages as m
+from swarmrl.protocol import signing
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.ledger import LedgerPage
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
@@ -162,12 +163,23 @@ class CoordinatorClient:
             raise ValueError("this call must be signed: give the client an identity")
         return {SIGNATURE_HEADER: sign(self.identity, kind, self.pool, body).header()}
 
-    def _signed(self, path: str, kind: str, payload: BaseModel, out: type[T] | None) -> T | None:
+    def _signed(self, path: str, kind: str, payload: BaseModel, out: type[T] | None,
+                answer_signed: bool = False) -> T | None:
+        """POST `payload` signed as a `kind` request; the answer as `out` (None for 204). `answer_signed` (an
+        operator's call): unless the answer carries the coordinator's signature for this very try of the request
+        (`protocol.signing.verify_answer`), UntrustedResponse, and nothing in it is used."""
         body = payload.model_dump_json().encode()
-        resp = self._request("POST", path, build=lambda: {"content": body,
-                                                          "headers": self.signature_header(kind, body)})
+        tries: list[dict[str, str]] = []
+        resp = self._request("POST", path, build=lambda: {
+            "content": body, "headers": tries.append(self.signature_header(kind, body)) or tries[-1]})
         if out is None or resp.status_code == 204:
             return None
+        if answer_signed:
+            try:
+                signing.verify_answer(resp.headers.get(SIGNATURE_HEADER), resp.content,
+                                      request=tries[-1][SIGNATURE_HEADER], key=self.coordinator_key or "")
+            except SignatureError as e:
+                raise UntrustedResponse(f"the answer to {path} does not verify: {e.reason}") from None
         return out.model_validate_json(resp.content)
 
     def trust(self, run: m.RunInfo) -> m.RunInfo:
@@ -336,7 +348,7 @@ class CoordinatorClient:
     def pending(self, limit: int = 64, wait_s: float = 0.0) -> list[m.PendingGroup]:
         """Claim up to `limit` pending groups; with `wait_s`, the coordinator waits that long for one to arrive."""
         resp = self._signed("/v1/verifier/pending", m.KIND_VERIFIER_PENDING,
-                            m.PendingRequest(limit=limit, wait_s=wait_s), m.PendingGroups)
+                            m.PendingRequest(limit=limit, wait_s=wait_s), m.PendingGroups, answer_signed=True)
         return resp.groups if resp else []
 
     def verdicts(self, verdicts: list[m.Verdict]) -> None:
@@ -348,14 +360,15 @@ class CoordinatorClient:
         """Accepted groups after `after_id`; with `wait_s`, the coordinator waits that long for one to arrive.
         Reading moves nothing on the coordinator: see `ack`."""
         req = m.BatchRequest(after_id=after_id, limit=limit, wait_s=wait_s)
-        return self._signed("/v1/trainer/batch", m.KIND_TRAINER_BATCH, req, m.TrainingBatch)  # type: ignore[return-value]
+        return self._signed("/v1/trainer/batch", m.KIND_TRAINER_BATCH, req, m.TrainingBatch,  # type: ignore[return-value]
+                            answer_signed=True)
 
     def ack(self, cursor: int) -> m.FeedAcked:
         """Acknowledge that the trainer's saved state has consumed every feed position up to `cursor` (the
         coordinator counts later accepted groups as still in flight). Acknowledgements are cumulative: a lower
         cursor than one already acknowledged changes nothing."""
         return self._signed("/v1/trainer/ack", m.KIND_TRAINER_ACK, m.FeedAck(cursor=cursor),
-                            m.FeedAcked)  # type: ignore[return-value]
+                            m.FeedAcked, answer_signed=True)  # type: ignore[return-value]
 
     def upload_shard(self, sha256: str, data: bytes) -> None:
         """Upload a shard; its signature covers its bytes, whose sha256 is its address."""
@@ -364,7 +377,7 @@ class CoordinatorClient:
 
     def publish(self, manifest: CheckpointManifest) -> SignedManifest:
         return self._signed("/v1/trainer/publish", m.KIND_TRAINER_PUBLISH, m.PublishRequest(manifest=manifest),
-                            SignedManifest)  # type: ignore[return-value]
+                            SignedManifest, answer_signed=True)  # type: ignore[return-value]
 
     def metrics(self, step: int, version: int, metrics: dict[str, float]) -> None:
         self._signed("/v1/trainer/metrics", m.KIND_TRAINER_METRICS,

@@ -1,6 +1,6 @@
 """A man in the middle for tests and benches: an HTTP proxy on loopback that forwards everything to a coordinator
-and rewrites the leases it hands out on the way (a prompt, max_tokens, the temperature), as anyone on the network
-path of a plain-HTTP pool can.
+and rewrites the leases it hands out on the way (a prompt, max_tokens, the temperature), or any other answer, as
+anyone on the network path of a plain-HTTP pool can.
 
     with Mitm(coordinator_url, rewrite=rewrite_lease("max_tokens")) as proxy:
         node = Node(NodeConfig(coordinator_url=proxy.url, ...))    # the node talks to the coordinator through it
@@ -52,11 +52,13 @@ def rewrite_lease(what: str) -> Rewrite:
 
 
 class Mitm:
-    """Forwards every request to `upstream`; applies `rewrite` to each lease (POST /v1/lease answered 200) of the
-    requests for which `when()` is true (default: all). Runs uvicorn in a thread on 127.0.0.1."""
+    """Forwards every request to `upstream`; applies `rewrite` to each answer of POST `path` (default: the leases
+    of /v1/lease) answered 200, of the requests for which `when()` is true (default: all). Runs uvicorn in a
+    thread on 127.0.0.1."""
 
-    def __init__(self, upstream: str, rewrite: Rewrite | None = None, when: Callable[[], bool] = lambda: True):
-        self.upstream, self.rewrite, self.when = upstream.rstrip("/"), rewrite, when
+    def __init__(self, upstream: str, rewrite: Rewrite | None = None, when: Callable[[], bool] = lambda: True,
+                 path: str = "/v1/lease"):
+        self.upstream, self.rewrite, self.when, self.path = upstream.rstrip("/"), rewrite, when, path
         self.rewritten = 0
         self.forwarded = 0
         self.url = ""
@@ -71,7 +73,7 @@ class Mitm:
                                         content=body, headers=headers)
         content = resp.content
         self.forwarded += 1
-        if (self.rewrite is not None and request.method == "POST" and request.url.path == "/v1/lease"
+        if (self.rewrite is not None and request.method == "POST" and request.url.path == self.path
                 and resp.status_code == 200 and self.when()):
             content = json.dumps(self.rewrite(json.loads(content))).encode()
             self.rewritten += 1
