@@ -15,7 +15,12 @@ script runs them and writes the results.
    (`testing.byzantine.hoarding`: `honest_throughput_under_hoarding`, honest accepted groups/s with / without);
    a man in the middle rewriting leases (`testing.byzantine.framing`: `framed_honest_nodes`, must be 0); two
    verifiers racing for every cheating group, the re-claimer's verdict landing first
-   (`testing.byzantine.reclaims`: `cheat_check_rate_with_reclaims`, at least 0.95 p).
+   (`testing.byzantine.reclaims`: `cheat_check_rate_with_reclaims`, at least 0.95 p); a man in the
+   middle on the verifier's and the trainer's links (`testing.byzantine.operator_links`:
+   `operator_path_forgeries_accepted`, must be 0);
+6. slowloris (`testing.byzantine.slowloris`): a coordinator process with 1024 open files, one source holding every
+   connection it can get, and honest requests from another, each on a new connection: `honest_success_under_slowloris`
+   (at least 0.99; the least of `--slowloris-repeats` arms), beside one arm without the connection bounds.
 
     python bench/byzantine.py                       # everything (about 60-80 min on 2 busy CPU cores)
     python bench/byzantine.py --skip-swarm --attempts 5 --honest-groups 200   # quicker
@@ -55,7 +60,7 @@ def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: fl
              reclaim_rounds: int) -> dict[str, Any]:
     """docs/quarantine.md and docs/admission.md, through the real coordinator and verifier."""
     from swarmrl.testing.byzantine import adaptive as attackers
-    from swarmrl.testing.byzantine import framing, hoarding, reclaims
+    from swarmrl.testing.byzantine import framing, hoarding, operator_links, reclaims
 
     root = out / "adaptive"
     root.mkdir(parents=True, exist_ok=True)
@@ -65,6 +70,7 @@ def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: fl
     res["hoarding"] = hoarding.section(root / "hoarding", ckpt, duration_s=hoarding_s, repeats=hoarding_repeats,
                                        log=log)
     res["framing"] = framing.section(root / "framing", ckpt, log=log)
+    res["operator_links"] = operator_links.section(root / "operator-links", ckpt, log=log)
     if reclaim_rounds:
         res["reclaims"] = reclaims.section(root / "reclaims", ckpt, p=0.1, rounds=reclaim_rounds, log=log)
     (out / "adaptive.json").write_text(json.dumps(res, indent=1))
@@ -89,7 +95,8 @@ def main() -> None:
     p.add_argument("--hoarding-seconds", type=float, default=60.0, help="seconds per hoarding arm")
     p.add_argument("--hoarding-repeats", type=int, default=3, help="rounds of the hoarding arms")
     p.add_argument("--reclaim-rounds", type=int, default=2000, help="cheating groups raced for by two verifiers")
-    for part in ("calibration", "suite", "cost", "swarm", "adaptive"):
+    p.add_argument("--slowloris-repeats", type=int, default=3, help="arms with the connection bounds")
+    for part in ("calibration", "suite", "cost", "swarm", "adaptive", "slowloris"):
         p.add_argument(f"--skip-{part}", action="store_true")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +136,11 @@ def main() -> None:
         result["adaptive"] = adaptive(args.out, work, args.adaptive_engines.split(","), args.hoarding_seconds,
                                       args.hoarding_repeats, args.reclaim_rounds)
         save()
+    if not args.skip_slowloris:
+        from swarmrl.testing.byzantine import slowloris
+
+        result["slowloris"] = slowloris.section(args.out / "slowloris", args.slowloris_repeats, log=log)
+        save()
     last = {k: result.get(k) for k in ("attacks", "honest_rejected", "honest_total", "verify_cost_ratio")}
     ad, co = result.get("adaptive", {}), result.get("cost", {})
     by_rule = ad.get("poisoned_share_by_rule", {})
@@ -140,6 +152,10 @@ def main() -> None:
                 framed_honest_nodes=frame.get("framed_honest_nodes"),
                 cheat_check_rate_with_reclaims=ad.get("reclaims", {}).get("cheat_check_rate_with_reclaims"),
                 reclaims=ad.get("reclaims"),
+                operator_path_forgeries_accepted=ad.get("operator_links", {}).get("operator_path_forgeries_accepted"),
+                operator_links={k: v for k, v in ad.get("operator_links", {}).items() if k != "rows"},
+                honest_success_under_slowloris=result.get("slowloris", {}).get("honest_success_under_slowloris"),
+                slowloris={k: v for k, v in result.get("slowloris", {}).items() if k != "runs"},
                 hoarding={k: v for k, v in hoard.items() if k != "runs"},
                 framing={k: v for k, v in frame.items() if k != "rows"})
     last["adaptive"] = {k: {kk: v[kk] for kk in ("poisoned", "trained_on", "poisoned_share", "identities",
