@@ -160,6 +160,7 @@ class Node:
             self.load_ready_weights(temperature, max_version=lease.policy_version)
 
     def generate(self, lease: Lease) -> RolloutSubmission:
+        """`lease`'s groups, generated with the weights loaded (`Work.generate`)."""
         assert self.engine is not None and self.tokenizer is not None
         return self.work.generate(lease, self.engine, self.tokenizer)
 
