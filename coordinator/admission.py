@@ -10,8 +10,12 @@ abandoning prompts (`allowance`):
 A new identity (free to make) holds `new_identity_prompts`; a node that hoards (leases and never submits) sees
 its allowance fall to 1 within a few leases. A prompt is abandoned when its lease expires unsubmitted, when the
 submission that settles its lease leaves it out, or when that submission's group for it is refused; every
-abandoned prompt goes to `prompt_queue` and is leased again, with fresh seeds, to another identity before any new
-prompt is drawn (`take_queued`). So leaving out the prompts one does not like removes none of them from training.
+abandoned prompt goes to `prompt_queue` and is leased again, with the seeds it had, to another identity before any
+new prompt is drawn (`take_queued`): first to identities of another source than the one that abandoned it, and
+after `same_source_after_s` to any other identity (a pool on one machine still trains on every prompt). So leaving
+out the groups one does not like removes none of them from training: on the same policy version whoever generates
+the prompt again reproduces the very group that was left out (the seeds fix the sampling), and a later version
+draws it again from nearly the same policy.
 
 Backpressure counts work in flight per identity (`in_flight`): the prompts leased to identities that have not yet
 done `proven_after_groups` of verified work count at most `unproven_share` of `max_buffered_groups` (and never
@@ -58,6 +62,10 @@ class AdmissionConfig(BaseModel):
     max_unproven_prompts: int = Field(1024, ge=1, description="Prompts in flight unproven identities may hold "
                                       "together at most (also without backpressure): free identities cannot make "
                                       "the lease tables grow without bound.")
+    same_source_after_s: float = Field(600.0, ge=0, description="Seconds an abandoned prompt waits for an identity "
+                                       "of another source before one of its abandoner's source may take it: the "
+                                       "identities of one machine cannot pass a prompt among themselves until "
+                                       "the outcome suits them.")
     unproven_per_source: int = Field(16, ge=1, description="Prompts in flight the unproven identities registered "
                                      "from one source (address, IPv6 /64) may hold together: identities made on one "
                                      "machine share this, so one source cannot take the whole unproven share.")
@@ -105,7 +113,9 @@ _EXPIRED = (select(_l.id).where(_l.state == "open", _l.expires_at <= _now).order
 _OWN_EXPIRED = Prepared(select(_l.id).where(_l.node_id == bindparam("b_node"), _l.state == "open",
                                             _l.expires_at <= _now)
                         .order_by(_l.expires_at).limit(bindparam("b_limit")).with_for_update(skip_locked=True))
-_UNUSED = Prepared(select(_p.text, _p.answer).where(_p.lease_id == bindparam("b_lease"), _p.submitted.is_(False)))
+_UNUSED = Prepared(select(_p.text, _p.answer, _p.seeds).where(_p.lease_id == bindparam("b_lease"),
+                                                              _p.submitted.is_(False)))
+_SOURCE = Prepared(select(_n.source).where(_n.id == bindparam("b_node")))
 _CLOSE = Prepared(update(leases).where(_l.id == bindparam("b_lease"), _l.state == "open").values(state="done")
                   .returning(_l.node_id, _l.policy_version, _l.flight_class, _l.flight_source, _l.flight_stripe,
                              _l.flight_n))
@@ -115,8 +125,12 @@ _SETTLED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
 _LEASED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
     prompts_leased=_n.prompts_leased + bindparam("b_n", type_=BigInteger),
     in_flight=_n.in_flight + bindparam("b_n", type_=BigInteger)))
-_QUEUED = Prepared(select(_q.id, _q.text, _q.answer).where(_q.abandoned_by != bindparam("b_node")).order_by(_q.id)
-                   .limit(bindparam("b_limit")).with_for_update(skip_locked=True))
+_QUEUED = Prepared(select(_q.id, _q.text, _q.answer, _q.seeds).where(
+    _q.abandoned_by != bindparam("b_node"),
+    (_q.abandoned_source != bindparam("b_source")) | (_q.queued_at <= bindparam("b_before", type_=Double)))
+    .order_by(_q.id).limit(bindparam("b_limit")).with_for_update(skip_locked=True))
+Queued = tuple[str, str, list[int] | None]
+"""A prompt leased again: (text, answer, its seeds; None: fresh ones)."""
 
 
 def count_leased(tx: Tx, node_id: str, n: int) -> None:
@@ -138,11 +152,11 @@ class Settlement:
 
 
 def close_leases(tx: Tx, lease_ids: list[str], now: float, *, penalise: bool = True,
-                 unused: dict[str, list[tuple[str, str]]] | None = None) -> Settlement:
+                 unused: dict[str, list[Queued]] | None = None) -> Settlement:
     """Close the open leases among `lease_ids` and queue their prompts not submitted (a lease not open changes
     nothing); what that moves, counted as abandoned by their node unless `penalise` is False, for the caller to apply
     (`settle_leases` says how). `unused`: a lease's prompts not submitted (text, answer), when the caller read them
-    in this transaction; the others' are read here."""
+    in this transaction (text, answer, seeds); the others' are read here."""
     settled = Settlement()
     for lease_id in lease_ids:
         closed = _CLOSE.first(tx, b_lease=lease_id)
@@ -151,8 +165,10 @@ def close_leases(tx: Tx, lease_ids: list[str], now: float, *, penalise: bool = T
         node_id, version, cls, source, stripe, n = closed
         left = unused[lease_id] if unused is not None and lease_id in unused else _UNUSED.all(tx, b_lease=lease_id)
         if left:
-            tx.execute(prompt_queue.insert(), [{"text": t, "answer": a, "abandoned_by": node_id, "queued_at": now}
-                                               for t, a in left])
+            abandoner = _SOURCE.first(tx, b_node=node_id)
+            tx.execute(prompt_queue.insert(), [
+                {"text": t, "answer": a, "seeds": seeds, "abandoned_by": node_id, "queued_at": now,
+                 "abandoned_source": abandoner[0] if abandoner is not None else ""} for t, a, seeds in left])
         counts = settled.nodes.setdefault(node_id, [0, 0])
         counts[0] += len(left) if penalise else 0
         counts[1] += n
@@ -204,13 +220,15 @@ def settle_own_expired(tx: Tx, node_id: str, now: float, limit: int, deltas: dic
     return len(ids)
 
 
-def take_queued(tx: Tx, node_id: str, limit: int) -> list[tuple[str, str]]:
-    """Up to `limit` queued prompts (text, answer), oldest first, that `node_id` did not abandon; taken out of the
-    queue."""
-    rows = _QUEUED.all(tx, b_node=node_id, b_limit=limit)
+def take_queued(tx: Tx, node_id: str, source: str, limit: int, now: float, same_source_after_s: float
+                ) -> list[Queued]:
+    """Up to `limit` queued prompts (text, answer, seeds), oldest first, that `node_id` (registered from `source`)
+    may take, taken out of the queue: not those it abandoned, and those an identity of its source abandoned only
+    once they have waited `same_source_after_s`."""
+    rows = _QUEUED.all(tx, b_node=node_id, b_source=source, b_before=now - same_source_after_s, b_limit=limit)
     if rows:
-        tx.execute(delete(prompt_queue).where(_q.id.in_([queue_id for queue_id, _, _ in rows])))
-    return [(text, answer) for _, text, answer in rows]
+        tx.execute(delete(prompt_queue).where(_q.id.in_([r[0] for r in rows])))
+    return [(text, answer, seeds) for _, text, answer, seeds in rows]
 
 
 def queued(tx: Tx) -> int:

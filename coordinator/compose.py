@@ -1,5 +1,5 @@
-"""Composing a lease: its prompts (queued ones first, then the run's secret prompt stream), their seeds, and the
-coordinator's signature; stored by `coordinator.leases`.
+"""Composing a lease: its prompts (queued ones first, with their seeds, then the run's secret prompt stream, with
+fresh seeds), and the coordinator's signature; stored by `coordinator.leases`.
 
 Signing a lease and drawing its prompts take a third of what granting one costs, and on SQLite every write waits
 for the one before it. So a submission that asks for its next lease has that lease drafted before its transaction
@@ -74,19 +74,21 @@ class LeaseComposer:
         self.config, self.task, self.identity, self.pool, self.secret = config, task, identity, pool, secret
         self._sampling = encode_json(config.run.sampling.model_dump(mode="json"))  # the same in every lease
 
-    def compose(self, tx: Tx | None, node_id: str, version: int, now: float, queued: list[tuple[str, str]],
-                n: int) -> Composed:
-        """A lease of `n` prompts for `node_id` at `version`, issued at `now`: the `queued` ones (text, answer)
-        first, then new ones from the prompt stream (`prompt_rng`; `tx` is needed with `prompt_seed`)."""
+    def compose(self, tx: Tx | None, node_id: str, version: int, now: float,
+                queued: list[tuple[str, str, list[int] | None]], n: int) -> Composed:
+        """A lease of `n` prompts for `node_id` at `version`, issued at `now`: the `queued` ones (text, answer, the
+        seeds they had) first, then new ones from the prompt stream (`prompt_rng`; `tx` is needed with
+        `prompt_seed`), with fresh seeds."""
         lease_id = new_lease_id(now)
-        drawn = list(queued)
+        group_size = self.config.run.sampling.group_size
+        drawn = [(text, answer, seeds if seeds is not None and len(seeds) == group_size else new_seeds(group_size))
+                 for text, answer, seeds in queued]
         if len(drawn) < n:
             rng = self.prompt_rng(tx, lease_id)
             while len(drawn) < n:
                 problem = self.task.sample(rng)
-                drawn.append((problem.prompt, problem.answer))
-        group_size = self.config.run.sampling.group_size
-        prompts = [(f"{lease_id}.{i}", text, answer, new_seeds(group_size)) for i, (text, answer) in enumerate(drawn)]
+                drawn.append((problem.prompt, problem.answer, new_seeds(group_size)))
+        prompts = [(f"{lease_id}.{i}", text, answer, seeds) for i, (text, answer, seeds) in enumerate(drawn)]
         lease, digests = m.Lease.issue_with_digests(
             self.identity, self.pool, lease_id=lease_id, node_id=node_id, policy_version=version,
             expires_at=now + self.config.lease_ttl_s, sampling=self.config.run.sampling,

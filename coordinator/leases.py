@@ -148,7 +148,8 @@ class Leases:
                         deltas: dict[inflight.Key, int], draft: Composed | None, queue: bool) -> m.Lease:
         """Compose (or take the `draft` of, when it fits: `coordinator.compose`) and store a lease of `n` prompts,
         queued ones first (`queue`: whether any may wait for this node)."""
-        queued = admission.take_queued(tx, node.id, n) if queue else []
+        queued = admission.take_queued(tx, node.id, node.source, n, now,
+                                       self.config.admission.same_source_after_s) if queue else []
         if queued or draft is None or not draft.fits(n, version):
             draft = self.composer.compose(tx, node.id, version, now, queued, n)
         signed = draft.lease
@@ -321,7 +322,7 @@ class Leases:
         # The lease is settled, the node's row moved by it and touched in one statement, and the counter rows
         # moved once, with its next lease's.
         settled = admission.close_leases(tx, [w.lease_id], now, unused={w.lease_id: [
-            (p.text, p.answer) for pid, p in prompts.items() if not p.submitted and pid not in delivered]})
+            (p.text, p.answer, p.seeds) for pid, p in prompts.items() if not p.submitted and pid not in delivered]})
         node = touch_settled(tx, req.signer, now, held, settled.nodes.get(req.signer))
         answer = m.SubmitResult(accepted=accepted, rejected=rejected, **self._next_lease(
             tx, node, w.ask, now, version, settled.counters, checked.draft))

@@ -225,14 +225,15 @@ def test_bad_groups_rejected_individually(run: Run) -> None:
     assert "unknown prompt" in reasons["not-a-leased-prompt"]
     assert run.op.status().groups_pending == 1
     # The submission settled the lease: its 6 refused groups and the prompt left out were abandoned, counted against
-    # the node, and are leased again (with fresh seeds) to the next other identity, before any new prompt.
+    # the node, and are leased again, with the seeds they had, to the next identity of another source, before any
+    # new prompt.
     late = node.submit(submission(lease, prompts=[lease.prompts[1]]))
     assert late.accepted == [] and "settled" in late.rejected[lease.prompts[1].prompt_id]
     row = next(n for n in run.op.status().nodes if n.node_id == node.identity.node_id)
     assert (row.prompts_leased, row.prompts_abandoned) == (8, 7)
-    other = run.node("other").lease(8, 0)
-    assert [p.text for p in other.prompts[:7]] == [p.text for p in lease.prompts[1:]]
-    assert not {s for p in other.prompts for s in p.seeds} & {s for p in lease.prompts for s in p.seeds}
+    other = run.node("other", source="127.0.0.2").lease(8, 0)
+    assert [(p.text, p.seeds) for p in other.prompts[:7]] == [(p.text, p.seeds) for p in lease.prompts[1:]]
+    assert not set(other.prompts[7].seeds) & {s for p in lease.prompts for s in p.seeds}  # a new prompt: fresh
 
 
 def test_seeds_must_match_as_a_multiset(run: Run) -> None:

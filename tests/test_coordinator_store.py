@@ -28,7 +28,7 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
 from tests.support.postgres import fresh_database, needs_pg
 
-HEAD = "0011"
+HEAD = "0012"
 """The newest migration's revision."""
 
 
@@ -143,7 +143,9 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     assert open_at(110.0) == 1
     node = _get_node(store)
     assert node.prompts_abandoned == 1
-    assert store.write(lambda tx: admission.take_queued(tx, "n1", 5)) == []  # not back to the node that left it
+    take = lambda node_id, n, source="", now=110.0: store.write(  # noqa: E731
+        lambda tx: admission.take_queued(tx, node_id, source, n, now, same_source_after_s=60.0))
+    assert take("n1", 5) == []  # not back to the node that left it
     # A grant reads the queue only when the counters' statement says a prompt waits there for its node.
     _node(store, "n2")
     waits_for = lambda node_id: store.read(lambda tx: admission.in_flight(  # noqa: E731
@@ -152,8 +154,12 @@ def test_leases_prompts_and_submission_flags(store: Store) -> None:
     # An expired lease is settled by the sweep the same way.
     assert store.write(lambda tx: admission.sweep_expired(tx, now=150.0, limit=10)) == 2
     assert _get_node(store).prompts_abandoned == 3
-    assert store.write(lambda tx: admission.take_queued(tx, "n2", 2)) == [("1+1=", "2"), ("0+0=", "0")]
-    assert store.read(admission.queued) == 1
+    # Not to another identity of the abandoner's source, until the prompt has waited same_source_after_s; to one
+    # of another source at once. With the seeds it had: on the same version it gives the same group again.
+    assert take("n2", 2) == []
+    assert take("n2", 2, source="10.0.0.2") == [("1+1=", "2", [11, 21]), ("0+0=", "0", [10, 20])]
+    assert take("n2", 2, now=209.0) == [] and take("n2", 2, now=210.0) == [("1+1=", "2", [11, 21])]
+    assert store.read(admission.queued) == 0
 
 
 def test_group_lifecycle_claims_and_feed(store: Store) -> None:

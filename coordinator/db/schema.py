@@ -139,7 +139,7 @@ rollout_groups = Table(
 )
 
 # Prompts leased and not used (abandoned by their node, or leased until the lease expired), waiting to be leased
-# again, with fresh seeds, to another identity (`coordinator.admission`).
+# again, with the seeds they had, to another identity, of another source first (`coordinator.admission`).
 prompt_queue = Table(
     "prompt_queue", metadata,
     Column("id", AutoId, primary_key=True, autoincrement=True),
@@ -147,6 +147,8 @@ prompt_queue = Table(
     Column("answer", Text, nullable=False),
     Column("abandoned_by", Text, nullable=False),
     Column("queued_at", Double, nullable=False),
+    Column("seeds", JSON(none_as_null=True)),  # NULL: fresh seeds (queued before revision 0012)
+    Column("abandoned_source", Text, nullable=False, server_default=""),
     sqlite_autoincrement=True,
 )
 

@@ -50,9 +50,12 @@ class Run:
     def pool(self) -> str:
         return pool_id(self.cfg.run.run_id, self.key.public_key_hex)
 
-    def node(self, name: str = "node") -> CoordinatorClient:
-        """A freshly registered node."""
-        client = CoordinatorClient(self.url, Identity.generate(), retries=0, coordinator_key=self.key.public_key_hex)
+    def node(self, name: str = "node", source: str | None = None) -> CoordinatorClient:
+        """A freshly registered node; `source`: the loopback address it connects from (127.0.0.x: a machine of its
+        own to the coordinator's per-source rules)."""
+        transport = httpx.HTTPTransport(local_address=source) if source is not None else None
+        client = CoordinatorClient(self.url, Identity.generate(), retries=0, coordinator_key=self.key.public_key_hex,
+                                   transport=transport)
         client.register(name=name, engine="torch")
         return client
 
