@@ -17,10 +17,16 @@ script runs them and writes the results.
    verifiers racing for every cheating group, the re-claimer's verdict landing first
    (`testing.byzantine.reclaims`: `cheat_check_rate_with_reclaims`, at least 0.95 p); a man in the
    middle on the verifier's and the trainer's links (`testing.byzantine.operator_links`:
-   `operator_path_forgeries_accepted`, must be 0);
+   `operator_path_forgeries_accepted`, must be 0); an attacker that submits only the groups it likes
+   (`testing.byzantine.selection`: `selective_submission_gain`, at most 0.02);
 6. slowloris (`testing.byzantine.slowloris`): a coordinator process with 1024 open files, one source holding every
    connection it can get, and honest requests from another, each on a new connection: `honest_success_under_slowloris`
-   (at least 0.99; the least of `--slowloris-repeats` arms), beside one arm without the connection bounds.
+   (at least 0.99; the least of `--slowloris-repeats` arms), beside one arm without the connection bounds;
+7. reward flood (`testing.byzantine.reward_flood`): proven and fresh identities send the costliest code and math
+   answers they can build (programs that exit just under each test case's time limit, LaTeX power towers) to the
+   real verifier's real scoring, beside honest nodes: `honest_verified_under_reward_flood`, honest groups verified
+   per second with them over without them (at least 0.9; the least over the two tasks), beside one arm per task
+   without the charging of reward seconds and the sandbox cap.
 
     python bench/byzantine.py                       # everything (about 60-80 min on 2 busy CPU cores)
     python bench/byzantine.py --skip-swarm --attempts 5 --honest-groups 200   # quicker
@@ -57,10 +63,10 @@ def log(msg: str) -> None:
 
 
 def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: float, hoarding_repeats: int,
-             reclaim_rounds: int) -> dict[str, Any]:
+             reclaim_rounds: int, selection_leases: int) -> dict[str, Any]:
     """docs/quarantine.md and docs/admission.md, through the real coordinator and verifier."""
     from swarmrl.testing.byzantine import adaptive as attackers
-    from swarmrl.testing.byzantine import framing, hoarding, operator_links, reclaims
+    from swarmrl.testing.byzantine import framing, hoarding, operator_links, reclaims, selection
 
     root = out / "adaptive"
     root.mkdir(parents=True, exist_ok=True)
@@ -71,6 +77,8 @@ def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: fl
                                        log=log)
     res["framing"] = framing.section(root / "framing", ckpt, log=log)
     res["operator_links"] = operator_links.section(root / "operator-links", ckpt, log=log)
+    if selection_leases:
+        res["selection"] = selection.section(root / "selection", ckpt, leases=selection_leases, log=log)
     if reclaim_rounds:
         res["reclaims"] = reclaims.section(root / "reclaims", ckpt, p=0.1, rounds=reclaim_rounds, log=log)
     (out / "adaptive.json").write_text(json.dumps(res, indent=1))
@@ -95,8 +103,11 @@ def main() -> None:
     p.add_argument("--hoarding-seconds", type=float, default=60.0, help="seconds per hoarding arm")
     p.add_argument("--hoarding-repeats", type=int, default=3, help="rounds of the hoarding arms")
     p.add_argument("--reclaim-rounds", type=int, default=2000, help="cheating groups raced for by two verifiers")
+    p.add_argument("--selection-leases", type=int, default=200, help="leases of the attacker that drops by outcome")
     p.add_argument("--slowloris-repeats", type=int, default=3, help="arms with the connection bounds")
-    for part in ("calibration", "suite", "cost", "swarm", "adaptive", "slowloris"):
+    p.add_argument("--reward-flood-seconds", type=float, default=60.0, help="seconds per reward-flood arm")
+    p.add_argument("--reward-flood-repeats", type=int, default=3, help="rounds of the reward-flood arms, per task")
+    for part in ("calibration", "suite", "cost", "swarm", "adaptive", "slowloris", "reward-flood"):
         p.add_argument(f"--skip-{part}", action="store_true")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,12 +145,19 @@ def main() -> None:
     if not args.skip_adaptive:
         work = {k: int(v) for k, v in (kv.split("=") for kv in args.adaptive_work.split(",") if kv)}
         result["adaptive"] = adaptive(args.out, work, args.adaptive_engines.split(","), args.hoarding_seconds,
-                                      args.hoarding_repeats, args.reclaim_rounds)
+                                      args.hoarding_repeats, args.reclaim_rounds,
+                                      args.selection_leases)
         save()
     if not args.skip_slowloris:
         from swarmrl.testing.byzantine import slowloris
 
         result["slowloris"] = slowloris.section(args.out / "slowloris", args.slowloris_repeats, log=log)
+        save()
+    if not args.skip_reward_flood:
+        from swarmrl.testing.byzantine import reward_flood
+
+        result["reward_flood"] = reward_flood.section(args.out / "reward-flood", duration_s=args.reward_flood_seconds,
+                                                      repeats=args.reward_flood_repeats, log=log)
         save()
     last = {k: result.get(k) for k in ("attacks", "honest_rejected", "honest_total", "verify_cost_ratio")}
     ad, co = result.get("adaptive", {}), result.get("cost", {})
@@ -152,10 +170,15 @@ def main() -> None:
                 framed_honest_nodes=frame.get("framed_honest_nodes"),
                 cheat_check_rate_with_reclaims=ad.get("reclaims", {}).get("cheat_check_rate_with_reclaims"),
                 reclaims=ad.get("reclaims"),
+                selective_submission_gain=ad.get("selection", {}).get("selective_submission_gain"),
+                selection=ad.get("selection"),
                 operator_path_forgeries_accepted=ad.get("operator_links", {}).get("operator_path_forgeries_accepted"),
                 operator_links={k: v for k, v in ad.get("operator_links", {}).items() if k != "rows"},
                 honest_success_under_slowloris=result.get("slowloris", {}).get("honest_success_under_slowloris"),
                 slowloris={k: v for k, v in result.get("slowloris", {}).items() if k != "runs"},
+                honest_verified_under_reward_flood=result.get("reward_flood", {}).get(
+                    "honest_verified_under_reward_flood"),
+                reward_flood={k: v for k, v in result.get("reward_flood", {}).items() if k != "runs"},
                 hoarding={k: v for k, v in hoard.items() if k != "runs"},
                 framing={k: v for k, v in frame.items() if k != "rows"})
     last["adaptive"] = {k: {kk: v[kk] for kk in ("poisoned", "trained_on", "poisoned_share", "identities",
