@@ -101,6 +101,17 @@ class Problem:
     (`trainer.warmup`); None when the task has none. Never used for rewards, and never sent to a node."""
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A trusted reward, and whether a time or cost limit decided it (`Task.scored`)."""
+
+    reward: float
+    limited: bool = False
+    """A limit that depends on the machine (wall-clock or CPU time, a per-rollout cost cap) ended the scoring: the
+    same completion may score otherwise elsewhere, so a node's claimed reward that differs proves nothing. The
+    reward still stands: it is what the trainer gets."""
+
+
 class EvalSettings(BaseModel):
     """How the trainer evaluates a task: settings that belong to the task, not to the trainer."""
 
@@ -146,6 +157,11 @@ class Task(ABC):
     def reward(self, completion: str, answer: str) -> float:
         """The trusted reward in [0, 1] of `completion` (decoded text, hostile) for a problem whose answer is
         `answer`. Deterministic: the verifier recomputes it and compares with what a node claims."""
+
+    def scored(self, completion: str, answer: str) -> Scored:
+        """`reward`, and whether a machine-dependent limit decided it. The default: never (a task whose reward is a
+        pure function of the text). Tasks that bound their work by time override this."""
+        return Scored(self.reward(completion, answer))
 
     def is_correct(self, completion: str, answer: str) -> bool:
         """Whether `completion` solves the problem outright (held-out accuracy counts these): full reward."""

@@ -9,7 +9,8 @@ Reward: 1 when the completion's final answer equals the reference mathematically
 (sympy underneath) extracts the final answer, the last `\\boxed{...}` first, else the last expression or
 number in the text, and compares values, so `1/2`, `0.5`, `\\frac{1}{2}`, `\\boxed{\\frac12}` and
 "The answer is 0.5" all match `1/2`. Comparison runs in a worker process with time and memory bounds
-(`swarmrl.tasks.mathcheck`): a completion that makes sympy hang scores 0.
+(`swarmrl.tasks.mathcheck`): a completion that makes sympy hang scores 0, and one nested absurdly
+deep scores 0 unparsed (that module says what scoring may cost).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from swarmrl.protocol.tasks import Problem, Task
+from swarmrl.protocol.tasks import Problem, Scored, Task
 from swarmrl.tasks.data import FileTaskOptions, load_split
 from swarmrl.tasks.mathcheck import MathChecker
 from swarmrl.tasks.templates import question_template
@@ -74,7 +75,11 @@ class MathTask(Task):
         return list(self._eval)
 
     def reward(self, completion: str, answer: str) -> float:
-        return 1.0 if self._checker.equivalent(completion, answer) else 0.0
+        return self.scored(completion, answer).reward
+
+    def scored(self, completion: str, answer: str) -> Scored:
+        ok, limited = self._checker.check(completion, answer)
+        return Scored(1.0 if ok else 0.0, limited=limited)
 
     def close(self) -> None:
         self._checker.close()

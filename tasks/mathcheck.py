@@ -8,6 +8,12 @@ parent kills it, scores the completion 0 and starts a fresh one for the next req
 
 Protocol: one JSON line per request on the worker's stdin, `{"gold": ..., "pred": ...}`; one line per
 answer on its stdout, `{"ok": true|false}`. The worker prints `{"ready": true}` once math-verify is imported.
+
+What scoring costs is bounded twice. Text sympy would choke on by its shape alone (braces nested deeper than
+`MAX_BRACE_DEPTH`, as in a tower of fractions) scores 0 before any parsing: a pure function of the text, so every
+machine agrees, and about 2 s of parsing saved each time. Short text can still cost a whole time limit
+(`9^{9^{9^{9}}}`, `100000000!`): that is bounded by the timeouts, and an answer that took at least half the time
+limit is reported `limited`: a timeout depends on the machine, so another may have scored it otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import selectors
 import subprocess
 import sys
 import threading
+import time
 from functools import lru_cache
 from typing import IO, Any
 
@@ -26,6 +33,19 @@ log = logging.getLogger("swarmrl.tasks.math")
 
 START_TIMEOUT_S = 120.0  # importing sympy on a busy machine; only a worker that never starts is an error
 MAX_PRED_CHARS = 20_000  # a completion's tail; the final answer is at its end
+MAX_BRACE_DEPTH = 24  # an honest final answer nests a few levels (\frac{\sqrt{2}}{2}: 2); 60 cost 2.6 s to parse
+
+
+def brace_depth(text: str) -> int:
+    """The deepest nesting of `{...}` in `text` (unbalanced closing braces are ignored)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch == "{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == "}" and depth:
+            depth -= 1
+    return deepest
 
 
 class MathChecker:
@@ -54,11 +74,20 @@ class MathChecker:
 
     def equivalent(self, pred: str, gold: str) -> bool:
         """Whether the final answer math-verify extracts from `pred` equals `gold` (both may be LaTeX)."""
-        request = json.dumps({"gold": gold, "pred": pred[-MAX_PRED_CHARS:]}) + "\n"
+        return self.check(pred, gold)[0]
+
+    def check(self, pred: str, gold: str) -> tuple[bool, bool]:
+        """(`equivalent(pred, gold)`, whether a time limit may have decided it: the answer took at least half the
+        parse time limit, or none came)."""
+        pred = pred[-MAX_PRED_CHARS:]
+        if brace_depth(pred) > MAX_BRACE_DEPTH:
+            return False, False
+        request = json.dumps({"gold": gold, "pred": pred}) + "\n"
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
             proc = self._proc
+            t0 = time.monotonic()  # the answer's own time, not the worker's start
             try:
                 proc.stdin.write(request)  # type: ignore[union-attr]
                 proc.stdin.flush()  # type: ignore[union-attr]
@@ -70,8 +99,8 @@ class MathChecker:
                 _kill(proc)
                 self._proc = None
                 self.restarts += 1
-                return False
-            return bool(json.loads(line)["ok"])
+                return False, True
+            return bool(json.loads(line)["ok"]), time.monotonic() - t0 >= self.timeout_s / 2
 
     def close(self) -> None:
         with self._lock:

@@ -156,9 +156,11 @@ class Sandbox:
             self.python, "-I", "-S", "-B", "/sandbox/main.py",
         ]
 
-    def run(self, source: str, stdin: bytes = b"") -> RunResult:
-        """Run `source` as a Python program with `stdin` as its input; returns what it did."""
+    def run(self, source: str, stdin: bytes = b"", wall_s: float | None = None) -> RunResult:
+        """Run `source` as a Python program with `stdin` as its input; returns what it did. `wall_s`: a wall-clock
+        limit for this run, at most the config's (what is left of a per-rollout cap, say)."""
         c = self.config
+        wall = c.wall_s if wall_s is None else max(0.0, min(wall_s, c.wall_s))
         if self.is_root:
             uid, nproc = self._next_uid(), c.nproc + BWRAP_TASKS
             user = {"user": uid, "group": uid, "extra_groups": []}
@@ -184,7 +186,7 @@ class Sandbox:
             finally:
                 inp.close()
             try:
-                status, out, err = _collect(proc, time.monotonic() + c.wall_s, c.output_bytes)
+                status, out, err = _collect(proc, time.monotonic() + wall, c.output_bytes)
             finally:
                 _kill_group(proc)
         return RunResult(status=status, returncode=None if status != "exited" else proc.returncode,

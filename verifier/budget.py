@@ -1,8 +1,12 @@
 """A per-identity budget of verifier time, so that no identity can buy unbounded verification.
 
 Each identity has a token bucket of `budget_s` verifier seconds, refilled at budget_s / window_s per second; the
-measured time of each of its full checks is taken from it (it may go below zero: a check is charged after it
-ran). While the bucket is empty, the identity is over budget and the verifier *defers* its groups: it leaves
+measured time of each of its full checks and of computing each of its groups' rewards (sandbox runs, answer
+parsing; held groups too) is taken from it (it may go below zero: work is charged after it ran). Held groups are
+charged one by one as they are scored, so an identity overspends by at most one group's rewards (each rollout's
+bounded by the task's own caps, such as the code task's `rollout_sandbox_s`) plus the groups of one claimed batch
+that were drawn for a full check, which are checked together.
+While the bucket is empty, the identity is over budget and the verifier *defers* its groups: it leaves
 them without a verdict, so the coordinator keeps them pending and hands them out again after its claim expires.
 
 Why defer rather than refuse: the budget is about the verifier's time, not about the node's honesty. An honest
@@ -11,6 +15,10 @@ good faith; a refused group cannot be resubmitted (its lease prompt is used). De
 groups' freshness and nothing else, and gains it nothing: a group's draw is made once, at its first claim, and
 a deferred group keeps it (see `protocol.quarantine`). What deferral does not stop
 is many identities each within its budget; that needs admission of young identities at the coordinator.
+
+Per identity only: a group reaches the verifier with its node's id but not the address it came from (that is the
+coordinator's knowledge), so identities from one source are not charged together here. The coordinator's
+per-source admission and registration rates bound how many fresh identities one source brings in.
 
 Memory: only identities whose bucket is not full are remembered, at most `max_identities` (the least recently
 charged are forgotten, i.e. given a full bucket).

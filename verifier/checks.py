@@ -33,7 +33,7 @@ from swarmrl.models.prompts import render_prompt
 from swarmrl.protocol import proofs
 from swarmrl.protocol.messages import PendingGroup
 from swarmrl.protocol.run import RunSpec
-from swarmrl.protocol.tasks import Task
+from swarmrl.protocol.tasks import Scored, Task
 from swarmrl.protocol.validation import group_problem, staleness_problem
 
 REWARD_CLAIM_TOL = 1e-6
@@ -192,18 +192,28 @@ def reward_problem(trusted: list[float]) -> str | None:
     return None
 
 
-def rewards(g: PendingGroup, ctx: CheckContext) -> list[float]:
-    """Trusted rewards: the completion decoded here, scored against the coordinator's answer."""
+def scored_rollouts(g: PendingGroup, ctx: CheckContext) -> list[Scored]:
+    """Trusted rewards, each with whether a time limit decided it: the completion decoded here, scored against the
+    coordinator's answer (`Task.scored`)."""
     out = []
     for r in g.group.rollouts:
         text = ctx.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
-        out.append(ctx.task.reward(text, g.answer))
+        out.append(ctx.task.scored(text, g.answer))
     return out
 
 
-def check_claimed_rewards(g: PendingGroup, trusted: list[float]) -> str | None:
-    """A node need not claim rewards; one that claims a wrong one is lying about a checkable fact."""
+def rewards(g: PendingGroup, ctx: CheckContext) -> list[float]:
+    """Trusted rewards: the completion decoded here, scored against the coordinator's answer."""
+    return [s.reward for s in scored_rollouts(g, ctx)]
+
+
+def check_claimed_rewards(g: PendingGroup, trusted: list[float], limited: list[bool] | None = None) -> str | None:
+    """A node need not claim rewards; one that claims a wrong one is lying about a checkable fact. Not where a time
+    limit decided the trusted reward (`limited`): the node's machine may have scored the rollout otherwise in good
+    faith (a program that passes, slowly). The trusted reward is the one trained on either way."""
     for i, (r, t) in enumerate(zip(g.group.rollouts, trusted, strict=True)):
+        if limited is not None and limited[i]:
+            continue
         if r.claimed_reward is not None and not abs(r.claimed_reward - t) <= REWARD_CLAIM_TOL:
             return f"rollout {i}: claimed reward {r.claimed_reward} but the completion earns {t}"
     return None
@@ -222,9 +232,11 @@ def missing_proof(g: PendingGroup, ctx: CheckContext) -> str | None:
 def score(g: PendingGroup, ctx: CheckContext) -> tuple[list[float], str | None, bool]:
     """(trusted rewards, reason to reject or None, whether the reason proves cheating): a claimed reward that is not
     the trusted one does; a non-finite reward (`reward_problem`) does not. Rewarding can be costly (a sandbox
-    runs code), so the verifier scores a group only once it is held or has passed its full check."""
-    trusted = rewards(g, ctx)
-    if (reason := check_claimed_rewards(g, trusted)) is not None:
+    runs code), so the verifier scores a group only once it is held or has passed its full check. What a task
+    bounds by time (a sandbox's wall clock, a parse timeout) never bans: see `check_claimed_rewards`."""
+    outcomes = scored_rollouts(g, ctx)
+    trusted = [s.reward for s in outcomes]
+    if (reason := check_claimed_rewards(g, trusted, [s.limited for s in outcomes])) is not None:
         return trusted, reason, True
     return trusted, reward_problem(trusted), False
 
@@ -240,5 +252,6 @@ def cheap_checks(g: PendingGroup, ctx: CheckContext, scored: bool = True) -> tup
             return reason, []
     if not scored:
         return None, []
-    trusted = rewards(g, ctx)
-    return check_claimed_rewards(g, trusted), trusted
+    outcomes = scored_rollouts(g, ctx)
+    trusted = [s.reward for s in outcomes]
+    return check_claimed_rewards(g, trusted, [s.limited for s in outcomes]), trusted

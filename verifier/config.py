@@ -96,8 +96,9 @@ class VerifierConfig(BaseModel):
     logit_memory_mb: int = Field(256, ge=1, description="Logits are scored (replay, logprobs) this many MiB of "
                                  "float64 [positions, vocab] at a time, so long completions and large vocabularies "
                                  "stay in bounded memory.")
-    identity_budget_s: float | None = Field(300.0, gt=0, description="Verifier seconds of full checks one identity "
-                                            "may use per `identity_budget_window_s` (a token bucket); over it, its "
+    identity_budget_s: float | None = Field(300.0, gt=0, description="Verifier seconds of full checks and reward "
+                                            "computation (sandbox runs, answer parsing) one identity may use per "
+                                            "`identity_budget_window_s` (a token bucket); over it, its "
                                             "groups are deferred: left pending, unclaimed for claim_ttl_s, not "
                                             "drawn. None: no budget.")
     identity_budget_window_s: float = Field(600.0, gt=0, description="Refill period of `identity_budget_s`.")

@@ -6,8 +6,9 @@ Per batch, in group-id order:
    not to blame), the weights of the group's policy version (a version the coordinator can no longer supply, or a
    missing proof, is rejected without a ban), then the cheap checks (`verifier.checks`; a failure bans);
    rewards come last (step 5): they can cost far more than the checks (a sandbox runs code);
-2. the budget: an identity that has used its verifier time (`verifier.budget`) has its groups deferred: no
-   verdict, no draw; the coordinator hands them out again later;
+2. the budget: an identity that has used its verifier time (`verifier.budget`: its full checks and the computing
+   of its rewards, held groups' included) has its groups deferred: no verdict, no draw; the coordinator hands them
+   out again later;
 3. the draw (`verifier.policy`, the rule of `protocol.quarantine`, read with the number the coordinator drew at
    the group's first claim): warm-up, sampled or overflow full check, or hold (an accepted verdict with
    `checked=False`; the coordinator holds it until later checks vouch);
@@ -167,12 +168,18 @@ class Verifier:
         return sorted(verdicts, key=lambda v: v.group_id)
 
     def _scored(self, g: PendingGroup, ctx: CheckContext, check: quarantine.Check) -> Verdict:
-        """The verdict of a group that is held or passed its full check: its trusted rewards decide the rest."""
+        """The verdict of a group that is held or passed its full check: its trusted rewards decide the rest. The
+        seconds rewarding takes are charged to the sender's budget, like its full checks."""
+        t0 = time.perf_counter()
         try:
             rewards, reason, ban = score(g, ctx)
         except Exception as e:  # the task's bug; whatever the draw, this group would end here
             log.exception("rewarding group %d crashed", g.group_id)
             return Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500])
+        finally:
+            # The sender chose the text the sandbox runs or the parser reads, so the seconds are its own.
+            if self.budget is not None:
+                self.budget.charge(g.node_id, time.perf_counter() - t0)
         if reason is not None:
             return Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=ban)
         return Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=check.full,
