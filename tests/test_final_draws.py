@@ -47,15 +47,15 @@ def test_a_reclaimed_group_keeps_its_draw_and_a_late_failed_check_still_bans(tmp
 
 
 def test_two_racing_verifiers_catch_exactly_the_cheats_the_first_draw_picks(tmp_path, ckpt):
-    """Every round B re-claims the group A is checking and its verdict lands first. With draws made again on a
-    re-claim, a cheat A's draw picked escaped whenever B's draw held it; now the cheats caught are exactly those
-    whose (first and only) draw was below p."""
+    """Whenever A's draw picks a full check, B re-claims the group while A checks it, and B's verdict lands first.
+    With draws made again on a re-claim, a cheat A's draw picked escaped whenever B's draw held it; now the cheats
+    caught are exactly those whose (first and only) draw was below p."""
     rounds, seed = 10, 3
     vcfg = {"warmup_checks": 0, "sample_rate": P, "max_held": 10**6}
     with open_pool(tmp_path, ckpt, verifier=vcfg, claim_ttl_s=1e-6, draw_seed=seed) as pool:
         res = reclaims.run(pool, rounds, bad.Truth(ckpt))
     draws = random.Random(seed)
     picked = [i for i in range(rounds) if draws.random() < P]  # one group, so one draw, per round
-    assert res["reclaimed"] == rounds  # every group was claimed by both
+    assert res["reclaimed"] == len(picked)  # each group A checked was claimed by B too
     assert 0 < len(picked) < rounds  # the seed gives both outcomes
     assert res["caught_rounds"] == picked

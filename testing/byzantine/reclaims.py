@@ -2,10 +2,11 @@
 
 Two verifiers work one pool whose claims last a microsecond, so every group one verifier is checking is claimable
 again. Each round a cheating identity (made-up completions, annotated with the true model: only the full check's
-replay catches them) submits one group; verifier A claims it, verifier B claims it again, B's verdict lands
-first and A's after it: the order in which a slow full check loses the race. Before draws were final, B drew
-afresh, its hold landed first and A's failed check was ignored: a cheat was caught with about p squared instead
-of p. Now B reads the draw A read, and a failed check bans whatever landed first.
+replay catches them) submits one group and verifier A claims it. When A holds it, A's verdict lands at once. When
+A's draw says full check, the check outlasts the claim: verifier B claims the group again, B's verdict lands
+first and A's after it. Before draws were final, B drew afresh: its hold (probability 1 - p) landed first and A's
+failed check was ignored, so a cheat was caught only when both drew a check, p squared instead of p. Now B reads
+the draw A read, and a failed check bans whatever landed first.
 """
 
 from __future__ import annotations
@@ -30,24 +31,24 @@ def second_verifier(pool: Pool) -> Verifier:
 
 
 def race(a: Verifier, b: Verifier) -> tuple[list[int], list[int]]:
-    """A claims what is pending; then B claims (A's claims have expired) and posts its verdicts; then A posts
-    its own. The group ids each claimed."""
-    a_claimed, b_done = threading.Event(), threading.Event()
+    """A claims what is pending and decides. A hold is quick: A posts it at once, and B then finds nothing to
+    claim. A full check is slow: it outlasts A's claim, so B claims the group again and B's verdict lands first,
+    A's after it. The group ids each claimed."""
+    b_may_go, b_done = threading.Event(), threading.Event()
     claims: dict[str, list[int]] = {"a": [], "b": []}
     errors: list[BaseException] = []
     pending, post = a.client.pending, a.client.verdicts
 
     def a_pending(*args: Any, **kw: Any) -> list[m.PendingGroup]:
-        try:
-            groups = pending(*args, **kw)
-            claims["a"] = [g.group_id for g in groups]
-            return groups
-        finally:
-            a_claimed.set()
+        groups = pending(*args, **kw)
+        claims["a"] = [g.group_id for g in groups]
+        return groups
 
     def a_post(verdicts: list[m.Verdict]) -> None:
-        if not b_done.wait(WAIT_S):
-            raise TimeoutError("the second verifier did not finish")
+        if any(v.ban or (v.accepted and v.checked) for v in verdicts):  # a full check ran: B overtakes it
+            b_may_go.set()
+            if not b_done.wait(WAIT_S):
+                raise TimeoutError("the second verifier did not finish")
         post(verdicts)
 
     def run_a() -> None:
@@ -55,14 +56,15 @@ def race(a: Verifier, b: Verifier) -> tuple[list[int], list[int]]:
             a.poll_once()
         except BaseException as e:  # re-raised in the caller's thread
             errors.append(e)
-            a_claimed.set()
+        finally:
+            b_may_go.set()
 
     a.client.pending, a.client.verdicts = a_pending, a_post  # type: ignore[method-assign]
     thread = threading.Thread(target=run_a, name="verifier-a")
     thread.start()
     try:
-        if not a_claimed.wait(WAIT_S):
-            raise TimeoutError("the first verifier did not claim")
+        if not b_may_go.wait(WAIT_S):
+            raise TimeoutError("the first verifier did not decide")
         b_pending = b.client.pending
         b.client.pending = lambda *args, **kw: _recorded(b_pending(*args, **kw), claims["b"])  # type: ignore
         try:
@@ -78,6 +80,15 @@ def race(a: Verifier, b: Verifier) -> tuple[list[int], list[int]]:
     return claims["a"], claims["b"]
 
 
+def _load(v: Verifier, version: int) -> None:
+    """Load `version` into `v` now. Two verifiers in one process must not load a model at the same time: loading
+    a checkpoint is not thread-safe (a failed load here left every later one failing, and nothing was caught).
+    A verifier in production is a process of its own."""
+    v.verify([])  # connects
+    assert v.models is not None
+    v.models.get(version)
+
+
 def _recorded(groups: list[m.PendingGroup], into: list[int]) -> list[m.PendingGroup]:
     into.extend(g.group_id for g in groups)
     return groups
@@ -88,6 +99,8 @@ def run(pool: Pool, rounds: int, truth: bad.Truth, log: Callable[[str], None] = 
     whose cheat got its identity banned; `cheat_check_rate` is their share (the rule promises p: warm-up 0, no
     cap on held groups, so only the draw decides)."""
     b = second_verifier(pool)
+    for v in (pool.verifier, b):  # one after the other, before they race (below)
+        _load(v, max(pool.versions))
     attacker: ScriptedNode | None = None
     caught, reclaimed, identities = [], 0, 0
     try:
@@ -99,7 +112,7 @@ def run(pool: Pool, rounds: int, truth: bad.Truth, log: Callable[[str], None] = 
             if not attacker.step():
                 raise RuntimeError("the attacker got no lease")
             a_ids, b_ids = race(pool.verifier, b)
-            reclaimed += len(set(a_ids) & set(b_ids))
+            reclaimed += len(set(a_ids) & set(b_ids))  # the groups whose full check B overtook
             if pool.node_facts(attacker.node_id)[1]:
                 caught.append(i)
                 attacker = None
