@@ -37,6 +37,7 @@ from swarmrl.coordinator.pool import attach_pool
 from swarmrl.coordinator.registry import Registry
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.coordinator.service import build_leases, open_store
+from swarmrl.coordinator.status import store_epoch
 from swarmrl.protocol.identity import Identity
 from swarmrl.runtime.errors import UserError, port_problem
 from swarmrl.runtime.lifetime import die_with_parent, name_process
@@ -201,7 +202,7 @@ def _run_writer(config: CoordinatorConfig, identity: Identity, path: str, parent
     name_process("swarmrl-writer")
     store = open_store(config, writer=True)
     secret = RunSecret(config.data_dir)
-    leases = build_leases(store, config, identity, time.time, secret)
+    leases = build_leases(store, config, identity, time.time, secret, store_epoch(store))
     registry = Registry(store, config, time.time, secret)
     assert store.group_commit is not None
     try:

@@ -38,7 +38,7 @@ from swarmrl.coordinator.longpoll import LongPolls
 from swarmrl.coordinator.overview import Overviews
 from swarmrl.coordinator.registry import Registry, require_node
 from swarmrl.coordinator.run_secret import RunSecret
-from swarmrl.coordinator.status import Status
+from swarmrl.coordinator.status import Status, store_epoch
 from swarmrl.coordinator.verification import Verification
 from swarmrl.coordinator.watchdog import Watchdog
 from swarmrl.protocol import messages as m
@@ -59,18 +59,19 @@ class Coordinator:
         self.store = open_store(config)
         self.shards = ShardStore(config.data_dir / "shards", durable=True)  # a published manifest refers to them
         self.secret = RunSecret(config.data_dir)
-        self.pool = pool_id(config.run.run_id, identity.public_key_hex)
+        self.epoch = store_epoch(self.store)
+        self.pool = pool_id(config.run.run_id, identity.public_key_hex, self.epoch)
         long_polls = LongPolls(self.store, config.max_long_polls)
         self.gate = Gate(self.store, config, clock, self.pool,
                          lambda node_id: self.store.read(lambda tx: require_node(tx, node_id)))
         self.registry = Registry(self.store, config, clock, self.secret)
-        self.leases = build_leases(self.store, config, identity, clock, self.secret)
+        self.leases = build_leases(self.store, config, identity, clock, self.secret, self.epoch)
         self.leases.writer = self.registry.writer = RemoteWriter(writer) if writer is not None else None
         self.async_writer = AsyncRemoteWriter(writer) if writer is not None else None  # the event loop's
         self.verification = Verification(self.store, config, clock, long_polls)
         self.feed = Feed(self.store, long_polls, clock)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)
-        self.status = Status(self.store, config, identity, clock)
+        self.status = Status(self.store, config, identity, clock, self.epoch)
         self.ledger = Ledger(self.store, config, identity, clock)
         self.verification.accept_hooks.append(self.ledger.issue)
         self.ledger.backfill()  # groups accepted before the ledger existed get their receipts now
@@ -104,7 +105,7 @@ def open_store(config: CoordinatorConfig, writer: bool = False) -> Store:
 
 
 def build_leases(store: Store, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float],
-                 secret: RunSecret) -> Leases:
-    """The run's leases over `store`: in every server process, and in the store's writer process."""
+                 secret: RunSecret, epoch: int) -> Leases:
+    """The run's leases over `store` (of `epoch`): in every server process, and in the store's writer process."""
     return Leases(store, config, clock, load_task(config.run.task), identity,
-                  pool_id(config.run.run_id, identity.public_key_hex), secret)
+                  pool_id(config.run.run_id, identity.public_key_hex, epoch), secret)

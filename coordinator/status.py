@@ -9,6 +9,7 @@ while rows are added)."""
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 
 from sqlalchemy import select
@@ -18,8 +19,8 @@ from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import MetricsRow, NodeRow
-from swarmrl.coordinator.db.schema import METRICS_REPORTS, metrics
-from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, load
+from swarmrl.coordinator.db.schema import METRICS_REPORTS, POOL_EPOCH, kv, metrics
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, insert, load
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.verification import group_counts
@@ -79,14 +80,27 @@ def insert_metrics(tx: Tx, step: int, version: int, data: dict[str, float], now:
                                        node_busy_total=node_totals[1]))
 
 
+def store_epoch(store: Store) -> int:
+    """The store's epoch: drawn (63 random bits) and kept the first time any process asks, the same for every
+    process of the store ever after. Part of the pool's name (`protocol.signing.pool_id`): a fresh store under the
+    same key and run id is another pool, and refuses what was signed for the old one."""
+
+    def ensure(tx: Tx) -> int:
+        tx.execute(insert(tx, kv).values(key=POOL_EPOCH, value=secrets.randbits(63) or 1).on_conflict_do_nothing())
+        return counter(tx, POOL_EPOCH)
+
+    return store.write(ensure)
+
+
 class Status:
     """RunInfo, the status snapshot, and trainer metrics reports."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float]):
-        self.store, self.config, self.identity, self.clock = store, config, identity, clock
+    def __init__(self, store: Store, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float],
+                 epoch: int = 0):
+        self.store, self.config, self.identity, self.clock, self.epoch = store, config, identity, clock, epoch
         # Bootstrap multiaddrs of the checkpoint swarm's DHT, sent to nodes in RunInfo (the seed adds its own).
         self.dht_peers: list[str] = list(config.dht_peers)
-        self.spec_signature = sign_spec(config.run, identity)  # signed once: the run description never changes
+        self.spec_signature = sign_spec(config.run, identity, epoch)  # once: the run description never changes
 
     def run_info(self) -> m.RunInfo:
         return self.store.read(self.run_info_in)
@@ -97,7 +111,8 @@ class Status:
 
     def _info(self, version: int) -> m.RunInfo:
         return m.RunInfo(spec=self.config.run, coordinator_key=self.identity.public_key_hex,
-                         spec_signature=self.spec_signature, current_version=version, dht_peers=list(self.dht_peers))
+                         spec_signature=self.spec_signature, current_version=version, dht_peers=list(self.dht_peers),
+                         epoch=self.epoch)
 
     def snapshot(self, nodes_limit: int = 100, metrics_limit: int = 100) -> m.RunStatus:
         """Counters, the first `nodes_limit` nodes and the newest `metrics_limit` trainer reports."""

@@ -98,10 +98,11 @@ KIND_RUN = "run"
 """The kind of the coordinator's signature over the run description."""
 
 
-def sign_spec(spec: RunSpec, coordinator: Identity) -> Signature:
-    """The coordinator's signature of `spec` for its pool: timeless, and the same every time it is made."""
+def sign_spec(spec: RunSpec, coordinator: Identity, epoch: int = 0) -> Signature:
+    """The coordinator's signature of `spec` for its pool (of store `epoch`): timeless, and the same every time it
+    is made."""
     body = canonical_json(spec.model_dump(mode="json"))
-    return sign(coordinator, KIND_RUN, pool_id(spec.run_id, coordinator.public_key_hex), body, ts=0.0,
+    return sign(coordinator, KIND_RUN, pool_id(spec.run_id, coordinator.public_key_hex, epoch), body, ts=0.0,
                 nonce=sha256_hex(body)[:32])
 
 
@@ -114,6 +115,8 @@ class RunInfo(Strict):
     spec_signature: Signature = Field(description="The coordinator's signature of `spec` (`sign_spec`).")
     current_version: int = Field(description="Newest published policy version; -1 before the first.")
     dht_peers: list[str] = Field(default_factory=list, description="libp2p multiaddrs to bootstrap the DHT.")
+    epoch: int = Field(0, ge=0, lt=2**63, description="The epoch of the coordinator's store, drawn when it was made; "
+                       "part of the pool's name, so `spec_signature` covers it.")
 
     @property
     def run_id(self) -> str:
@@ -122,20 +125,21 @@ class RunInfo(Strict):
     @property
     def pool(self) -> str:
         """The pool every signature of this run names (`signing.pool_id`)."""
-        return pool_id(self.spec.run_id, self.coordinator_key)
+        return pool_id(self.spec.run_id, self.coordinator_key, self.epoch)
 
     @classmethod
-    def signed(cls, spec: RunSpec, coordinator: Identity, current_version: int, dht_peers: list[str] | None = None
-               ) -> RunInfo:
-        return cls(spec=spec, coordinator_key=coordinator.public_key_hex, spec_signature=sign_spec(spec, coordinator),
-                   current_version=current_version, dht_peers=list(dht_peers or []))
+    def signed(cls, spec: RunSpec, coordinator: Identity, current_version: int, dht_peers: list[str] | None = None,
+               epoch: int = 0) -> RunInfo:
+        return cls(spec=spec, coordinator_key=coordinator.public_key_hex,
+                   spec_signature=sign_spec(spec, coordinator, epoch), current_version=current_version,
+                   dht_peers=list(dht_peers or []), epoch=epoch)
 
     def verify(self, key: str | None = None) -> None:
         """SignatureError unless `spec` carries the signature of `key` (default: the key this info names) for this
         pool. A node passes the key it pinned, so a rewritten run description (or key) is refused."""
         key = (key or self.coordinator_key).lower()
         verify_signed(self.spec_signature, canonical_json(self.spec.model_dump(mode="json")), kind=KIND_RUN,
-                      pool=pool_id(self.spec.run_id, key), key=key, max_skew_s=None)
+                      pool=pool_id(self.spec.run_id, key, self.epoch), key=key, max_skew_s=None)
 
 
 def check_run(actual: RunSpec, expected: RunSpec | None, role: str) -> None:

@@ -5,8 +5,8 @@ A signature covers a small header and the sha256 of a body of bytes:
     DOMAIN + canonical_json({"v", "kind", "pool", "key", "nonce", "ts", "body": sha256(body)})
 
 - `kind` names the message (an endpoint's request, a lease, the run description): one cannot pass for another;
-- `pool` names the pool it belongs to, `pool_id(run_id, coordinator_key)`: a message signed for one pool (or for
-  one coordinator key) is refused by every other, so it cannot be replayed elsewhere;
+- `pool` names the pool it belongs to, `pool_id(run_id, coordinator_key, epoch)`: a message signed for one pool (or
+  for one coordinator key, or one store) is refused by every other, so it cannot be replayed elsewhere;
 - `key` is the signer's Ed25519 public key (the node id derives from it), `nonce` 16 random bytes and `ts` the
   signer's clock (0 for timeless things, such as the run description);
 - `body` is the sha256 of the exact bytes sent: a request's raw HTTP body, or the canonical JSON of what the
@@ -77,9 +77,12 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def pool_id(run_id: str, coordinator_key: str) -> str:
-    """The name every signature of a pool carries: its run id and its coordinator's public key."""
-    return f"{run_id}/{coordinator_key.lower()}"
+def pool_id(run_id: str, coordinator_key: str, epoch: int = 0) -> str:
+    """The name every signature of a pool carries: its run id, its coordinator's public key, and the epoch of its
+    store (drawn when the store was made: a fresh store under the same key and run id is another pool, so what was
+    signed for the old one is refused by it; 0: none, for things signed outside any store)."""
+    base = f"{run_id}/{coordinator_key.lower()}"
+    return f"{base}/{epoch:016x}" if epoch else base
 
 
 _HEX64 = r"^[0-9a-f]{64}$"
@@ -92,7 +95,8 @@ class Signature(BaseModel):
 
     v: str = Field(max_length=16, description="Protocol version of the signer.")
     kind: str = Field(max_length=64, description="Message type; the receiver checks it is the one it expects.")
-    pool: str = Field(max_length=MAX_RUN_ID + 65, description="`pool_id(run_id, coordinator_key)` of the pool.")
+    pool: str = Field(max_length=MAX_RUN_ID + 82, description="`pool_id(run_id, coordinator_key, epoch)` of the "
+                      "pool.")
     key: str = Field(pattern=_HEX64, description="Signer's Ed25519 public key, lower-case hex.")
     nonce: str = Field(pattern=r"^[0-9a-f]{32}$", description="16 random bytes, hex; never reused by a signer.")
     ts: float = Field(ge=0, le=1e11, description="Signer's clock, unix seconds (0: timeless).")

@@ -305,7 +305,10 @@ def test_forged_tampered_misdirected_replayed_and_stale_requests(run: Run) -> No
     assert status == 401 and "expected a 'lease' message" in detail
     # Signed for another pool: another run, or the same run id under another coordinator key (a request replayed
     # from another pool).
-    for pool in (pool_id("other-run", run.key.public_key_hex), pool_id(run.cfg.run.run_id, "ab" * 32)):
+    # Or the same run id and key under another store (its epoch).
+    for pool in (pool_id("other-run", run.key.public_key_hex), pool_id(run.cfg.run.run_id, "ab" * 32),
+                 pool_id(run.cfg.run.run_id, run.key.public_key_hex),
+                 pool_id(run.cfg.run.run_id, run.key.public_key_hex, run.op.info().epoch + 1)):
         status, detail = post(run.url, "/v1/lease", signed(ident, m.KIND_LEASE, pool, lease_req))
         assert status == 401 and "another pool" in detail
     # Stale and future timestamps.
@@ -674,6 +677,21 @@ def test_metrics_status_and_dashboard(run: Run) -> None:
     assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "eval_accuracy"),))] == 0.3
     assert prom[("swarmrl_coordinator_trainer_metric", (("metric", "step"),))] == 7
     assert prom[("swarmrl_coordinator_trainer_step", ())] == 2
+
+
+def test_a_fresh_store_under_the_same_key_and_run_id_is_another_pool(run_factory, tmp_path: Path) -> None:
+    op_key = Identity.generate()
+    run = run_factory(data_dir=tmp_path / "pool", op_key=op_key)
+    run.publish(0)
+    node = run.node()
+    captured = signed(node.identity, m.KIND_LEASE, run.pool, m.LeaseRequest(max_prompts=1))
+    assert post(run.url, "/v1/lease", captured)[0] == 200
+    run_factory.stop_last()
+    # A fresh store (another data dir: another SQLite file or PostgreSQL database), the same key file and run.
+    again = run_factory(data_dir=tmp_path / "fresh", key_path=run.cfg.resolved_key_path, op_key=op_key)
+    assert again.key.public_key_hex == run.key.public_key_hex and again.pool != run.pool
+    status, detail = post(again.url, "/v1/lease", captured)
+    assert status == 401 and "another pool" in detail
 
 
 def test_restart_keeps_state(run_factory, tmp_path: Path) -> None:

@@ -111,7 +111,8 @@ def test_two_coordinator_processes_serve_one_pool(tmp_path: Path) -> None:
 
         # Nodes: a challenge issued by one process is redeemed at the other (they share the run's secret).
         node_keys = [Identity.generate() for _ in range(NODES)]
-        pool = pool_id("two-processes", coordinator_key)
+        pool = trainer[0].info().pool  # with the store's epoch: the same from both processes
+        assert trainer[1].info().pool == pool and pool.startswith(pool_id("two-processes", coordinator_key) + "/")
         for i, key in enumerate(node_keys):
             ch = httpx.post(urls[i % 2] + "/v1/register/challenge", json={"public_key": key.public_key_hex}).json()
             req = m.RegisterRequest(challenge=ch["challenge"], name=f"n{i}")

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.protocol.signing import SIGNATURE_HEADER, pool_id, sign
+from swarmrl.protocol.signing import SIGNATURE_HEADER, sign
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
@@ -48,7 +48,7 @@ class Run:
 
     @property
     def pool(self) -> str:
-        return pool_id(self.cfg.run.run_id, self.key.public_key_hex)
+        return self.op.pool  # the run description's, with the store's epoch
 
     def node(self, name: str = "node", source: str | None = None) -> CoordinatorClient:
         """A freshly registered node; `source`: the loopback address it connects from (127.0.0.x: a machine of its
