@@ -8,7 +8,9 @@ effect, its nonce and its stored answer commit together:
    (403), inside the clock window, with a valid signature over the header (401); a nonce this process saw in the
    window is refused (409) before it costs its signer anything (a captured request replayed cannot spend an honest
    node's rate limit), unless the request carries an Idempotency-Key: the exact bytes of a request sent again may
-   be a retry of one already answered, which step 3 tells apart (stored answer or 409), still free for its signer;
+   be a retry of one already answered, which step 3 tells apart (stored answer or 409), still free for its signer
+   but charged to the source that sent it (`rate_limits.resend_rate_per_s`: clients sign each try afresh, so only
+   a captured request comes back byte for byte, and its stored answer costs many times what sending it did);
    then the signer's rate limit (429, operators exempt).
 2. `Gate.open` (with the body, no database for a node already seen): its sha256 must be the signed one (401); a
    node endpoint's signer must be a node (403: checked once per identity and process before anything of its body
@@ -71,6 +73,7 @@ class Gate:
         self._operators = frozenset(k.lower() for k in config.operator_keys)
         limits = config.rate_limits
         self.identities = Buckets(limits.identity_rate_per_s, limits.identity_burst, limits.max_tracked, monotonic)
+        self.resends = Buckets(limits.resend_rate_per_s, limits.resend_burst, limits.max_tracked, monotonic)
         self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._nodes: OrderedDict[str, None] = OrderedDict()  # signers seen to be nodes (a ban is checked later)
         self._lock = threading.Lock()
@@ -78,10 +81,10 @@ class Gate:
     def is_operator(self, key: str) -> bool:
         return key.lower() in self._operators
 
-    def check_header(self, header: str | None, kind: str, role: str | None = None, keyed: bool = False
-                     ) -> Signature:
-        """Step 1 (module docstring): the verified signature header of a `kind` request, or Refused. `keyed`: the
-        request carries an Idempotency-Key."""
+    def check_header(self, header: str | None, kind: str, role: str | None = None, keyed: bool = False,
+                     source: str = "") -> Signature:
+        """Step 1 (module docstring): the verified signature header of a `kind` request from `source`, or Refused.
+        `keyed`: the request carries an Idempotency-Key."""
         try:
             sig = parse_header(header)
         except SignatureError as e:
@@ -95,8 +98,12 @@ class Gate:
             raise Refused(e.code, e.reason) from None
         with self._lock:
             if (sig.key, sig.nonce) in self._recent:
-                if keyed:
-                    return sig  # maybe a retry of an answered request: `admit` decides, the signer pays nothing
+                if keyed:  # maybe a retry of an answered request: `admit` decides; its source pays, not its signer
+                    wait = self.resends.take(source)
+                    if wait > 0:
+                        raise Refused(RefusalCode.RATE_LIMITED, "too many signed requests sent again byte for byte "
+                                      f"from this address: retry in {wait:.2f} s", retry_after=wait)
+                    return sig
                 raise Replayed()
             self._recent[(sig.key, sig.nonce)] = None
             if len(self._recent) > RECENT_NONCES:

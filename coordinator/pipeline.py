@@ -82,7 +82,7 @@ class _Route:
     path: str  # what request metrics label it with (`scope["route"].path`, as for the router's routes)
     kind: str
     operator: bool  # signed by an operator: served on the operator's threads, answers signed
-    check: Callable[[str | None, bool], Signature]
+    check: Callable[[str | None, bool, str], Signature]
     handle: Callable[[Signature, bytes, str | None, str], Answer]
     plan: Callable[[Signed], RemoteCall | Callable[[], Any]] | None  # a node's request, served on the event loop
     idempotent: bool
@@ -112,8 +112,8 @@ class SignedRoutes:
         assert plan is None or role == "node"
         svc = self.svc
 
-        def check(header: str | None, keyed: bool) -> Signature:
-            return svc.gate.check_header(header, kind, role, keyed)
+        def check(header: str | None, keyed: bool, source: str) -> Signature:
+            return svc.gate.check_header(header, kind, role, keyed, source)
 
         def handle(sig: Signature, raw: bytes, key: str | None, source: str) -> Answer:
             req = svc.gate.open(sig, raw, payload, role, key, source)
@@ -204,7 +204,8 @@ class SignedDispatch:
             elif k == _KEY_HEADER and route.idempotent:
                 key = v.decode("latin-1")
         try:
-            sig = route.check(header, key is not None)  # no body is read for a request whose header does not verify
+            source = source_of(scope, self.limits)
+            sig = route.check(header, key is not None, source)  # no body is read for a header that does not verify
             chunks = []
             while True:
                 message = await receive()
@@ -215,10 +216,9 @@ class SignedDispatch:
                     break
             offload = self.operator_offload if route.operator else self.offload
             if route.plan is not None and self.writer is not None and self.gate.knows_node(sig.signer_id):
-                answer = await self._on_the_loop(route.plan, sig, b"".join(chunks), key, source_of(scope, self.limits),
-                                                 route.body)
+                answer = await self._on_the_loop(route.plan, sig, b"".join(chunks), key, source, route.body)
             else:
-                answer = await offload(route.handle, sig, b"".join(chunks), key, source_of(scope, self.limits))
+                answer = await offload(route.handle, sig, b"".join(chunks), key, source)
         except Exception as e:
             refusal = refusal_of(e, f"POST {scope['path']}")
             if refusal is None:

@@ -5,6 +5,8 @@
   their own. IPv6 sources are counted per /64, the block one subscriber gets for free.
 - Per identity (a signer whose signature has just verified, so nobody can spend another's tokens), before the
   request's body is read: every signed request of a node. Operator keys are not limited.
+- Per source again, for signed requests sent again byte for byte (`coordinator.gate`): captured requests, whose
+  stored answers cost far more than resending them.
 
 Buckets live in this process's memory (several coordinator processes on one database each keep their own): a
 bucket that is full again is the same as none, so the table forgets the least recently used ones past
@@ -44,6 +46,11 @@ class RateLimitConfig(BaseModel):
     identity_rate_per_s: float = Field(20.0, gt=0, description="Signed requests per second one node identity may "
                                        "make (operators are not limited).")
     identity_burst: float = Field(100.0, ge=1, description="Signed requests one node identity may make at once.")
+    resend_rate_per_s: float = Field(
+        1.0, gt=0, description="Signed requests one source may send again byte for byte (the same signature, with "
+        "an Idempotency-Key), per second: clients sign each retry afresh, so these are captured requests, answered "
+        "from the store at many times what sending them cost. Charged to the source, never to the signer.")
+    resend_burst: float = Field(20.0, ge=1, description="Byte-for-byte re-sends one source may make at once.")
     source_header: str | None = Field(
         None, description="Behind a reverse proxy: the header it puts the client's address in (e.g. "
         "x-forwarded-for, whose last entry is used, or x-real-ip). Honoured only on connections from "
@@ -56,7 +63,7 @@ class RateLimitConfig(BaseModel):
         """Limits nothing on one machine reaches (tests and benches whose every process is on loopback)."""
         big = 1e9
         return cls(source_rate_per_s=big, source_burst=big, registration_rate_per_s=big, registration_burst=big,
-                   identity_rate_per_s=big, identity_burst=big)
+                   identity_rate_per_s=big, identity_burst=big, resend_rate_per_s=big, resend_burst=big)
 
 
 class Buckets:

@@ -158,3 +158,31 @@ def run(run_factory: Callable[..., Run]) -> Run:
     r = run_factory()
     r.publish(0)
     return r
+
+
+def test_byte_for_byte_resends_are_charged_to_their_source_not_their_signer(run_factory) -> None:
+    """A captured keyed request sent again byte for byte gets the stored answer, which costs the coordinator many
+    times what sending it did: such resends are charged to the address sending them (clients sign each retry
+    afresh, so an honest one never sends them), never to the signer, whose own requests go on."""
+    from swarmrl.coordinator.ratelimit import RateLimitConfig
+
+    run = run_factory(rate_limits=RateLimitConfig(resend_rate_per_s=1e-9, resend_burst=3))
+    run.publish(0)
+    node = run.node()
+    body, headers = signed(node.identity, m.KIND_LEASE, run.pool, m.LeaseRequest(max_prompts=1, held_version=0))
+    headers = {**headers, IDEMPOTENCY_HEADER: "c" * 32}
+    first = httpx.post(run.url + "/v1/lease", content=body, headers=headers)
+    assert first.status_code == 200
+    for _ in range(3):  # the burst: the stored answer
+        assert httpx.post(run.url + "/v1/lease", content=body, headers=headers).content == first.content
+    over = httpx.post(run.url + "/v1/lease", content=body, headers=headers)
+    assert over.status_code == 429 and over.json()["code"] == "rate_limited" and "Retry-After" in over.headers
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")) as elsewhere:
+        assert elsewhere.post(run.url + "/v1/lease", content=body, headers=headers).content == first.content
+    # The signer is not charged: its own retry (signed afresh, same key) and its next request are answered.
+    fresh_body, fresh_headers = signed(node.identity, m.KIND_LEASE, run.pool,
+                                       m.LeaseRequest(max_prompts=1, held_version=0))
+    retry = httpx.post(run.url + "/v1/lease", content=fresh_body,
+                       headers={**fresh_headers, IDEMPOTENCY_HEADER: "c" * 32})
+    assert retry.status_code == 200 and retry.content == first.content
+    assert node.heartbeat(0) is None
