@@ -1,11 +1,18 @@
 """Admission: how many prompts an identity may hold, what counts as work in flight, and prompts leased again.
 
-An identity's allowance (prompts leased and not yet submitted, at most) is earned by verified work and lost by
-abandoning prompts (`allowance`):
+An identity's allowance (prompts leased and not yet submitted, at most) is earned by verified work, no faster than
+time passes, and lost by abandoning prompts (`allowance`):
 
-    earned      = min(max_identity_prompts, new_identity_prompts + prompts_per_accepted_group * groups_accepted)
+    grown       = min(prompts_per_accepted_group * groups_accepted, allowance_growth_per_s * age_s)
+    earned      = min(max_identity_prompts, new_identity_prompts + grown) - abandon_cost * prompts_abandoned
     reliability = 1 - prompts_abandoned / (prompts_leased + abandon_prior)
-    allowance   = max(1, floor(earned * reliability^2))
+    allowance   = max(1, floor(earned * reliability^2 * source_reliability^2))
+
+`age_s` is the time since the identity registered; `source_reliability` is the same share over every identity
+registered from its source (`source_record`), so that a machine whose identities abandon what they lease earns its
+next identity less. A burst of fast work earns no more than the time it took allows, and a lease left to expire
+costs as many prompts of allowance as it held (the hoarder pays for what it held with as much work, and as much
+time). No identity holds more than `max_identity_share` of the buffer (`identity_cap`), whatever it earned.
 
 A new identity (free to make) holds `new_identity_prompts`; a node that hoards (leases and never submits) sees
 its allowance fall to 1 within a few leases. A prompt is abandoned when its lease expires unsubmitted, when the
@@ -53,6 +60,19 @@ class AdmissionConfig(BaseModel):
     prompts_per_accepted_group: float = Field(1.0, ge=0, description="How much an identity's allowance grows with "
                                               "each of its groups the verifier accepted.")
     max_identity_prompts: int = Field(256, ge=1, description="Prompts in flight one identity may hold at most.")
+    allowance_growth_per_s: float = Field(0.1, ge=0, description="How fast an identity's allowance may grow with "
+                                          "time since it registered (prompts per second): verified work earns "
+                                          "allowance no faster than this, so a burst of fast work cannot earn the "
+                                          "whole buffer in seconds.")
+    abandon_cost: float = Field(1.0, ge=0, description="Prompts of allowance an identity loses per prompt it "
+                                "abandons: a lease left to expire costs in proportion to its size.")
+    max_identity_share: float = Field(0.25, gt=0, le=1, description="Share of max_buffered_groups one identity may "
+                                      "hold in flight, whatever it earned (never less than new_identity_prompts): "
+                                      "a proven identity that turns to hoarding cannot take the buffer from the "
+                                      "others.")
+    source_abandon_prior: float = Field(16.0, gt=0, description="Smoothing of a source's abandoned share (over "
+                                        "every identity registered from it), which bounds its identities' "
+                                        "reliability as their own share does.")
     abandon_prior: float = Field(8.0, gt=0, description="Smoothing of the abandoned share: an identity's first "
                                  "abandoned prompts weigh less than a long record's.")
     proven_after_groups: int = Field(8, ge=0, description="Accepted groups after which an identity's leases count "
@@ -67,18 +87,44 @@ class AdmissionConfig(BaseModel):
                                        "identities of one machine cannot pass a prompt among themselves until "
                                        "the outcome suits them.")
     unproven_per_source: int = Field(16, ge=1, description="Prompts in flight the unproven identities registered "
-                                     "from one source (address, IPv6 /64) may hold together: identities made on one "
-                                     "machine share this, so one source cannot take the whole unproven share.")
+                                     "from one source (address, IPv6 /64) may hold together at most: identities "
+                                     "made on one machine share this; with several sources holding unproven "
+                                     "prompts, each holds at most an equal part of the unproven share "
+                                     "(`source_share`), so one source cannot take the whole unproven share.")
     sweep_batch: int = Field(64, ge=1, description="Expired leases settled (their prompts queued again) per sweep: "
                              "once a second while none are left, and on every lease request while some are.")
 
 
-def allowance(node: NodeRow, cfg: AdmissionConfig) -> int:
-    """Prompts in flight `node` may hold (module docstring)."""
-    earned = min(cfg.max_identity_prompts,
-                 cfg.new_identity_prompts + math.floor(cfg.prompts_per_accepted_group * node.groups_accepted))
-    reliability = max(0.0, 1.0 - node.prompts_abandoned / (node.prompts_leased + cfg.abandon_prior))
-    return max(1, math.floor(earned * reliability ** 2))
+def allowance(node: NodeRow, cfg: AdmissionConfig, source: tuple[int, int] | None = None) -> int:
+    """Prompts in flight `node` may hold (module docstring), its age taken at its `last_seen` (a lease request
+    touches it first). `source`: (prompts leased, prompts abandoned) by every identity of its source
+    (`source_record`); without it, its own record alone. Never less than 1, so that an honest node whose leases
+    were lost can always earn its allowance back."""
+    age = max(0.0, node.last_seen - node.registered_at)
+    grown = min(cfg.prompts_per_accepted_group * node.groups_accepted, cfg.allowance_growth_per_s * age)
+    earned = min(cfg.max_identity_prompts, cfg.new_identity_prompts + math.floor(grown)) \
+        - cfg.abandon_cost * node.prompts_abandoned
+    reliability = 1.0 - node.prompts_abandoned / (node.prompts_leased + cfg.abandon_prior)
+    if source is not None:
+        reliability = min(reliability, 1.0 - source[1] / (source[0] + cfg.source_abandon_prior))
+    return max(1, math.floor(max(0.0, earned) * max(0.0, reliability) ** 2))
+
+
+def identity_cap(cfg: AdmissionConfig, max_buffered: int | None) -> int:
+    """Prompts in flight one identity may hold whatever its allowance: `max_identity_share` of the buffer, and
+    never less than a new identity's allowance (a lone node in a small buffer keeps a full lease)."""
+    if max_buffered is None:
+        return cfg.max_identity_prompts
+    return max(cfg.new_identity_prompts, math.ceil(cfg.max_identity_share * max_buffered))
+
+
+def source_share(cfg: AdmissionConfig, cap: int, sources: int) -> int:
+    """Prompts in flight the unproven identities of one source may hold together, while `sources` sources (the
+    requester's included) hold unproven prompts: an equal part of the unproven share `cap`, at most
+    `unproven_per_source`. A source below its part may lease up to it even while the share is full (the excess
+    lasts until the others' leases close, and backpressure counts at most `cap` of it: `counted_in_flight`), so
+    newcomers from a new address are served at once, however fast the sources already holding poll."""
+    return max(1, min(cfg.unproven_per_source, cap // max(1, sources)))
 
 
 def is_proven(node: NodeRow, cfg: AdmissionConfig) -> bool:
@@ -97,6 +143,18 @@ def in_flight(tx: Tx, node: NodeRow, min_version: int, pending: dict[inflight.Ke
     transaction's `pending` counter moves (`coordinator.inflight`: a few counter rows, whatever the number of open
     leases)."""
     return inflight.read(tx, node, min_version, pending)
+
+
+_SOURCE_RECORD = Prepared(select(func.coalesce(func.sum(nodes.c.prompts_leased), 0),
+                                 func.coalesce(func.sum(nodes.c.prompts_abandoned), 0)).where(
+    nodes.c.source == bindparam("b_source")))
+
+
+def source_record(tx: Tx, source: str) -> tuple[int, int]:
+    """(prompts leased, prompts abandoned) by every identity registered from `source` (an index range over that
+    source's identities: a machine that makes many pays for them on its own requests)."""
+    leased, abandoned = _SOURCE_RECORD.first(tx, b_source=source)
+    return int(leased), int(abandoned)
 
 
 def counted_in_flight(flight: InFlight, cap: int) -> int:

@@ -156,3 +156,13 @@ def read(tx: Tx, node: NodeRow, min_version: int, pending: dict[Key, int] | None
         elif cls == SOURCE and source == node.source:
             same += n
     return InFlight(node.in_flight, int(proven), int(unproven), int(usable), int(same), bool(queued))
+
+
+_OTHER_SOURCES = Prepared(select(func.count(func.distinct(_c.source))).where(_c.cls == SOURCE, _c.source != _src))
+
+
+def other_sources(tx: Tx, source: str) -> int:
+    """Sources other than `source` whose unproven identities hold prompts in flight (rows at zero are deleted, so
+    a row means prompts held). A transaction's own pending moves only ever settle its requester's leases, which are
+    of `source`: they change nothing here."""
+    return int(_OTHER_SOURCES.first(tx, b_src=source)[0])

@@ -118,7 +118,8 @@ class Leases:
         if node.in_flight and admission.settle_own_expired(tx, node.id, now, adm.sweep_batch, deltas):
             node = require_node(tx, node.id)
         flight = admission.in_flight(tx, node, min_version, deltas)
-        allowed = admission.allowance(node, adm)
+        allowed = min(admission.allowance(node, adm, admission.source_record(tx, node.source)),
+                      admission.identity_cap(adm, cfg.max_buffered_groups))
         if flight.own >= allowed:
             raise Refused(RefusalCode.PROMPTS_IN_FLIGHT,
                           f"this identity may hold {allowed} prompts in flight and holds {flight.own}: submit "
@@ -131,16 +132,19 @@ class Leases:
                           f"node already holds {cfg.max_outstanding_leases} open leases: submit or let "
                           "them expire first", retry_after=until_a_lease_expires(tx, node.id, now))
         cap = admission.unproven_cap(adm, cfg.max_buffered_groups)
-        if not admission.is_proven(node, adm) and (flight.unproven >= cap or
-                                                   flight.unproven_same_source >= adm.unproven_per_source):
-            granted = None  # the unproven identities' share (or their source's) is taken: only they wait
+        n = min(body.max_prompts, allowed - flight.own)
+        if not admission.is_proven(node, adm):
+            # Newcomers share the unproven share by source, in equal parts (`admission.source_share`).
+            part = admission.source_share(adm, cap, inflight.other_sources(tx, node.source) + 1)
+            n = min(n, part - flight.unproven_same_source, adm.max_unproven_prompts - flight.unproven)
+        if n <= 0:
+            granted = None  # its source's part of the unproven share is taken (or all of it): only newcomers wait
         elif cfg.max_buffered_groups is not None and buffered_groups(tx, min_version) + \
                 admission.counted_in_flight(flight, cap) >= cfg.max_buffered_groups:
             # Backpressure: no point generating groups the trainer will drop as stale before it reaches them.
             granted = None
         else:
-            granted = self._sign_and_store(tx, node, min(body.max_prompts, allowed - flight.own), version, now,
-                                           deltas, draft, flight.queued)
+            granted = self._sign_and_store(tx, node, n, version, now, deltas, draft, flight.queued)
         inflight.apply(tx, deltas)
         return granted
 

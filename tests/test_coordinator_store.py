@@ -28,7 +28,7 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
 from tests.support.postgres import fresh_database, needs_pg
 
-HEAD = "0012"
+HEAD = "0013"
 """The newest migration's revision."""
 
 

@@ -86,8 +86,11 @@ def test_the_desk_applies_backpressure_and_the_unproven_share():
     new = Identity("a", "src-a")
     first = desk.grant(new, 8, version=0, now=0.0)
     assert isinstance(first, Lease) and first.n == 8  # a new identity's allowance (new_identity_prompts)
-    # The unproven share is half the buffer: a second newcomer waits while the first holds it.
-    assert desk.grant(Identity("b", "src-b"), 8, 0, 0.0) == WAIT_UNPROVEN
+    # The unproven share (half the buffer: 8) is divided by source: a newcomer from a second source gets its half
+    # at once, though the first holds all 8; another identity of that source waits.
+    second = desk.grant(Identity("b", "src-b"), 8, 0, 0.0)
+    assert isinstance(second, Lease) and second.n == 4
+    assert desk.grant(Identity("b2", "src-b"), 8, 0, 0.0) == WAIT_UNPROVEN
     proven = Identity("p", "src-p", groups_accepted=100)
     desk.buffer(0, 8)
     assert desk.grant(proven, 8, 0, 0.0) == WAIT_BACKPRESSURE  # 8 buffered + 8 in flight = 16

@@ -64,6 +64,7 @@ nodes = Table(
     Column("gone_since", Double),
     Column("in_flight", BigInteger, nullable=False, server_default="0"),
     Index("nodes_last_seen", "last_seen"),
+    Index("nodes_source", "source"),  # an identity's allowance weighs its source's record (coordinator.admission)
 )
 
 # Keyed by time first: a request's signed timestamp is close to now, so a new record goes next to the last ones

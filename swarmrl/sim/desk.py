@@ -3,13 +3,17 @@ functions of `coordinator.admission` and `coordinator.inflight` on the real row 
 
 What is an adapter here, and why: the order in which the coordinator applies those functions lives in
 `Leases._grant` (coordinator/leases.py), inside a database transaction, in a file another change is editing
-now; `grant` below repeats that order (allowance, open leases, the unproven share and its per-source part,
-then backpressure against `max_buffered_groups`) over in-memory counters instead of the counter rows, and
-calls the same pure functions for every figure (`allowance`, `is_proven`, `unproven_cap`, `counted_in_flight`,
-`inflight.counted_as`, `InFlight`). What the counter rows hold (prompts in flight per class, version and
-source; submitted groups waiting for a verdict or accepted and not yet read by the trainer, per version:
-`leasequeries.buffered_groups`, held groups not counted) is kept here as the coordinator keeps it, moved when a
-lease opens and when it closes (`coordinator.inflight`'s docstring).
+now; `grant` below repeats that order (allowance within the identity's share of the buffer, open leases, its
+source's part of the unproven share, then backpressure against `max_buffered_groups`) over in-memory counters
+instead of the counter rows, and calls the same pure functions for every figure (`allowance`, `identity_cap`,
+`is_proven`, `unproven_cap`, `source_share`, `counted_in_flight`, `inflight.counted_as`, `InFlight`). One gap:
+newcomers waiting for room are woken (`room`) only when the unproven share has room, where the coordinator serves
+a source below its part at its next request even while the share is full.
+
+What the counter rows hold (prompts in flight per class, version and source; submitted groups waiting for a
+verdict or accepted and not yet read by the trainer, per version: `leasequeries.buffered_groups`, held groups not
+counted) is kept here as the coordinator keeps it, moved when a lease opens and when it closes
+(`coordinator.inflight`'s docstring).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Identity:
     id: str
     source: str
     adversary: bool = False
+    registered_at: float = 0.0
     groups_accepted: int = 0
     prompts_leased: int = 0
     prompts_abandoned: int = 0
@@ -42,9 +47,10 @@ class Identity:
     pending: dict[int, object] = field(default_factory=dict)
     """Its submitted groups not yet accepted or rejected, by id."""
 
-    def row(self) -> NodeRow:
-        """Its `nodes` row, as `coordinator.admission` reads it."""
-        return NodeRow(id=self.id, public_key=self.id, name=self.id, engine="sim", registered_at=0.0, last_seen=0.0,
+    def row(self, now: float) -> NodeRow:
+        """Its `nodes` row at `now` (a lease request touches it first), as `coordinator.admission` reads it."""
+        return NodeRow(id=self.id, public_key=self.id, name=self.id, engine="sim", registered_at=self.registered_at,
+                       last_seen=now,
                        held_version=-1, banned=self.banned, ban_reason="", groups_accepted=self.groups_accepted,
                        groups_rejected=0, reputation=0.0, checks_passed=self.checks_passed, idle_s=0.0, busy_s=0.0,
                        idle_total=0.0, busy_total=0.0, counters_at=None, prompts_leased=self.prompts_leased,
@@ -74,6 +80,8 @@ class Desk:
         self.cap = admission.unproven_cap(adm, max_buffered)
         self.flight: dict[str, Counter[int]] = {inflight.PROVEN: Counter(), inflight.UNPROVEN: Counter()}
         self.by_source: Counter[str] = Counter()
+        self.source_record: dict[str, list[int]] = {}
+        """Per source: [prompts leased, prompts abandoned] by its identities (`admission.source_record`)."""
         self.buffered: Counter[int] = Counter()
         """Groups waiting for a verdict, or accepted and not yet read by the trainer, per policy version
         (`leasequeries.buffered_groups`)."""
@@ -96,28 +104,35 @@ class Desk:
         if version < 0:
             return WAIT_BACKPRESSURE
         adm = self.adm
-        row = ident.row()
+        row = ident.row(now)
         min_version = version - self.k
         flight = self.in_flight(ident, min_version)
-        allowed = admission.allowance(row, adm)
+        record = self.source_record.setdefault(ident.source, [0, 0])
+        allowed = min(admission.allowance(row, adm, (record[0], record[1])),
+                      admission.identity_cap(adm, self.max_buffered))
         if flight.own >= allowed:
             self.refusals[REFUSED_ALLOWANCE] += 1
             return REFUSED_ALLOWANCE
         proven = admission.is_proven(row, adm)
-        if not proven and (flight.unproven >= self.cap or flight.unproven_same_source >= adm.unproven_per_source):
+        n = min(max_prompts, allowed - flight.own)
+        if not proven:
+            others = sum(1 for s in self.by_source if s != ident.source)
+            part = admission.source_share(adm, self.cap, others + 1)
+            n = min(n, part - flight.unproven_same_source, adm.max_unproven_prompts - flight.unproven)
+        if n <= 0:
             self.refusals[WAIT_UNPROVEN] += 1
             return WAIT_UNPROVEN
         if self.max_buffered is not None and self.usable_buffered(min_version) + \
                 admission.counted_in_flight(flight, self.cap) >= self.max_buffered:
             self.refusals[WAIT_BACKPRESSURE] += 1
             return WAIT_BACKPRESSURE
-        n = min(max_prompts, allowed - flight.own)
         counted = inflight.counted_as(proven, ident.source)
         self.flight[counted[0]][version] += n
         if counted[0] == inflight.UNPROVEN:
             self.by_source[ident.source] += n
         self.queued = max(0, self.queued - n)
         ident.prompts_leased += n
+        record[0] += n
         ident.in_flight += n
         return Lease(ident, n, version, now + self.ttl, counted)
 
@@ -139,6 +154,7 @@ class Desk:
         lease.ident.in_flight -= lease.n
         if penalise:
             lease.ident.prompts_abandoned += unused
+            self.source_record.setdefault(lease.ident.source, [0, 0])[1] += unused
         self.queued += unused
         return True
 

@@ -235,5 +235,5 @@ class Nodes:
         """An attacker's identity was banned: it registers a new key (free)."""
         n.identities += 1
         self.stats["identities"] += 1
-        n.ident = Identity(f"n{n.i}.{n.identities}", f"src{n.i}", True)
+        n.ident = Identity(f"n{n.i}.{n.identities}", f"src{n.i}", True, registered_at=self.w.clock.now)
         n.strategy = self.w.strategy()
