@@ -29,8 +29,8 @@ from swarmrl.verifier.checks import CheckContext, score
 
 CASES = [{"input": f"{a} {b}\n", "output": f"{a + b}\n"} for a, b in ((1, 2), (3, 4), (5, 6))]
 ANSWER = json.dumps(CASES, sort_keys=True, separators=(",", ":"))
-SLOW = "import time\ntime.sleep(1.5)\na, b = map(int, input().split())\nprint(a + b)\n"
-"""Exits just under the 3 s case limit with the right output: before the cap, every case ran (three limits)."""
+SLOW = "import time\ntime.sleep(2.5)\na, b = map(int, input().split())\nprint(a + b)\n"
+"""Exits well under the 5 s case limit with the right output: before the cap, every case ran (7.5 s and more)."""
 
 
 def code_task(tmp_path, wall_s: float, rollout_s: float) -> CodeTask:
@@ -44,13 +44,13 @@ def code_task(tmp_path, wall_s: float, rollout_s: float) -> CodeTask:
 
 
 def test_a_rollouts_test_cases_share_one_sandbox_cap(tmp_path):
-    task = code_task(tmp_path, wall_s=3.0, rollout_s=3.0)
+    task = code_task(tmp_path, wall_s=5.0, rollout_s=5.0)
     runs = []
     real_run = task.sandbox.run
     task.sandbox.run = lambda *a, **kw: runs.append(kw.get("wall_s")) or real_run(*a, **kw)  # type: ignore
-    # Case 1 takes 1.5 s and more; case 2 gets what is left of 3 s, too little for 1.5 s: killed, scored 0.
+    # Case 1 takes 2.5 s and more; case 2 gets what is left of 5 s, too little for 2.5 s: killed, scored 0.
     assert task.scored(SLOW, ANSWER) == Scored(0.0, limited=True)
-    assert len(runs) == 2 and runs[1] < 1.5
+    assert len(runs) == 2 and runs[1] < 2.5
     # Scored once: the same program again costs no sandbox run.
     assert task.scored(SLOW, ANSWER) == Scored(0.0, limited=True) and len(runs) == 2
 
