@@ -140,3 +140,11 @@ def test_a_held_groups_reward_seconds_are_charged_and_defer_the_identity(tmp_pat
         assert v.verify([second]) == [] and v.stats.deferred == 1  # deferred before any work
         now[0] += 1e9  # refilled
         assert [x.accepted for x in v.verify([second])] == [True]
+
+
+def test_the_flood_bench_sends_answers_that_reach_the_costly_paths():
+    from swarmrl.testing.byzantine.reward_flood import costly_text
+
+    # The power tower passes the nesting pre-check, so the bench measures the parser's time limit, not the pre-check.
+    assert 0 < brace_depth(costly_text("math", 7)) <= MAX_BRACE_DEPTH
+    assert costly_text("code", 1) != costly_text("code", 2)  # no score cache shortcut between rollouts
