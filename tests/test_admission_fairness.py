@@ -125,3 +125,13 @@ def test_newcomers_from_a_new_address_get_their_part_while_others_fill_the_share
         assert [_hoard(s) for s in sybils] == [[]] * len(sybils)  # every sybil source holds its part
         honest.submit(submission(lease))
         _accept_and_train(run)
+
+
+def test_new_sources_never_take_the_unproven_prompts_past_their_bound(run_factory) -> None:
+    """A new source is served below its part even while the share is full, but never past max_unproven_prompts in
+    all: free identities from many addresses cannot make the lease tables grow without bound."""
+    run = run_factory(admission={"max_unproven_prompts": 10})  # no backpressure: the share is the bound, 10
+    run.publish(0)
+    assert _size(run.node("a", source="127.0.0.2"), NEW) == NEW  # the only source: its part is all 10
+    assert _size(run.node("b", source="127.0.0.3"), NEW) == 2  # its part is 5, but only 2 are left in all
+    assert run.node("c", source="127.0.0.4").lease(NEW, 0) is None
