@@ -315,6 +315,7 @@ def worker_node(cfg: dict[str, Any]) -> None:
     """An honest node (swarm or origin-only), or with cfg['malicious'] a peer serving corrupted shards."""
     from swarmrl.protocol.manifest import SignedManifest
     from swarmrl.runtime.client import CoordinatorClient
+    from swarmrl.transfer import fetcher as fetcher_module
     from swarmrl.transfer.fetcher import CheckpointFetcher, FetchConfig
     from swarmrl.transfer.sources import HttpOrigin, ShardSource
 
@@ -345,17 +346,39 @@ def worker_node(cfg: dict[str, Any]) -> None:
             sources.insert(0, SwarmSource(peer))
         fetcher = CheckpointFetcher(cfg["root"], go["coordinator_key"], sources, keep_versions=2,
                                     config=FetchConfig(**cfg.get("fetch", {})))
+        rebuilds: list[tuple[float, float]] = []  # a delta's rebuild: (wall s, CPU s of this process)
+        rebuild = fetcher_module.rebuild
+
+        def timed_rebuild(*a: Any, **k: Any) -> Path:
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return rebuild(*a, **k)
+            finally:
+                rebuilds.append((time.perf_counter() - w, time.process_time() - c))
+
+        fetcher_module.rebuild = timed_rebuild  # type: ignore[assignment]
         t0, c0 = time.time(), time.process_time()
+        profile_dir = os.environ.get("BROADCAST_PROFILE_DIR")  # where each node leaves cProfile stats of its fetch
+        profiler = None
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         try:
             manifest, out = fetcher.fetch(signed)
             ok, error = True, ""
         except Exception as e:  # noqa: BLE001 (reported to the orchestrator)
             ok, error = False, f"{type(e).__name__}: {e}"
         t1 = time.time()
+        if profiler is not None and profile_dir:
+            profiler.disable()
+            profiler.dump_stats(str(Path(profile_dir) / f"{Path(cfg['root']).parent.name}-{Path(cfg['root']).name}"))
         stored = sorted(p.stat().st_mtime for p in fetcher.store.root.glob("??/*"))
         result = {"ok": ok, "error": error, "t_start": t0, "t_done": t1, "stats": fetcher.stats.__dict__,
                   "workers": fetcher.workers,
-                  "cpu_s": time.process_time() - c0, "t_half": stored[len(stored) // 2] if stored else t1,
+                  "cpu_s": time.process_time() - c0, "rebuild_wall_s": sum(r[0] for r in rebuilds),
+                  "rebuild_cpu_s": sum(r[1] for r in rebuilds), "t_half": stored[len(stored) // 2] if stored else t1,
                   "t_last_shard": stored[-1] if stored else t1, "t_first_shard": stored[0] if stored else t1}
         if peer is not None:
             result["banned"] = sorted(peer.banned)
@@ -564,7 +587,10 @@ def run_phase(net: Network, args: argparse.Namespace, work: Path, swarm: bool, s
             "cpu_s": {"origin": round(used.get("origin", 0.0), 1),
                       "nodes": round(sum(v for h, v in used.items() if h.startswith("node")), 1),
                       "malicious": round(sum(v for h, v in used.items() if h.startswith("bad")), 1),
-                      "node_python": round(sum(d["cpu_s"] for d in done.values()), 1)},
+                      "node_python": round(sum(d["cpu_s"] for d in done.values()), 1),
+                      # per node, a delta's rebuild (apply, check, write): its CPU and its wall time
+                      "rebuild_cpu": sorted(round(d.get("rebuild_cpu_s", 0.0), 3) for d in done.values()),
+                      "rebuild_wall": sorted(round(d.get("rebuild_wall_s", 0.0), 2) for d in done.values())},
         }
         if swarm:
             bad_ids = set()

@@ -67,6 +67,32 @@ def _delta_dirs(tmp_path: Path, base: bytes, target: bytes, payload: bytes) -> t
     return base_dir, staged, spec
 
 
+@pytest.mark.parametrize("layout", ["same", "other"])
+def test_rebuild_writes_the_signed_file_and_leaves_the_base_as_it_was(tmp_path, layout):
+    """Same layout as the base: rebuilt in place in a copy of the base (memory-mapped); another layout (a tensor
+    added, one reshaped): rebuilt in memory. Either way the file is the target bit for bit, and the base, which an
+    engine may have loaded, keeps every byte."""
+    base_w = _tensors()
+    target_w = _step(base_w, 1e-6, seed=3)
+    if layout == "other":
+        target_w["layer.1.weight"] = torch.ones(3, 3)
+        target_w["layer.0.bias"] = torch.ones(32)
+    base, target = _file(base_w, torch.bfloat16), _file(target_w, torch.bfloat16)
+    payload = delta.encode(base, target)
+    base_dir, staged, spec = _delta_dirs(tmp_path, base, target, payload)
+    in_place = tmp_path / "probe.safetensors"
+    in_place.write_bytes(base)
+    mapped = delta.apply_in_place(in_place, payload, len(target))
+    assert (mapped is not None) == (layout == "same")
+    if mapped is not None:
+        mapped.close()
+        assert in_place.read_bytes() == target
+    out = delta.rebuild(base_dir, staged, spec, tmp_path / "out")
+    assert (out / "model.safetensors").read_bytes() == target
+    assert (base_dir / "model.safetensors").read_bytes() == base
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
 def test_a_payload_that_does_not_rebuild_the_signed_tensors_is_refused(tmp_path):
     """The payload's shards pass their hash checks (the manifest names them), but what it rebuilds is not the
     signed target: refused, and nothing is left behind."""
@@ -79,6 +105,7 @@ def test_a_payload_that_does_not_rebuild_the_signed_tensors_is_refused(tmp_path)
     with pytest.raises(ManifestError, match="tensor 'layer.0.weight' does not match its signed hash"):
         delta.rebuild(base_dir, staged, spec, tmp_path / "out")
     assert not staged.exists() and not (tmp_path / "out").exists()
+    assert (base_dir / "model.safetensors").read_bytes() == base  # the forged bits went into a copy only
 
     # Against another base (a node holding something else): the same refusal, never wrong weights.
     other = _file(_tensors(seed=5), torch.float32)

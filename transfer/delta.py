@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -181,7 +182,8 @@ def _decode_tensor(raw: memoryview, p: int, out: np.ndarray, base: np.ndarray | 
     if count and positions.max() >= n // k:  # max, not last: a forged gap can wrap the sum around
         raise DeltaError("a changed position lies outside its tensor")
     vals = np.frombuffer(raw[p:p + count * k], dtype=np.uint8).reshape(k, -1).T.copy().view(_UINT[k]).ravel()
-    out[:] = base
+    if base is not out:  # in place (`base is out`), the unchanged elements are already there
+        out[:] = base
     out.view(_UINT[k])[positions.astype(np.int64)] ^= vals
     return p + count * k
 
@@ -221,10 +223,9 @@ def encode(base: bytes, target: bytes, level: int = DEFAULT_LEVEL) -> bytes:
     return MAGIC + struct.pack("<Q", start) + target[:start] + packed
 
 
-def apply(base: bytes, payload: bytes, size: int) -> bytearray:
-    """The file `payload` makes of `base`, which must be `size` bytes long (the signed size: nothing in the
-    payload decides how much is decompressed). DeltaError if the payload is malformed. Not checked against any
-    hash: that is `check`'s job."""
+def _open(payload: bytes, size: int) -> tuple[bytes, list[Tensor], memoryview]:
+    """(the target's header block, its tensors, the decompressed sections) of a payload for a file of `size` bytes
+    (the signed size: nothing in the payload decides how much is decompressed); DeltaError if malformed."""
     head = len(MAGIC) + 8
     if len(payload) < head or payload[:len(MAGIC)] != MAGIC:
         raise DeltaError("not a delta payload")
@@ -240,12 +241,17 @@ def apply(base: bytes, payload: bytes, size: int) -> bytearray:
             payload[head + start:], max_output_size=size - start + 32 * len(tensors) + 64))
     except zstandard.ZstdError as e:
         raise DeltaError(f"the payload does not decompress: {e}") from None
-    rebuilt = bytearray(size)  # written in place: no copy of the whole file at the end
-    rebuilt[:start] = header
-    data = np.frombuffer(rebuilt, dtype=np.uint8)[start:]
+    return header, tensors, raw
+
+
+def _decode(raw: memoryview, data: np.ndarray, tensors: list[Tensor],
+            pairs: list[tuple[Tensor, np.ndarray | None]] | None) -> None:
+    """Write every section of `raw` into `data` (the target's data region); `pairs` None: `data` holds the base,
+    laid out as the target, and every tensor is its own base."""
     p = 0
-    for t, b in _pairs(tensors, base):
-        p = _decode_tensor(raw, p, data[t.begin:t.end], b, t.dtype)
+    for t, b in pairs if pairs is not None else [(t, None) for t in tensors]:
+        seg = data[t.begin:t.end]
+        p = _decode_tensor(raw, p, seg, seg if pairs is None else b, t.dtype)
     for a, b_ in _uncovered(tensors, len(data)):
         if p + b_ - a > len(raw):
             raise DeltaError("the payload ends early")
@@ -253,7 +259,53 @@ def apply(base: bytes, payload: bytes, size: int) -> bytearray:
         p += b_ - a
     if p != len(raw):
         raise DeltaError("the payload has bytes left over")
+
+
+def apply(base: bytes, payload: bytes, size: int) -> bytearray:
+    """The file `payload` makes of `base`, which must be `size` bytes long (the signed size: nothing in the
+    payload decides how much is decompressed). DeltaError if the payload is malformed. Not checked against any
+    hash: that is `check`'s job."""
+    header, tensors, raw = _open(payload, size)
+    rebuilt = bytearray(size)  # written in place: no copy of the whole file at the end
+    rebuilt[:len(header)] = header
+    data = np.frombuffer(rebuilt, dtype=np.uint8)[len(header):]
+    _decode(raw, data, tensors, _pairs(tensors, base))
     return rebuilt
+
+
+def apply_in_place(path: Path, payload: bytes, size: int) -> mmap.mmap | None:
+    """Turn the file at `path`, a copy of the base, into the file `payload` makes of it, by writing only what
+    changed through a shared memory map, which is returned (for `check` to read without another pass over the
+    disk); None (the file untouched) when the payload's target has another size or header block than the file,
+    which `apply` handles. DeltaError if the payload is malformed (the file is then part written). Not checked
+    against any hash: that is `check`'s job."""
+    header, tensors, raw = _open(payload, size)
+    if path.stat().st_size != size:
+        return None
+    with path.open("r+b") as f:  # the mapping outlives the descriptor
+        if f.read(len(header)) != header:
+            return None
+        # Populated at once: one call maps every page, rather than a fault per page as the XOR first touches it.
+        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    # Same header, so every tensor lies where the base's did: each is its own base, XORed where it stands.
+    _decode(raw, np.frombuffer(mapped, dtype=np.uint8)[len(header):], tensors, None)
+    return mapped
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """`src` copied to `dst` by the kernel (a reflink where the file system shares blocks): no pass through Python."""
+    with src.open("rb") as fi, dst.open("wb") as fo:
+        left = os.fstat(fi.fileno()).st_size
+        try:
+            while left > 0:
+                n = os.copy_file_range(fi.fileno(), fo.fileno(), left)
+                if n == 0:
+                    break
+                left -= n
+        except OSError:
+            left = -1
+    if left != 0:  # copy_file_range unsupported here (or the file changed size): an ordinary copy
+        shutil.copyfile(src, dst)
 
 
 def check(data: bytes | bytearray, expected: DeltaFile) -> None:
@@ -298,11 +350,19 @@ def rebuild(base_dir: Path, staged: Path, delta: DeltaSpec, out: Path) -> Path:
             base_file = base_dir / entry.path
             if not base_file.is_file():
                 raise ManifestError(f"the base version has no {entry.path}")
-            data = apply(base_file.read_bytes(), (staged / entry.payload).read_bytes(), entry.size)
-            check(data, entry)
+            payload = (staged / entry.payload).read_bytes()
             dest = staged / entry.path
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data)
+            dest.unlink(missing_ok=True)
+            _copy(base_file, dest)  # the base stays as it is: it may be loaded, and this one may be refused
+            rebuilt = apply_in_place(dest, payload, entry.size)
+            if rebuilt is not None:
+                with rebuilt:
+                    check(rebuilt, entry)
+            else:  # another layout than the base's: rebuilt in memory
+                data = apply(base_file.read_bytes(), payload, entry.size)
+                check(data, entry)
+                dest.write_bytes(data)
             (staged / entry.payload).unlink()
         if out.exists():  # rebuilt meanwhile by someone else: theirs stands
             shutil.rmtree(staged, ignore_errors=True)
