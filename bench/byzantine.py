@@ -12,8 +12,11 @@ script runs them and writes the results.
    model (and in one span, as before the early exit); `garbage_verify_cost`; `amortised_verify_cost_ratio`;
 5. adaptive: attackers with a third of the throughput and free identities against the check rule
    (`testing.byzantine.adaptive`: `poisoned_share`); a hoarder next to honest nodes with backpressure on
-   (`testing.byzantine.hoarding`: `honest_throughput_under_hoarding`, honest accepted groups/s with / without);
-   a man in the middle rewriting leases (`testing.byzantine.framing`: `framed_honest_nodes`, must be 0); two
+   (`testing.byzantine.hoarding`: `honest_throughput_under_hoarding`, honest accepted groups/s with / without,
+   and its `_range` over the repeats; honest newcomers against Sybil hoarders from four addresses:
+   `newcomer_throughput_under_sybil_hoarding`; proven honest nodes against a hoarder with a record:
+   `proven_throughput_under_proven_hoarder`); a man in the middle rewriting leases (`testing.byzantine.framing`:
+   `framed_honest_nodes`, must be 0); two
    verifiers racing for every cheating group, the re-claimer's verdict landing first
    (`testing.byzantine.reclaims`: `cheat_check_rate_with_reclaims`, at least 0.95 p); a man in the
    middle on the verifier's and the trainer's links (`testing.byzantine.operator_links`:
@@ -62,24 +65,34 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+ADAPTIVE_PARTS = ("attackers", "hoarding", "framing", "operator-links", "selection", "reclaims")
+
+
 def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: float, hoarding_repeats: int,
-             reclaim_rounds: int, selection_leases: int) -> dict[str, Any]:
-    """docs/quarantine.md and docs/admission.md, through the real coordinator and verifier."""
+             reclaim_rounds: int, selection_leases: int, parts: tuple[str, ...] = ADAPTIVE_PARTS,
+             earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """docs/quarantine.md and docs/admission.md, through the real coordinator and verifier. `parts` run now; the
+    others keep their `earlier` results."""
     from swarmrl.testing.byzantine import adaptive as attackers
     from swarmrl.testing.byzantine import framing, hoarding, operator_links, reclaims, selection
 
     root = out / "adaptive"
     root.mkdir(parents=True, exist_ok=True)
     ckpt = make_checkpoint(root / "ckpt")
-    res = attackers.section(root, ckpt, work, engines=tuple(engines), log=log) if work else {"runs": {}}
-    res["honest_nodes_banned"] = sum(r["honest_nodes_banned"] for r in res["runs"].values())
-    res["hoarding"] = hoarding.section(root / "hoarding", ckpt, duration_s=hoarding_s, repeats=hoarding_repeats,
-                                       log=log)
-    res["framing"] = framing.section(root / "framing", ckpt, log=log)
-    res["operator_links"] = operator_links.section(root / "operator-links", ckpt, log=log)
-    if selection_leases:
+    res = dict(earlier or {})
+    if "attackers" in parts:
+        res.update(attackers.section(root, ckpt, work, engines=tuple(engines), log=log) if work else {"runs": {}})
+        res["honest_nodes_banned"] = sum(r["honest_nodes_banned"] for r in res["runs"].values())
+    if "hoarding" in parts:
+        res["hoarding"] = hoarding.section(root / "hoarding", ckpt, duration_s=hoarding_s, repeats=hoarding_repeats,
+                                           log=log)
+    if "framing" in parts:
+        res["framing"] = framing.section(root / "framing", ckpt, log=log)
+    if "operator-links" in parts:
+        res["operator_links"] = operator_links.section(root / "operator-links", ckpt, log=log)
+    if selection_leases and "selection" in parts:
         res["selection"] = selection.section(root / "selection", ckpt, leases=selection_leases, log=log)
-    if reclaim_rounds:
+    if reclaim_rounds and "reclaims" in parts:
         res["reclaims"] = reclaims.section(root / "reclaims", ckpt, p=0.1, rounds=reclaim_rounds, log=log)
     (out / "adaptive.json").write_text(json.dumps(res, indent=1))
     return res
@@ -101,7 +114,9 @@ def main() -> None:
                    help="rule=attacker honest groups per run (rules: default, old, scaled)")
     p.add_argument("--adaptive-engines", default="vllm,torch", help="engines of the honest nodes")
     p.add_argument("--hoarding-seconds", type=float, default=60.0, help="seconds per hoarding arm")
-    p.add_argument("--hoarding-repeats", type=int, default=3, help="rounds of the hoarding arms")
+    p.add_argument("--hoarding-repeats", type=int, default=3, help="rounds of the hoarding arms (figures: ranges)")
+    p.add_argument("--adaptive-parts", default=",".join(ADAPTIVE_PARTS),
+                   help="parts of the adaptive section to run; the others keep their earlier results")
     p.add_argument("--reclaim-rounds", type=int, default=2000, help="cheating groups raced for by two verifiers")
     p.add_argument("--selection-leases", type=int, default=200, help="leases of the attacker that drops by outcome")
     p.add_argument("--slowloris-repeats", type=int, default=3, help="arms with the connection bounds")
@@ -146,7 +161,8 @@ def main() -> None:
         work = {k: int(v) for k, v in (kv.split("=") for kv in args.adaptive_work.split(",") if kv)}
         result["adaptive"] = adaptive(args.out, work, args.adaptive_engines.split(","), args.hoarding_seconds,
                                       args.hoarding_repeats, args.reclaim_rounds,
-                                      args.selection_leases)
+                                      args.selection_leases, tuple(args.adaptive_parts.split(",")),
+                                      result.get("adaptive"))
         save()
     if not args.skip_slowloris:
         from swarmrl.testing.byzantine import slowloris
@@ -167,6 +183,9 @@ def main() -> None:
                 honest_nodes_banned=ad.get("honest_nodes_banned"), garbage_verify_cost=co.get("garbage_verify_cost"),
                 amortised_verify_cost_ratio=co.get("amortised_verify_cost_ratio"),
                 honest_throughput_under_hoarding=hoard.get("honest_throughput_under_hoarding"),
+                honest_throughput_under_hoarding_range=hoard.get("honest_throughput_under_hoarding_range"),
+                newcomer_throughput_under_sybil_hoarding=hoard.get("newcomer_throughput_under_sybil_hoarding"),
+                proven_throughput_under_proven_hoarder=hoard.get("proven_throughput_under_proven_hoarder"),
                 framed_honest_nodes=frame.get("framed_honest_nodes"),
                 cheat_check_rate_with_reclaims=ad.get("reclaims", {}).get("cheat_check_rate_with_reclaims"),
                 reclaims=ad.get("reclaims"),
