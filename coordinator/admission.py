@@ -4,7 +4,7 @@ An identity's allowance (prompts leased and not yet submitted, at most) is earne
 time passes, and lost by abandoning prompts (`allowance`):
 
     grown       = min(prompts_per_accepted_group * groups_accepted, allowance_growth_per_s * age_s)
-    earned      = min(max_identity_prompts, new_identity_prompts + grown) - abandon_cost * prompts_abandoned
+    earned      = min(max_identity_prompts, new_identity_prompts + grown - abandon_cost * prompts_abandoned)
     reliability = 1 - prompts_abandoned / (prompts_leased + abandon_prior)
     allowance   = max(1, floor(earned * reliability^2 * source_reliability^2))
 
@@ -102,8 +102,10 @@ def allowance(node: NodeRow, cfg: AdmissionConfig, source: tuple[int, int] | Non
     were lost can always earn its allowance back."""
     age = max(0.0, node.last_seen - node.registered_at)
     grown = min(cfg.prompts_per_accepted_group * node.groups_accepted, cfg.allowance_growth_per_s * age)
-    earned = min(cfg.max_identity_prompts, cfg.new_identity_prompts + math.floor(grown)) \
-        - cfg.abandon_cost * node.prompts_abandoned
+    # Abandoned prompts are taken from what was earned before the cap, so that a long record pays off an
+    # occasional lost lease rather than sitting at the cap with its losses deducted for ever.
+    earned = min(cfg.max_identity_prompts,
+                 cfg.new_identity_prompts + math.floor(grown) - cfg.abandon_cost * node.prompts_abandoned)
     reliability = 1.0 - node.prompts_abandoned / (node.prompts_leased + cfg.abandon_prior)
     if source is not None:
         reliability = min(reliability, 1.0 - source[1] / (source[0] + cfg.source_abandon_prior))

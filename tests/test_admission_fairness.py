@@ -7,15 +7,29 @@ Time-dependent rules use the coordinator's injected clock; each test stays insid
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from swarmrl.protocol import messages as m
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from tests.support.coordinator import Run, submission
+from tests.support.coordinator import Clock, Run, submission
 
 pytestmark = pytest.mark.both_stores
 
 NEW = 8  # admission.new_identity_prompts, the default
+
+
+class FrozenClock(Clock):
+    """The coordinator's clock moves only when the test advances it: an identity's age is the same on a busy
+    machine (run with a clock_skew_s that accepts the nodes' real-time signatures)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = time.time()
+
+    def __call__(self) -> float:
+        return self.base + self.offset
 
 
 def _accept_and_train(run: Run) -> None:
@@ -72,13 +86,14 @@ def test_no_identity_holds_more_than_its_share_of_the_buffer(run_factory) -> Non
 def test_allowance_grows_no_faster_than_time(run_factory) -> None:
     """Verified work earns allowance at most allowance_growth_per_s per second of the identity's age: a burst of
     fast work earns nothing at once."""
-    run = run_factory(max_buffered_groups=1000, max_staleness=1, lease_ttl_s=120.0)
+    run = run_factory(max_buffered_groups=1000, max_staleness=1, lease_ttl_s=120.0, clock=FrozenClock(),
+                      clock_skew_s=1e6)
     run.publish(0)
     node = run.node()
     _earn(run, node, 2 * NEW)
     assert _size(node) == NEW  # 16 accepted groups in a second: still a new identity's 8
     run.clock.advance(60.0)
-    # 60 s old (and a fraction): 8 + 6 (0.1 per second), of which 8 are held.
+    # 60 s old: 8 + 6 (0.1 per second), of which 8 are held.
     got = node.lease(m.MAX_PROMPTS_PER_LEASE, 0)
     assert got is not None and len(got.prompts) == 6
 
@@ -135,3 +150,18 @@ def test_new_sources_never_take_the_unproven_prompts_past_their_bound(run_factor
     assert _size(run.node("a", source="127.0.0.2"), NEW) == NEW  # the only source: its part is all 10
     assert _size(run.node("b", source="127.0.0.3"), NEW) == 2  # its part is 5, but only 2 are left in all
     assert run.node("c", source="127.0.0.4").lease(NEW, 0) is None
+
+
+def test_a_long_record_pays_off_a_lost_lease_below_the_cap(run_factory) -> None:
+    """What an abandoned lease costs is taken from what was earned before max_identity_prompts caps it: a node that
+    earned past the cap loses less of it than the lease's size, where a fresh one loses all."""
+    run = run_factory(lease_ttl_s=30.0, admission={"max_identity_prompts": 16}, clock=FrozenClock(),
+                      clock_skew_s=1e6)
+    run.publish(0)
+    node = run.node()
+    _earn(run, node, 3 * NEW)
+    run.clock.advance(170.0)  # earned: 8 + min(24 groups, 17 by its age) = 25, capped at 16
+    assert _size(node, NEW) == NEW
+    run.clock.advance(31.0)  # expired: 8 abandoned of 32 leased
+    # min(16, 8 + 20 - 8) * (1 - 8 / (32 + 8))^2 = 10.24 (deducted after the cap it would be 5)
+    assert _size(node) == 10
