@@ -161,6 +161,8 @@ class PendingGroup(Strict):
     node_held: int = Field(0, ge=0, description="Groups of the submitting node held (unchecked, unreleased) when "
                                                 "this one was claimed: at `protocol.quarantine` max_held, its next "
                                                 "group is fully checked.")
+    node_source: str = Field("", max_length=256, description="The source (address) the node registered from, as the "
+                             "coordinator saw it: the verifier charges a source's identities together.")
     draw: float = Field(ge=0, lt=1, description="The quarantine rule's random number for this group, drawn by the "
                         "coordinator at the group's first claim and kept by every re-claim, as are "
                         "node_checks_passed and node_held: a check that outlasts its claim is not drawn again.")

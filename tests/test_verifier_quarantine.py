@@ -203,6 +203,24 @@ def test_an_identity_over_its_budget_is_deferred_before_any_draw(pool):
     assert len(feed(pool)) == 2
 
 
+def test_identities_of_one_source_share_its_budget(pool):
+    """Free identities from one machine share one bucket: what one spent defers the others' groups; another
+    source's are checked."""
+    now = [0.0]
+    pool.verifier.budget = None
+    pool.verifier.source_budget = IdentityBudget(budget_s=1e-3, window_s=1000.0, clock=lambda: now[0])
+    first, sybil = pool.node(name="first", max_prompts=1), pool.node(name="sybil", max_prompts=1)
+    elsewhere = pool.node(name="elsewhere", max_prompts=1, source="127.0.0.2")
+    for node in (first, sybil, elsewhere):
+        node.step()
+    groups = {g.node_id: g for g in pool.op.pending(limit=10)}
+    assert groups[first.node_id].node_source == groups[sybil.node_id].node_source == "127.0.0.1"
+    assert groups[elsewhere.node_id].node_source == "127.0.0.2"
+    assert [v.accepted for v in pool.verifier.verify([groups[first.node_id]])] == [True]  # a warm-up check: charged
+    assert pool.verifier.verify([groups[sybil.node_id]]) == [] and pool.verifier.stats.deferred == 1
+    assert [v.accepted for v in pool.verifier.verify([groups[elsewhere.node_id]])] == [True]
+
+
 def test_a_full_check_that_crashes_counts_as_failed(pool, monkeypatch):
     import swarmrl.verifier.service as service
 

@@ -16,9 +16,10 @@ groups' freshness and nothing else, and gains it nothing: a group's draw is made
 a deferred group keeps it (see `protocol.quarantine`). What deferral does not stop
 is many identities each within its budget; that needs admission of young identities at the coordinator.
 
-Per identity only: a group reaches the verifier with its node's id but not the address it came from (that is the
-coordinator's knowledge), so identities from one source are not charged together here. The coordinator's
-per-source admission and registration rates bound how many fresh identities one source brings in.
+Per identity, and per source: a group reaches the verifier with its node's id and the source (address) the node
+registered from, as the coordinator saw it (`PendingGroup.node_source`, in the coordinator's signed answer), and
+the verifier keeps a second bucket per source (`source_budget_s`), so the free identities of one machine share one
+budget. Either bucket spent defers the group.
 
 Memory: only identities whose bucket is not full are remembered, at most `max_identities` (the least recently
 charged are forgotten, i.e. given a full bucket).

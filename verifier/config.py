@@ -102,6 +102,10 @@ class VerifierConfig(BaseModel):
                                             "groups are deferred: left pending, unclaimed for claim_ttl_s, not "
                                             "drawn. None: no budget.")
     identity_budget_window_s: float = Field(600.0, gt=0, description="Refill period of `identity_budget_s`.")
+    source_budget_s: float | None = Field(1200.0, gt=0, description="The same, for all identities registered from "
+                                          "one source (address) together, per `source_budget_window_s`: free "
+                                          "identities from one machine share one budget. None: no budget.")
+    source_budget_window_s: float = Field(600.0, gt=0, description="Refill period of `source_budget_s`.")
     p2p: P2PConfig | None = Field(
         None, description="Fetch policy versions from the checkpoint swarm too (and serve them to it), when the pool "
         "has one; None: from the coordinator's HTTP origin only.")

@@ -70,6 +70,9 @@ class Verifier:
                                chunk_growth=cfg.chunk_growth, logit_memory_mb=cfg.logit_memory_mb)
         self.budget = (IdentityBudget(cfg.identity_budget_s, cfg.identity_budget_window_s, clock)
                        if cfg.identity_budget_s is not None else None)
+        self.source_budget = (IdentityBudget(cfg.source_budget_s, cfg.source_budget_window_s, clock)
+                              if cfg.source_budget_s is not None else None)
+        """Per source (`PendingGroup.node_source`), beside the per-identity `budget`."""
         self.ledger = ProofLedger()
         self.stats = VerifierStats()
         self.reports: dict[int, GroupReport] = {}
@@ -148,7 +151,7 @@ class Verifier:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False,
                                         reason="not checked: another group of this node failed its checks"))
                 continue
-            if self.budget is not None and self.budget.over(g.node_id):
+            if self._over_budget(g):
                 self.stats.deferred += 1  # it keeps its draw: see verifier.budget
                 continue
             check = self.policy.decide(g.node_checks_passed, g.node_held + held_here[g.node_id], g.draw)
@@ -167,6 +170,17 @@ class Verifier:
             verdicts.extend(self._full(weights, items))
         return sorted(verdicts, key=lambda v: v.group_id)
 
+    def _over_budget(self, g: PendingGroup) -> bool:
+        """Whether the group's sender, or its source, has spent its verifier time (`verifier.budget`)."""
+        return ((self.budget is not None and self.budget.over(g.node_id)) or
+                (self.source_budget is not None and bool(g.node_source) and self.source_budget.over(g.node_source)))
+
+    def _charge(self, g: PendingGroup, seconds: float) -> None:
+        if self.budget is not None:
+            self.budget.charge(g.node_id, seconds)
+        if self.source_budget is not None and g.node_source:
+            self.source_budget.charge(g.node_source, seconds)
+
     def _scored(self, g: PendingGroup, ctx: CheckContext, check: quarantine.Check) -> Verdict:
         """The verdict of a group that is held or passed its full check: its trusted rewards decide the rest. The
         seconds rewarding takes are charged to the sender's budget, like its full checks."""
@@ -178,8 +192,7 @@ class Verifier:
             return Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500])
         finally:
             # The sender chose the text the sandbox runs or the parser reads, so the seconds are its own.
-            if self.budget is not None:
-                self.budget.charge(g.node_id, time.perf_counter() - t0)
+            self._charge(g, time.perf_counter() - t0)
         if reason is not None:
             return Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=ban)
         return Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=check.full,
@@ -204,8 +217,7 @@ class Verifier:
             self.reports[g.group_id] = rep
             if len(self.reports) > MAX_REPORTS:
                 del self.reports[next(iter(self.reports))]
-            if self.budget is not None:
-                self.budget.charge(g.node_id, rep.seconds)
+            self._charge(g, rep.seconds)
             self.stats.full_checks += not rep.skipped
             self.stats.tokens_checked += rep.tokens
             if rep.skipped:  # its node failed another group here: the ban drops this one anyway

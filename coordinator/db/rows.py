@@ -125,6 +125,8 @@ class ClaimedGroup:
     node_checks_passed: int
     node_held: int
     """Groups of the node held when this one was claimed."""
+    node_source: str
+    """The source the node registered from."""
     draw: float | None
     """The quarantine rule's number for this group, drawn at its first claim (None before it)."""
     draw_passes: int | None
