@@ -70,7 +70,7 @@ ADAPTIVE_PARTS = ("attackers", "hoarding", "framing", "operator-links", "selecti
 
 def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: float, hoarding_repeats: int,
              reclaim_rounds: int, selection_leases: int, parts: tuple[str, ...] = ADAPTIVE_PARTS,
-             earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+             earlier: dict[str, Any] | None = None, hoarding_arms: tuple[str, ...] | None = None) -> dict[str, Any]:
     """docs/quarantine.md and docs/admission.md, through the real coordinator and verifier. `parts` run now; the
     others keep their `earlier` results."""
     from swarmrl.testing.byzantine import adaptive as attackers
@@ -85,7 +85,7 @@ def adaptive(out: Path, work: dict[str, int], engines: list[str], hoarding_s: fl
         res["honest_nodes_banned"] = sum(r["honest_nodes_banned"] for r in res["runs"].values())
     if "hoarding" in parts:
         res["hoarding"] = hoarding.section(root / "hoarding", ckpt, duration_s=hoarding_s, repeats=hoarding_repeats,
-                                           log=log)
+                                           arms=hoarding_arms or hoarding.ARMS, log=log)
     if "framing" in parts:
         res["framing"] = framing.section(root / "framing", ckpt, log=log)
     if "operator-links" in parts:
@@ -115,6 +115,8 @@ def main() -> None:
     p.add_argument("--adaptive-engines", default="vllm,torch", help="engines of the honest nodes")
     p.add_argument("--hoarding-seconds", type=float, default=60.0, help="seconds per hoarding arm")
     p.add_argument("--hoarding-repeats", type=int, default=3, help="rounds of the hoarding arms (figures: ranges)")
+    p.add_argument("--hoarding-arms", default="", help="hoarding arms (rules/hoarder, comma-separated; default: "
+                   "testing.byzantine.hoarding.ARMS)")
     p.add_argument("--adaptive-parts", default=",".join(ADAPTIVE_PARTS),
                    help="parts of the adaptive section to run; the others keep their earlier results")
     p.add_argument("--reclaim-rounds", type=int, default=2000, help="cheating groups raced for by two verifiers")
@@ -162,7 +164,8 @@ def main() -> None:
         result["adaptive"] = adaptive(args.out, work, args.adaptive_engines.split(","), args.hoarding_seconds,
                                       args.hoarding_repeats, args.reclaim_rounds,
                                       args.selection_leases, tuple(args.adaptive_parts.split(",")),
-                                      result.get("adaptive"))
+                                      result.get("adaptive"),
+                                      tuple(a for a in args.hoarding_arms.split(",") if a) or None)
         save()
     if not args.skip_slowloris:
         from swarmrl.testing.byzantine import slowloris
