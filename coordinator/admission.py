@@ -26,10 +26,12 @@ draws it again from nearly the same policy.
 
 Backpressure counts work in flight per identity (`in_flight`): the prompts leased to identities that have not yet
 done `proven_after_groups` of verified work count at most `unproven_share` of `max_buffered_groups` (and never
-more than `max_unproven_prompts`), and while that share is taken only unproven identities wait; the unproven
-identities registered from one source hold at most `unproven_per_source` of it together. One identity, or any
-number of fresh ones, cannot fill the buffer that proven nodes' leases are judged against, and one machine making
-identities cannot take the newcomers' share from the others. What is in flight is counted as leases open and
+more than `max_unproven_prompts`), and only unproven identities ever wait for it: the unproven identities
+registered from one source hold at most an equal part of it among the sources holding some (`source_share`, and
+at most `unproven_per_source`), and a source below its part is served even while the share is full. One identity,
+or any number of fresh ones, cannot fill the buffer that proven nodes' leases are judged against, and machines
+making identities cannot keep the newcomers of another address out: room freed in the share goes to sources below
+their part, not to whoever asks most often. What is in flight is counted as leases open and
 close (`coordinator.inflight`, which says how that differs from a recount): a lease request reads a few counter
 rows, however many leases are open.
 """
