@@ -340,8 +340,9 @@ def describe(path: str, payload_path: str, target: bytes) -> DeltaFile:
 
 def rebuild(base_dir: Path, staged: Path, delta: DeltaSpec, out: Path) -> Path:
     """Turn `staged` (a delta checkpoint's files as listed, assembled and hash-checked) into the full checkpoint
-    at `out`: every weights file rebuilt from `base_dir`'s file of the same path, checked (`check`), written in
-    place of its payload; then `staged` is moved to `out` at once. ManifestError (and `staged` removed) if the
+    at `out`: every weights file rebuilt from `base_dir`'s file of the same path (in a copy of it, patched in place
+    where the layout is the same; the base is never written), checked (`check`), put in place of its payload; then
+    `staged` is moved to `out` at once. ManifestError (and `staged` removed) if the
     base lacks a file or anything does not match."""
     if delta.codec != CODEC:
         raise ManifestError(f"unknown delta codec {delta.codec!r}")
