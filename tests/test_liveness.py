@@ -22,7 +22,7 @@ def test_silent_nodes_are_marked_gone_their_leases_freed_and_they_come_back(run_
     run: Run = run_factory(node_gone_after_s=30.0, housekeeping_interval_s=0.05, max_outstanding_leases=1,
                            max_buffered_groups=4, admission={"proven_after_groups": 0})
     run.publish(0)
-    quiet, busy = run.node("quiet"), run.node("busy")
+    quiet, busy = run.node("quiet"), run.node("busy", source="127.0.0.2")  # another machine: it takes the freed prompts
     lease = quiet.lease(3, 0)
     refused(lambda: quiet.lease(1, 0), 429, "open leases")  # its one slot is taken
     busy.submit(submission(busy.lease(1, 0)))

@@ -128,8 +128,9 @@ def test_groups_are_judged_alike_whether_the_process_knows_their_lease(run_facto
     good, bad, left_out = (p.prompt_id for p in lease.prompts)
     assert result.accepted == [good] and set(result.rejected) == {bad} and "seed" in result.rejected[bad]
     assert result.next_lease is not None and len(result.next_lease.prompts) == 1
-    # What the submission left out, or got refused, is leased again to another identity before anything new.
-    other = run.node("other")
+    # What the submission left out, or got refused, is leased again to another identity (of another source: another
+    # machine) before anything new.
+    other = run.node("other", source="127.0.0.2")
     first = other.lease(1, 0)
     assert first is not None
     nxt = other.submit(_asking(submission(first), max_prompts=2)).next_lease
