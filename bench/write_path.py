@@ -104,7 +104,7 @@ def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
     def post(identity: Identity, path: str, kind: str, body: bytes) -> Any:
         route = routes[path]
         source = sources.setdefault(identity.node_id, f"10.0.{len(sources) >> 8}.{len(sources) & 255}")
-        sig = route.check(sign(identity, kind, svc.pool, body).header(), True)
+        sig = route.check(sign(identity, kind, svc.pool, body).header(), True, source)
         answer = route.handle(sig, body, new_idempotency_key(), source)
         if answer.status != 200:
             raise RuntimeError(f"{path}: {answer.status} {answer.body[:200]!r}")

@@ -200,9 +200,16 @@ def writer_socket(config: CoordinatorConfig) -> str:
 def _run_writer(config: CoordinatorConfig, identity: Identity, path: str, parent: int) -> None:
     die_with_parent(parent)
     name_process("swarmrl-writer")
+    # The writer's own store commits only from the thread that serves the writes (not running yet): the store's
+    # epoch (the pool's name in the leases it signs) is read through an ordinary one first.
+    plain = open_store(config)
+    try:
+        epoch = store_epoch(plain)
+    finally:
+        plain.close()
     store = open_store(config, writer=True)
     secret = RunSecret(config.data_dir)
-    leases = build_leases(store, config, identity, time.time, secret, store_epoch(store))
+    leases = build_leases(store, config, identity, time.time, secret, epoch)
     registry = Registry(store, config, time.time, secret)
     assert store.group_commit is not None
     try:
