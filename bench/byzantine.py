@@ -19,9 +19,9 @@ script runs them and writes the results.
    `framed_honest_nodes`, must be 0); two
    verifiers racing for every cheating group, the re-claimer's verdict landing first
    (`testing.byzantine.reclaims`: `cheat_check_rate_with_reclaims`, at least 0.95 p); a man in the
-   middle on the verifier's and the trainer's links (`testing.byzantine.operator_links`:
-   `operator_path_forgeries_accepted`, must be 0); an attacker that submits only the groups it likes
-   (`testing.byzantine.selection`: `selective_submission_gain`, at most 0.02);
+   middle on the verifier's and the trainer's links, and a coordinator that rewrites groups in its own store
+   (`testing.byzantine.operator_links`: `operator_path_forgeries_accepted`, must be 0); an attacker that submits only
+   the groups it likes (`testing.byzantine.selection`: `selective_submission_gain`, at most 0.02);
 6. slowloris (`testing.byzantine.slowloris`): a coordinator process with 1024 open files, one source holding every
    connection it can get, and honest requests from another, each on a new connection: `honest_success_under_slowloris`
    (at least 0.99; the least of `--slowloris-repeats` arms), beside one arm without the connection bounds;

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.db.rows import FeedRow
-from swarmrl.coordinator.db.schema import FEED_ACKED, FEED_HEAD, FEED_READ, TRAINER_SEEN_AT, rollout_groups
+from swarmrl.coordinator.db.schema import FEED_ACKED, FEED_HEAD, FEED_READ, TRAINER_SEEN_AT, nodes, rollout_groups
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, load, raise_counter
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
@@ -67,8 +67,10 @@ def trainer_seen(tx: Tx, now: float, handed: int = 0) -> None:
 
 def entries_after(tx: Tx, after: int, limit: int) -> list[FeedRow]:
     """Up to `limit` accepted groups at positions after `after`, in position order."""
-    g = rollout_groups.c
-    rows = tx.execute(select(g.accepted_seq, g.policy_version, g.payload, g.rewards)
+    g, n = rollout_groups.c, nodes.c
+    rows = tx.execute(select(g.accepted_seq, g.policy_version, g.payload, g.rewards, g.lease_id,
+                             n.public_key.label("node_key"))
+                      .select_from(rollout_groups.join(nodes, n.id == g.node_id))
                       .where(g.accepted_seq > after).order_by(g.accepted_seq).limit(limit))
     return [load(FeedRow, r) for r in rows]
 
@@ -95,7 +97,8 @@ class Feed:
         if rows:  # in the trainer's hands now: no longer held against the nodes' leases (lost with a crash: counted)
             self.store.write(lambda tx: trainer_seen(tx, self.clock(), rows[-1].accepted_seq), durable=False)
         groups = [m.TrainingGroup(group_id=r.accepted_seq, policy_version=r.policy_version,
-                                  group=m.RolloutGroup.model_validate(r.payload), rewards=r.rewards) for r in rows]
+                                  group=m.RolloutGroup.model_validate(r.payload), rewards=r.rewards,
+                                  lease_id=r.lease_id, node_key=r.node_key) for r in rows]
         return m.TrainingBatch(current_version=self.store.read(current_version), groups=groups)
 
     def ack(self, req: Signed) -> m.FeedAcked:

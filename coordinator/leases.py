@@ -36,7 +36,14 @@ from swarmrl.coordinator.leasequeries import (
 )
 from swarmrl.coordinator.registry import require_node, touch_settled
 from swarmrl.coordinator.run_secret import RunSecret
-from swarmrl.coordinator.submitwrite import Prechecked, SubmissionWrite, from_wire, judged, to_wire
+from swarmrl.coordinator.submitwrite import (
+    Prechecked,
+    SubmissionWrite,
+    check_group_signatures,
+    from_wire,
+    judged,
+    to_wire,
+)
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.refusals import RefusalCode
@@ -228,6 +235,7 @@ class Leases:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise Refused(RefusalCode.DUPLICATE_PROMPT, f"prompt id {dup!r} appears twice in one submission")
+        check_group_signatures(req)
         w = SubmissionWrite.of(req, now, self._precheck(req.signer, sub, now))
         if self.writer is None or w.pre is None:
             def write_here() -> m.SubmitResult:

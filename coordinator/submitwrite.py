@@ -13,14 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarmrl.coordinator.auth import Signed
+from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.compose import Composed
 from swarmrl.coordinator.db.rows import LeasePromptRow
 from swarmrl.coordinator.db.store import EncodedJSON
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.groupsig import verify_group
+from swarmrl.protocol.refusals import RefusalCode
+from swarmrl.protocol.signing import SignatureError
 from swarmrl.protocol.validation import group_problem
 
-__all__ = ["Prechecked", "SubmissionWrite", "from_wire", "judged", "to_wire"]
+__all__ = ["Prechecked", "SubmissionWrite", "check_group_signatures", "from_wire", "judged", "to_wire"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,23 @@ class Prechecked:
     problems: dict[str, str | None]  # by prompt id, for the groups of leased prompts
     payloads: dict[str, EncodedJSON]  # by prompt id, the stored form of the groups with no problem
     draft: Composed | None
+
+
+def check_group_signatures(req: Signed) -> None:
+    """Refused (`BAD_GROUP_SIGNATURE`) unless every group of the submission `req` that carries a node signature
+    carries the signer's own for this lease, version and pool (`protocol.groupsig`): what is stored is then what the
+    node signed, and the verifier and the trainer check it again themselves. A group without one is taken (an older
+    client's): the verifier refuses it, without a ban."""
+    sub: m.RolloutSubmission = req.payload
+    for group in sub.groups:
+        if group.node_signature is None:
+            continue
+        try:
+            verify_group(group, node_key=req.public_key, node_id=req.signer, lease_id=sub.lease_id,
+                         policy_version=sub.policy_version, pool=req.sig.pool)
+        except SignatureError as e:
+            raise Refused(RefusalCode.BAD_GROUP_SIGNATURE,
+                          f"group {group.prompt_id[:64]!r}: its node signature does not verify: {e.reason}") from None
 
 
 def judged(groups: list[m.RolloutGroup], prompts: dict[str, LeasePromptRow], sampling: m.SamplingSpec,

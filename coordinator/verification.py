@@ -63,7 +63,7 @@ _h = rollout_groups.alias("held_groups")
 _CLAIMED = (select(g.id, g.node_id, g.policy_version, g.payload, g.lease_id, g.prompt_id, _p.text.label("prompt_text"),
                    _p.answer, _p.seeds, _p.position, _l.policy_version.label("lease_version"), _l.expires_at,
                    _l.sampling, _l.signature, _l.digests, _n.checks_passed.label("node_checks_passed"),
-                   _n.source.label("node_source"),
+                   _n.source.label("node_source"), _n.public_key.label("node_key"),
                    select(func.count()).select_from(_h).where(_h.c.node_id == g.node_id, _h.c.status == "pending",
                                                               _h.c.held.is_(True)).scalar_subquery().label("node_held"),
                    g.draw, g.draw_passes, g.draw_held)
@@ -212,7 +212,7 @@ class Verification:
                 rows = claim_pending(tx, req.signer, req.payload.limit, now, now + self.config.claim_ttl_s,
                                      self._draws.random)
                 groups = [m.PendingGroup(
-                    group_id=r.id, node_id=r.node_id, answer=r.answer, lease=lease_excerpt(r),
+                    group_id=r.id, node_id=r.node_id, node_key=r.node_key, answer=r.answer, lease=lease_excerpt(r),
                     policy_version=r.policy_version, group=m.RolloutGroup.model_validate(r.payload),
                     node_checks_passed=r.draw_passes, node_held=r.draw_held, draw=r.draw,
                     node_source=r.node_source[:256]) for r in rows]

@@ -83,6 +83,10 @@ class RolloutGroup(Strict):
     prompt_id: str = Field(max_length=64)
     prompt_ids: list[Int64] = Field(max_length=MAX_PROMPT_TOKENS, description="Prompt as tokenized by the node.")
     rollouts: list[Rollout] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
+    node_signature: str | None = Field(None, pattern=r"^[0-9a-f]{128}$", description="The submitting node's "
+                                       "Ed25519 signature of this group, its lease, policy version and node id "
+                                       "(`protocol.groupsig`): the verifier and the trainer check it themselves and "
+                                       "refuse the group without it. Clients sign every group they submit.")
 
 
 class RolloutSubmission(Strict):
@@ -152,6 +156,8 @@ class PendingGroup(Strict):
 
     group_id: int
     node_id: str
+    node_key: str = Field(pattern=r"^[0-9a-f]{64}$", description="The node's public key: the verifier checks the "
+                          "group's node signature (`protocol.groupsig`) against it before anything else.")
     answer: str = Field(description="Ground truth, known only to the coordinator side.")
     lease: LeaseExcerpt = Field(description="The prompt as leased, with the coordinator's signature of the lease.")
     policy_version: int
@@ -234,6 +240,9 @@ class TrainingGroup(Strict):
     group_id: int = Field(description="The trainer feed's cursor value of this group.")
     policy_version: int
     group: RolloutGroup
+    lease_id: str = Field(max_length=64, description="The lease the group was submitted under.")
+    node_key: str = Field(pattern=r"^[0-9a-f]{64}$", description="The submitting node's public key: the trainer "
+                          "refuses a group whose node signature (`protocol.groupsig`) does not verify against it.")
     rewards: list[float] = Field(description="Trusted rewards, one per rollout (in rollout order).")
 
     @model_validator(mode="after")

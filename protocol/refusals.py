@@ -59,6 +59,7 @@ class RefusalCode(StrEnum):
     PROMPTS_IN_FLIGHT = "prompts_in_flight", 429, "the identity holds as many prompts as it may: submit first"
     LEASES_IN_FLIGHT = "leases_in_flight", 429, "the node holds as many open leases as it may: submit first"
     DUPLICATE_PROMPT = "duplicate_prompt", 422, "one prompt appears twice in a submission"
+    BAD_GROUP_SIGNATURE = "bad_group_signature", 422, "a group's node signature does not verify: sign each group"
     UNKNOWN_LEASE = "unknown_lease", 404, "no such lease (or an earlier try of this submission settled it)"
     LEASE_OF_ANOTHER_NODE = "lease_of_another_node", 403, "the lease was issued to another node"
     LEASE_EXPIRED = "lease_expired", 410, "the lease expired before the submission came"

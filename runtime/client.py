@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from swarmrl.protocol import messages as m
 from swarmrl.protocol import signing
+from swarmrl.protocol.groupsig import sign_group
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.ledger import LedgerPage
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
@@ -316,11 +317,16 @@ class CoordinatorClient:
             raise UntrustedResponse(f"lease {lease.lease_id[:24]} samples otherwise than the run")
 
     def submit(self, submission: m.RolloutSubmission) -> m.SubmitResult:
-        """The coordinator's answer to `submission`. A next lease it holds (asked for with
-        `submission.next_lease`) is checked as `lease` checks one; one that does not pass is dropped from the
-        answer, the reason put in `next_lease_refused` (the submission's own outcome stands)."""
+        """The coordinator's answer to `submission`, each of its groups signed by this client's key as sent
+        (`protocol.groupsig`). A next lease it holds (asked for with `submission.next_lease`) is checked as `lease`
+        checks one; one that does not pass is dropped from the answer, the reason put in `next_lease_refused` (the
+        submission's own outcome stands)."""
+        assert self.identity is not None
+        lease_id, version, pool = submission.lease_id, submission.policy_version, self.pool
+        signed = [sign_group(self.identity, g, lease_id=lease_id, policy_version=version, pool=pool)
+                  for g in submission.groups]
         result: m.SubmitResult = self._signed(  # type: ignore[assignment]
-            "/v1/submit", m.KIND_SUBMIT, submission, m.SubmitResult)
+            "/v1/submit", m.KIND_SUBMIT, submission.model_copy(update={"groups": signed}), m.SubmitResult)
         if result.next_lease is not None:
             try:
                 self.check_lease(result.next_lease)

@@ -1,5 +1,6 @@
 """The operator's links are signed (protocol.signing.verify_answer): a man in the middle between the coordinator
-and its verifier or trainer can rewrite what they are handed, and they refuse it. Real coordinator, verifier and
+and its verifier or trainer can rewrite what they are handed, and they refuse it. A coordinator that rewrites a group
+in its own store is caught by the node's signature of the group (protocol.groupsig). Real coordinator, verifier and
 clients on loopback, through a real proxy."""
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ def test_forged_operator_answers_are_refused_and_the_unchecked_baseline_takes_th
     assert len(forgeries) == 2 * len(operator_links.FORGERIES) and all(r["rewritten"] >= 1 for r in forgeries)
     assert res["operator_path_forgeries_accepted"] == 0 and res["honest_banned_by_forgeries"] == 0
     assert res["untouched_answers_taken"] == len(operator_links.CONTROLS)  # the check refuses only forgeries
-    # Without the check every forgery is acted on, and a rewritten token gets the honest node that sent it banned.
+    # Without the check every forgery is acted on; a rewritten token no longer gets the honest node that sent it
+    # banned even then: the verifier checks the node's own signature of the group (protocol.groupsig).
     assert res["unchecked_forgeries_accepted"] == len(operator_links.FORGERIES)
-    assert rows[("token", False)]["honest_banned"]
+    assert not rows[("token", False)]["honest_banned"], res["rows"]
+    # The coordinator's own store rewritten: the verifier refuses the group without a ban, the trainer passes it over.
+    store = [r for r in res["rows"] if r["what"] in operator_links.STORE_FORGERIES]
+    assert len(store) == len(operator_links.STORE_FORGERIES) and res["store_forgeries_accepted"] == 0, store
+    assert not any(r["honest_banned"] for r in store)
 
 
 def test_only_the_coordinators_answer_to_this_very_request_verifies():

@@ -16,8 +16,11 @@ from typing import Protocol
 
 import httpx
 
+from swarmrl.protocol.groupsig import verify_group
+from swarmrl.protocol.identity import node_id_from_public_key
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.messages import RunInfo, TrainingBatch, TrainingGroup
+from swarmrl.protocol.signing import SignatureError
 from swarmrl.protocol.validation import is_fresh
 from swarmrl.runtime.client import CoordinatorError
 from swarmrl.trainer.config import TrainerConfig
@@ -56,12 +59,24 @@ class Collected:
     """Every group id passed over, trained on or not (stale, filtered), in feed order."""
     stale: int = 0
     filtered: int = 0
+    forged: int = 0
+    """Groups whose node signature did not verify (passed over)."""
     idle_s: float = 0.0
 
 
 def _transient(e: Exception) -> bool:
     """Worth retrying: the coordinator is unreachable or restarting, not refusing us."""
     return isinstance(e, httpx.TransportError) or (isinstance(e, CoordinatorError) and e.status >= 500)
+
+
+def forged(g: TrainingGroup, pool: str) -> str | None:
+    """Why `g` is not known to be what its node submitted (its node signature does not verify for `pool`), or None."""
+    try:
+        verify_group(g.group, node_key=g.node_key, node_id=node_id_from_public_key(g.node_key), lease_id=g.lease_id,
+                     policy_version=g.policy_version, pool=pool)
+    except SignatureError as e:
+        return e.reason
+    return None
 
 
 def collect_groups(
@@ -72,6 +87,8 @@ def collect_groups(
     max_staleness: int,
     stop: threading.Event | None = None,
     on_wait: Callable[[int], None] | None = None,
+    *,
+    pool: str,
 ) -> Collected | None:
     """Pull groups after `cursor` until `cfg.batch_groups` fresh ones are in; None if `stop` was set.
 
@@ -79,7 +96,8 @@ def collect_groups(
     `max_staleness` (0: only groups sampled by the current weights). Of the fresh groups, the zero-advantage ones
     are filtered out of `groups`; with `fill_with_informative` they do not count towards the batch
     either, so the step always gets `batch_groups` trainable groups. A poll that finds nothing new is held by
-    the coordinator for up to `long_poll_s`; rides out coordinator restarts.
+    the coordinator for up to `long_poll_s`; rides out coordinator restarts. A group whose node signature does not
+    verify for `pool` (`protocol.groupsig`: not what its node sent) is passed over, never trained on, and logged.
     """
     t0 = said = time.monotonic()
     out = Collected(groups=[], fresh=[], cursor=cursor)
@@ -104,6 +122,11 @@ def collect_groups(
                 continue
             out.cursor = g.group_id
             out.consumed.append(g.group_id)
+            if (why := forged(g, pool)) is not None:
+                log.error("feed position %d is not the group its node signed (%s): passed over, never trained on; the "
+                          "coordinator (its store or process) changed it", g.group_id, why)
+                out.forged += 1
+                continue
             if not is_fresh(g.policy_version, version, max_staleness):
                 out.stale += 1
                 continue

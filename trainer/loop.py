@@ -124,8 +124,7 @@ def run_trainer(cfg: TrainerConfig, *, client: TrainerClient | None = None, stop
     try:
         if identity is not None:  # a signed read that moves nothing: a key the coordinator does not list is said now
             client.training_batch(after_id=0, limit=1)  # type: ignore[union-attr]
-        return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display,
-                    check_model).run()
+        return _Run(cfg, env, client, pub_client, stop, cfg.progress if display is None else display, check_model).run()
     except CoordinatorError as e:
         if identity is not None and e.code is RefusalCode.NOT_OPERATOR:  # the coordinator does not list the key
             raise not_an_operator("trainer", cfg.key_path, identity, cfg.coordinator_url) from e
@@ -324,6 +323,7 @@ class _Run:
         if env.is_main:
             collected = collect_groups(
                 self.client, ts.cursor, ts.version, cfg, self.max_staleness, self.stop,  # type: ignore[arg-type]
+                pool=self.info.pool,
                 on_wait=lambda n: self.display.status(f"v{ts.version}: waiting for groups ({n}/{cfg.batch_groups})"))
         groups = broadcast_object(None if collected is None else collected.groups, env)
         if groups is None:

@@ -1,11 +1,13 @@
 """The verifier process: claim pending groups from the coordinator, check them, post verdicts.
 
 Per batch, in group-id order:
-1. the facts: the signed lease the group is judged against (`protocol.leases.lease_problem`: a prompt, seeds,
-   sampling or version the coordinator did not sign for this node is rejected without a ban, since the node is
-   not to blame), the weights of the group's policy version (a version the coordinator can no longer supply, or a
-   missing proof, is rejected without a ban), then the cheap checks (`verifier.checks`; a failure bans);
-   rewards come last (step 5): they can cost far more than the checks (a sandbox runs code);
+1. the facts: the group is the one its node signed (`node_signature_problem`: one the coordinator's store, process or
+   link changed is rejected without a ban, and logged loudly), the signed lease the group is judged against
+   (`protocol.leases.lease_problem`: a prompt, seeds, sampling or version the coordinator did not sign for this node
+   is rejected without a ban, since the node is not to blame), the weights of the group's policy version (a version
+   the coordinator can no longer supply, or a missing proof, is rejected without a ban), then the cheap checks
+   (`verifier.checks`; a failure bans); rewards come last (step 5): they can cost far more than the checks (a
+   sandbox runs code);
 2. the budget: an identity that has used its verifier time (`verifier.budget`: its full checks and the computing
    of its rewards, held groups' included) has its groups deferred: no verdict, no draw; the coordinator hands them
    out again later;
@@ -31,12 +33,14 @@ import httpx
 import torch
 
 from swarmrl.protocol import quarantine
+from swarmrl.protocol.groupsig import verify_group
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.leases import lease_problem
 from swarmrl.protocol.manifest import ManifestError
 from swarmrl.protocol.messages import PendingGroup, Verdict
 from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.run import RunSpec, check_run
+from swarmrl.protocol.signing import SignatureError
 from swarmrl.protocol.tasks import Task, load_task
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
 from swarmrl.runtime.errors import UserError
@@ -119,7 +123,8 @@ class Verifier:
         run = self.client.run
         assert run is not None
         for g in sorted(groups, key=lambda g: g.group_id):
-            why = lease_problem(g.lease, g.node_id, g.group.prompt_id, run.coordinator_key, run.pool)
+            why = node_signature_problem(g, run.pool) or lease_problem(
+                g.lease, g.node_id, g.group.prompt_id, run.coordinator_key, run.pool)
             if why is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {why}"))
                 continue
@@ -282,3 +287,16 @@ class Verifier:
                 metrics.close()
             if self.models is not None:
                 self.models.close()  # leaves the checkpoint swarm, if it joined one
+
+def node_signature_problem(g: PendingGroup, pool: str) -> str | None:
+    """Why `g` is not known to be what its node sent (its node signature, `protocol.groupsig`, does not verify for
+    `pool`), or None. Not the node's doing: the coordinator's store or process, or its link, changed the group, so
+    it is refused without a ban, and said loudly."""
+    try:
+        verify_group(g.group, node_key=g.node_key, node_id=g.node_id, lease_id=g.lease.lease_id,
+                     policy_version=g.policy_version, pool=pool)
+    except SignatureError as e:
+        log.error("group %d of node %s is not the one its node signed (%s): refused without a ban; the coordinator "
+                  "(its store or process) or its link changed it", g.group_id, g.node_id[:16], e.reason)
+        return f"the group's node signature does not verify: {e.reason}"
+    return None

@@ -127,6 +127,8 @@ class ClaimedGroup:
     """Groups of the node held when this one was claimed."""
     node_source: str
     """The source the node registered from."""
+    node_key: str
+    """The node's public key (the verifier checks the group's node signature against it)."""
     draw: float | None
     """The quarantine rule's number for this group, drawn at its first claim (None before it)."""
     draw_passes: int | None
@@ -143,6 +145,9 @@ class FeedRow:
     policy_version: int
     payload: dict[str, Any]
     rewards: list[float]
+    lease_id: str
+    node_key: str
+    """The submitting node's public key (the trainer checks the group's node signature against it)."""
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ class FakeCoordinator:
             group_id=self.next_id, policy_version=max(self.version, 0) - offset,
             prompt_ids=self.tok(p.prompt).input_ids, completions=comps,
             logprobs=[[-2.4 + 0.1 * self.rng.random() for _ in c] for c in comps],
-            finish_reasons=["stop"] * len(comps), rewards=[self.task.reward(t, p.answer) for t in texts])
+            finish_reasons=["stop"] * len(comps), rewards=[self.task.reward(t, p.answer) for t in texts],
+            pool=self.info().pool)
 
     def training_batch(self, after_id: int, limit: int, wait_s: float = 0.0) -> TrainingBatch:
         with self.lock:

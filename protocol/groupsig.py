@@ -1,0 +1,70 @@
+"""A node's own signature of each group it submits (`RolloutGroup.node_signature`).
+
+The coordinator signs what it hands its verifiers and its trainer (`protocol.signing.verify_answer`), but a
+coordinator whose store or process was tampered with signs a forgery as readily as the truth: it could hand the
+verifier a group the node never sent, and have an honest node banned. So each group carries its node's signature,
+and the verifier and the trainer check it themselves, against the node's public key: a group that does not verify
+is not the node's doing, and is refused without a ban.
+
+What is signed, with the one signing function (`protocol.signing.sign`, kind `KIND_GROUP`, for the pool), is
+`group_body`: the canonical JSON of the group as it travels (its own `node_signature` left out), its lease id, the
+policy version of its submission and the node id. It is signed once for good (ts 0, a nonce derived from the body),
+so only the Ed25519 signature travels: whoever checks it rebuilds the rest of the header from what it knows.
+Floats survive the trip (JSON numbers read back as the same doubles); a non-finite one, which travels as null, is
+signed as null, as every receiver reads it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+
+from swarmrl.protocol import PROTOCOL_VERSION
+from swarmrl.protocol.identity import Identity, node_id_from_public_key
+from swarmrl.protocol.messages import RolloutGroup
+from swarmrl.protocol.refusals import RefusalCode
+from swarmrl.protocol.signing import Signature, SignatureError, canonical_json, sha256_hex, sign, verify
+
+KIND_GROUP = "group"
+
+
+def group_body(group: RolloutGroup, *, lease_id: str, policy_version: int, node_id: str) -> bytes:
+    """The bytes a node signs for `group` of its submission under lease `lease_id` at `policy_version`: the same
+    for the group as sent and as any receiver parses it (canonical JSON; the group's signature left out)."""
+    facts = {"lease_id": lease_id, "policy_version": policy_version, "node_id": node_id}
+    try:
+        return canonical_json({"group": group.model_dump(exclude={"node_signature"}), **facts})
+    except ValueError:  # a non-finite number, which the group's JSON carries as null: sign what receivers read
+        return canonical_json({"group": json.loads(group.model_dump_json(exclude={"node_signature"})), **facts})
+
+
+def sign_group(identity: Identity, group: RolloutGroup, *, lease_id: str, policy_version: int,
+               pool: str) -> RolloutGroup:
+    """`group` with `identity`'s signature of it (`node_signature`) for a submission under `lease_id` at
+    `policy_version` in `pool`; signing the same group again gives the same signature."""
+    body = group_body(group, lease_id=lease_id, policy_version=policy_version, node_id=identity.node_id)
+    sig = sign(identity, KIND_GROUP, pool, body, ts=0.0, nonce=sha256_hex(body)[:32])
+    return group.model_copy(update={"node_signature": sig.sig})
+
+
+def verify_group(group: RolloutGroup, *, node_key: str, node_id: str, lease_id: str, policy_version: int,
+                 pool: str) -> None:
+    """SignatureError unless `group` carries the signature of `node_key` (whose id is `node_id`) for a submission
+    under `lease_id` at `policy_version` in `pool`, over exactly this content."""
+    if group.node_signature is None:
+        raise SignatureError(RefusalCode.UNSIGNED, "the group carries no node signature")
+    try:
+        owner = node_id_from_public_key(node_key)
+    except ValueError:
+        raise SignatureError(RefusalCode.WRONG_KEY, "the node's public key is not an Ed25519 key") from None
+    if owner != node_id:
+        raise SignatureError(RefusalCode.WRONG_KEY, f"the public key given is not node {node_id[:16]}'s")
+    body = group_body(group, lease_id=lease_id, policy_version=policy_version, node_id=node_id)
+    digest = sha256_hex(body)
+    try:
+        sig = Signature(v=PROTOCOL_VERSION, kind=KIND_GROUP, pool=pool, key=node_key.lower(), nonce=digest[:32],
+                        ts=0.0, body=digest, sig=group.node_signature)
+    except ValidationError:
+        raise SignatureError(RefusalCode.MALFORMED_SIGNATURE, "the group's node signature is malformed") from None
+    verify(sig, kind=KIND_GROUP, pool=pool, key=node_key, max_skew_s=None)
