@@ -41,6 +41,27 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text).input_ids)
 
 
+_MARK = "\u2063swarmrl-model-turn\u2063"
+"""Stands for the model's turn while a chat template renders around it (text no model turn is compared with)."""
+
+
+def render_env_turn(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The token ids of an environment's reply `text` after a model turn that ended with a stop token: through the
+    chat template, the next user message and the assistant's generation prompt (without the end-of-turn text the
+    model's stop token already wrote); without one, the text on a line of its own. Nodes, the verifier and the
+    trainer all call this, so an episode's environment tokens are the same everywhere (`protocol.episodes`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer("\n" + text + "\n", add_special_tokens=False).input_ids)
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+    full = tokenizer.apply_chat_template(chat + [{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+    after = full[full.index(_MARK) + len(_MARK):]
+    eos = tokenizer.eos_token or ""
+    if eos and after.startswith(eos):
+        after = after[len(eos):]
+    return list(tokenizer(after, add_special_tokens=False).input_ids)
+
+
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id to pad batches with: the tokenizer's pad token, else its eos (Llama's tokenizers have no pad).
     Padding is masked out or never attended to, so any id would do; this one is always in the vocabulary."""

@@ -35,6 +35,7 @@ from swarmrl.node.refusal import PermanentRefusal, pinned_coordinator_key
 from swarmrl.node.stats import Download, NodeStats
 from swarmrl.node.weights import EngineFactory, Weights, WeightsConfig
 from swarmrl.node.work import Work, WorkConfig
+from swarmrl.protocol.episodes import Environment, EnvironmentSpec, load_environment
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import Lease, RolloutSubmission, RunInfo
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
@@ -75,6 +76,7 @@ class Node:
         self.weights = Weights(WeightsConfig.from_node(cfg), client, self.stats, self._stop,
                                engine_factory=engine_factory, extra_sources=extra_sources)
         self.work = Work(WorkConfig.from_node(cfg), client, self.stats, self._stop)
+        self._env: tuple[EnvironmentSpec, Environment] | None = None
         self._client = client
         # Refused again and again (a full lease book, a coordinator shedding load): the main loop backs off.
         self._backoff = RetryPolicy(attempts=None, base_s=cfg.poll_interval_s, cap_s=cfg.max_backoff_s)
@@ -162,7 +164,16 @@ class Node:
     def generate(self, lease: Lease) -> RolloutSubmission:
         """`lease`'s groups, generated with the weights loaded (`Work.generate`)."""
         assert self.engine is not None and self.tokenizer is not None
-        return self.work.generate(lease, self.engine, self.tokenizer)
+        return self.work.generate(lease, self.engine, self.tokenizer, self.environment())
+
+    def environment(self) -> Environment | None:
+        """The run's environment (multi-turn runs), loaded once per run description; None for single-turn runs."""
+        spec = None if self._run_info is None else self._run_info.spec.environment
+        if spec is None:
+            return None
+        if self._env is None or self._env[0] != spec:
+            self._env = (spec, load_environment(spec))
+        return self._env[1]
 
     def step(self) -> bool:
         """Lease, generate and submit once. False when there was no work (the caller waits)."""

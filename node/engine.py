@@ -29,6 +29,9 @@ class GenerationRequest:
     """The coordinator's seed for this one rollout; it fixes the Gumbel noise at every position."""
     temperature: float | None = None
     """Sampling temperature of this request; None: the engine's default. Requests of one batch may differ."""
+    keep_states: bool = False
+    """With proofs on: hand back the final hidden states (`Completion.states`) instead of a proof, for a caller that
+    builds one proof over several generations (the model turns of an episode)."""
 
 
 @dataclass
@@ -43,7 +46,10 @@ class Completion:
     """"stop": a stop token was sampled; "length": max_tokens (or the model length) was reached first."""
     proof: str | None = None
     """Activation proof (`protocol.proofs`, base64) over the hidden states that chose each token; None when the
-    engine was configured without proofs."""
+    engine was configured without proofs, or the request asked for its states."""
+    states: object | None = None
+    """With proofs on and `GenerationRequest.keep_states`: the states [n_tokens, hidden] (a CPU float tensor) that
+    chose each token, for `node.proof.build_proofs`."""
 
 
 class EngineConfig(BaseModel):
@@ -136,16 +142,22 @@ class InferenceEngine(ABC):
         self.close()
 
     @staticmethod
-    def _proofs(states: list, n_tokens: list[int]) -> list[str]:
-        """The proofs of completions from their captured states [n_tokens, hidden]; raises when capture failed,
-        since a completion without a valid proof would be rejected anyway."""
+    def _attach_proofs(requests: list[GenerationRequest], completions: list[Completion], states: list) -> None:
+        """Each completion's proof from its captured states [n_tokens, hidden] (or the states themselves, where the
+        request keeps them); raises when capture failed, since a completion without a valid proof would be rejected
+        anyway."""
         from swarmrl.node.proof import build_proofs
 
-        for s, n in zip(states, n_tokens, strict=True):
-            if s is None or s.shape[0] != n:
+        for s, c in zip(states, completions, strict=True):
+            if s is None or s.shape[0] != len(c.token_ids):
                 got = None if s is None else tuple(s.shape)
-                raise RuntimeError(f"hidden-state capture incomplete: got {got} for {n} tokens")
-        return build_proofs(states)
+                raise RuntimeError(f"hidden-state capture incomplete: got {got} for {len(c.token_ids)} tokens")
+        proving = [i for i, r in enumerate(requests) if not r.keep_states]
+        for i, proof in zip(proving, build_proofs([states[i] for i in proving]) if proving else [], strict=True):
+            completions[i].proof = proof
+        for i, r in enumerate(requests):
+            if r.keep_states:
+                completions[i].states = states[i]
 
     def _temperature(self, request: GenerationRequest) -> float:
         """The request's temperature (checked), or the engine's default."""

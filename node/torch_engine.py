@@ -162,7 +162,5 @@ class TorchEngine(InferenceEngine):
             next_pos = next_pos + 1
         out = [Completion(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i]) for i in range(n)]
         if self.cfg.proofs:
-            built = self._proofs([torch.stack(rows) for rows in states], [len(c.token_ids) for c in out])
-            for c, proof in zip(out, built, strict=True):
-                c.proof = proof
+            self._attach_proofs(requests, out, [torch.stack(rows) for rows in states])
         return out

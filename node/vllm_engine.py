@@ -192,9 +192,7 @@ class VLLMEngine(InferenceEngine):
         records = self.llm.apply_model(functools.partial(take_records, keys))[0]
         completions = [self._completion(o.outputs[0], records[key][0]) for o, key in zip(outputs, keys, strict=True)]
         if self.cfg.proofs:
-            built = self._proofs([records[key][1] for key in keys], [len(c.token_ids) for c in completions])
-            for c, proof in zip(completions, built, strict=True):
-                c.proof = proof
+            self._attach_proofs(requests, completions, [records[key][1] for key in keys])
         return completions
 
     def _completion(self, out, logprobs: list[float] | None) -> Completion:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from swarmrl.protocol.episodes import MAX_TURNS
 from swarmrl.protocol.leases import MAX_PROMPTS_PER_LEASE, Lease, LeasedPrompt, LeaseExcerpt
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.protocol.run import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, RunInfo, SamplingSpec
@@ -76,7 +77,11 @@ class Rollout(Strict):
     logprobs: list[float] = Field(max_length=MAX_COMPLETION_TOKENS, description="Per completion token.")
     finish_reason: Literal["stop", "length"]
     claimed_reward: float | None = Field(None, description="Informational only: never used for training.")
-    proof: str | None = Field(None, max_length=65536, description="Activation proof, base64 (optional).")
+    proof: str | None = Field(None, max_length=65536, description="Activation proof, base64 (optional); in a "
+                              "multi-turn episode it covers the model's tokens only, in order.")
+    turns: list[Int64] = Field(default_factory=list, max_length=2 * MAX_TURNS - 1, description="Multi-turn "
+                               "episodes: the lengths of its turns in completion_ids, model and environment turns "
+                               "alternating, model first and last (`protocol.episodes`); empty: one model turn.")
 
 
 class RolloutGroup(Strict):

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from swarmrl.protocol import proofs
+from swarmrl.protocol.episodes import MAX_TURNS, EnvironmentSpec
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.signing import Signature, canonical_json, pool_id, sha256_hex, sign, verify_signed
 from swarmrl.protocol.strict import Strict
@@ -33,8 +34,19 @@ class SamplingSpec(Strict):
     """How every rollout of a lease is sampled. Fixed by the run, never chosen by a node."""
 
     temperature: float = Field(1.0, gt=0, le=10, description="Softmax temperature.")
-    max_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length cap.")
+    max_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length cap (of each model "
+                            "turn, in a multi-turn episode).")
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="Rollouts per prompt (the GRPO group).")
+    max_turns: int = Field(1, ge=1, le=MAX_TURNS, description="Model turns an episode may have; above 1 the run's "
+                           "`environment` answers each turn but the last (`protocol.episodes`).")
+    max_episode_tokens: int | None = Field(
+        None, ge=1, le=MAX_COMPLETION_TOKENS, description="Tokens of a whole episode, the environment's included: a "
+        "reply that leaves no room for a model token ends the episode ('length'). None: max_tokens x max_turns.")
+
+    @property
+    def episode_tokens(self) -> int:
+        """The whole completion's cap: `max_episode_tokens`, else max_tokens x max_turns (at most the protocol's)."""
+        return self.max_episode_tokens or min(self.max_tokens * self.max_turns, MAX_COMPLETION_TOKENS)
 
 
 class ProofSpec(Strict):
@@ -85,6 +97,19 @@ class RunSpec(Strict):
         "and far smaller deltas).")
     corrections: CorrectionSpec = Field(default_factory=CorrectionSpec, description="How the trainer corrects the "
                                         "engine/trainer probability gap (truncation, masking); off by default.")
+    environment: EnvironmentSpec | None = Field(
+        None, description="What answers the model's turns in a multi-turn run (`sampling.max_turns` > 1); nodes and "
+        "the verifier run it, so it must replay (`protocol.episodes`). None: single-turn.")
+
+    @model_validator(mode="after")
+    def _episodes_have_an_environment(self) -> RunSpec:
+        if self.sampling.max_turns > 1 and self.environment is None:
+            raise ValueError("sampling.max_turns > 1 needs [run.environment] (name = an environment that answers "
+                             "the model's turns)")
+        if self.sampling.max_turns == 1 and self.environment is not None:
+            raise ValueError("[run.environment] is set but sampling.max_turns is 1: set max_turns to the model turns "
+                             "an episode may have")
+        return self
 
     def mismatch(self, expected: RunSpec) -> str | None:
         """Why this run is not the `expected` one (each differing field, both values), or None when equal."""

@@ -209,3 +209,18 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
            temperature: float | torch.Tensor) -> torch.Tensor:
     """The replayable sample for each row of `logits` [B, vocab]."""
     return sample_with_logprobs(logits, seeds, positions, temperature)[0]
+
+
+_C_TURN = 0xA0761D6478BD642F
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed model turn `turn` (0 first) of a multi-turn episode is sampled with, at positions 0, 1, ... of that
+    turn (`protocol.episodes`): the leased seed itself for turn 0, so a single-turn rollout is unchanged; for later
+    turns a 63-bit mix of (seed, turn), so no two turns of one rollout share their noise."""
+    if turn == 0:
+        return seed
+    x = ((seed & _MASK64) ^ (turn * _C_TURN)) & _MASK64
+    for m in (_M1, _M2):
+        x = ((x ^ (x >> 30)) * m) & _MASK64
+    return (x ^ (x >> 31)) >> 1

@@ -99,6 +99,9 @@ class Problem:
     solution: str | None = None
     """A completion that earns full reward (the answer itself, a reference program), for supervised warm starts
     (`trainer.warmup`); None when the task has none. Never used for rewards, and never sent to a node."""
+    solution_turns: tuple[str, ...] | None = None
+    """For a multi-turn task: the reference episode's model turns (the environment answers between them), which the
+    warm start trains on instead of `solution`."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,10 @@ class EvalSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: int = Field(ge=1, description="Greedy completion length cap for held-out evaluation.")
+    max_new_tokens: int = Field(ge=1, description="Greedy completion length cap for held-out evaluation (of each "
+                                "model turn, in a multi-turn task).")
+    max_turns: int = Field(1, ge=1, description="Model turns of a held-out episode: the run's sampling.max_turns, "
+                           "for a task played against an environment.")
 
 
 class NoOptions(BaseModel):

@@ -5,10 +5,10 @@
   when it trains) iff r - k <= v <= r, with k the run's `max_staleness`. Nodes use it to know whether the
   weights they hold are recent enough for a lease.
 - `group_problem`: the shape of a submitted group against what was leased: one rollout per leased seed, one
-  logprob per token, lengths within the run's max_tokens, token ids that can be token ids, logprobs that can be
-  logprobs. The coordinator calls it on every submission, so everything behind it (the verifier's checks,
-  the trainer) sees only groups of this shape; what needs the model's tokenizer (prompt tokens, vocabulary,
-  stop tokens, termination) is the verifier's.
+  logprob per token, lengths within the run's max_tokens (turn lengths that fit, for multi-turn episodes),
+  token ids that can be token ids, logprobs that can be logprobs. The coordinator calls it on every submission,
+  so everything behind it (the verifier's checks, the trainer) sees only groups of this shape; what needs the
+  model's tokenizer (prompt tokens, vocabulary, stop tokens, termination, environment turns) is the verifier's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
+from swarmrl.protocol.episodes import turns_problem
 from swarmrl.protocol.messages import RolloutGroup
 from swarmrl.protocol.run import SamplingSpec
 
@@ -50,8 +51,11 @@ def group_problem(group: RolloutGroup, seeds: Sequence[int], sampling: SamplingS
             return f"rollout {i}: empty completion"
         if len(r.logprobs) != len(r.completion_ids):
             return f"rollout {i}: {len(r.logprobs)} logprobs for {len(r.completion_ids)} tokens"
-        if len(r.completion_ids) > sampling.max_tokens:
-            return f"rollout {i}: {len(r.completion_ids)} tokens exceed max_tokens {sampling.max_tokens}"
+        if len(r.completion_ids) > sampling.episode_tokens:
+            cap = "max_tokens" if sampling.max_turns == 1 else "the episode's max_episode_tokens"
+            return f"rollout {i}: {len(r.completion_ids)} tokens exceed {cap} {sampling.episode_tokens}"
+        if (problem := turns_problem(r.turns, len(r.completion_ids), sampling.max_turns, sampling.max_tokens)):
+            return f"rollout {i}: {problem}"
         if min(r.completion_ids) < 0:
             return f"rollout {i}: negative token id"
         if not all(map(math.isfinite, r.logprobs)) or max(r.logprobs) > 0.0:

@@ -116,9 +116,10 @@ def _load_task(spec: TaskSpec, data_dir: Path) -> Task:
 
 
 def _scores(model: Any, tok: Any, task: Task, cfg: DemoConfig) -> tuple[float, float]:
-    from swarmrl.trainer.evaluate import held_out_scores
+    from swarmrl.trainer.evaluate import held_out_scores, run_episodes
 
-    return held_out_scores(model.to(cfg.device), tok, list(task.eval_set())[: cfg.eval_size], task)
+    return held_out_scores(model.to(cfg.device), tok, list(task.eval_set())[: cfg.eval_size], task,
+                           episodes=run_episodes(cfg.run))
 
 
 def prepare_model(cfg: DemoConfig, task: Task, init_dir: Path, console: Console) -> tuple[Path, dict[str, Any]]:
@@ -141,8 +142,10 @@ def prepare_model(cfg: DemoConfig, task: Task, init_dir: Path, console: Console)
         if cfg.model.path is not None and cfg.warmup.target_accuracy <= 0:
             ckpt = cfg.model.path  # used in place: no copy of a large model
         else:
+            from swarmrl.trainer.evaluate import run_episodes
+
             meta = warm_and_save(model, tok, init_dir, {**meta, "task": cfg.run.task.model_dump()}, task, cfg.warmup,
-                                 console, seed=cfg.seed)
+                                 console, seed=cfg.seed, episodes=run_episodes(cfg.run))
             ckpt = init_dir
     t0 = time.time()
     accuracy, reward = _scores(model, tok, task, cfg)

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTok
 from swarmrl.models.build import ModelConfig, build_model, count_parameters, save_checkpoint
 from swarmrl.models.tokenizers import build_bpe_tokenizer, build_char_tokenizer
 from swarmrl.protocol.tasks import Task, TaskSpec, load_task
+from swarmrl.trainer.evaluate import Episodes
 from swarmrl.trainer.warmup import WarmupConfig, warm_start
 
 DEFAULT_BPE_VOCAB = 8192
@@ -66,8 +67,8 @@ def make_tokenizer(kind: Literal["char", "bpe"], bpe_vocab: int = DEFAULT_BPE_VO
 def task_texts(task: Task, seed: int, n: int = TASK_CORPUS_PROBLEMS) -> list[str]:
     """Text of `n` training problems of `task` (prompt, then the reference solution when there is one)."""
     rng = random.Random(seed)
-    return [p.prompt if p.solution is None else f"{p.prompt}\n{p.solution}" for p in (task.sample(rng)
-                                                                                         for _ in range(n))]
+    return [p.prompt if p.solution is None else "\n".join((p.prompt, *(p.solution_turns or (p.solution,))))
+            for p in (task.sample(rng) for _ in range(n))]
 
 
 def build_from_recipe(recipe: ModelRecipe, seed: int, task: Task | None = None
@@ -86,9 +87,11 @@ def build_from_recipe(recipe: ModelRecipe, seed: int, task: Task | None = None
 
 
 def warm_and_save(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path, meta: dict[str, Any],
-                  task: Task | None, warmup: WarmupConfig, console: Console, seed: int = 0) -> dict[str, Any]:
-    """Warm `model` up on `task` when `warmup.target_accuracy` > 0, then save it (and `meta`, with the warm start's
-    accuracy) to `out`; `seed` draws the warm start's problems. Returns the meta written to swarmrl.json."""
+                  task: Task | None, warmup: WarmupConfig, console: Console, seed: int = 0,
+                  episodes: Episodes | None = None) -> dict[str, Any]:
+    """Warm `model` up on `task` when `warmup.target_accuracy` > 0 (with `episodes`: on its reference episodes),
+    then save it (and `meta`, with the warm start's accuracy) to `out`; `seed` draws the warm start's problems.
+    Returns the meta written to swarmrl.json."""
     if warmup.target_accuracy > 0:
         assert task is not None, "a warm start needs a task"
         console.print(f"[bold]model[/] warm start on {task.name} to accuracy >= {warmup.target_accuracy:.2f}")
@@ -97,7 +100,7 @@ def warm_and_save(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Pat
             def on_eval(step: int, loss: float, acc: float) -> None:
                 status.update(f"warm start: step {step}, loss {loss:.3f}, held-out accuracy {acc:.3f}")
 
-            acc = warm_start(model, tok, task, warmup, on_eval, seed)
+            acc = warm_start(model, tok, task, warmup, on_eval, seed, episodes)
         meta = {**meta, "warmup_accuracy": acc}
         console.print(f"[bold]model[/] warm start done in {time.time() - t0:.0f} s: accuracy {acc:.3f}")
     save_checkpoint(model, tok, out, meta=meta)

@@ -17,6 +17,7 @@ import random
 from swarmrl.models.prompts import render_prompt
 from swarmrl.node.engine import Completion, GenerationRequest
 from swarmrl.protocol import messages as m
+from swarmrl.protocol.episodes import Environment
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import Task
 from swarmrl.testing.groups import pending_group
@@ -51,12 +52,13 @@ def pending_groups(texts: list[str], reqs: list[GenerationRequest], comps: list[
 
 
 def verify_groups(policy: PolicyModel, groups: list[m.PendingGroup], tol: Tolerances | None = None,
-                  task: Task | None = None, run: RunSpec | None = None, max_batch_tokens: int = 16384
-                  ) -> tuple[list[str | None], list[GroupReport | None]]:
+                  task: Task | None = None, run: RunSpec | None = None, max_batch_tokens: int = 16384,
+                  env: Environment | None = None) -> tuple[list[str | None], list[GroupReport | None]]:
     """(reason per group: None when it passed every check; the full check's report, None where a cheap check
     already failed). `tol` defaults to the tolerances of the policy's dtype, `task` to addition (rewards only;
     built directly, so that this also runs from a checkout that is not installed, without the task entry
-    points), `run` to the default run description (proofs required, the protocol's proof parameters)."""
+    points), `run` to the default run description (proofs required, the protocol's proof parameters); `env`
+    replays multi-turn episodes."""
     if task is None:
         from swarmrl.tasks.addition import AdditionTask
 
@@ -64,7 +66,8 @@ def verify_groups(policy: PolicyModel, groups: list[m.PendingGroup], tol: Tolera
     dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
     tol = tol or Tolerances.for_dtype(dtype)
     ctx = CheckContext(tokenizer=policy.tokenizer, task=task, run=run or RunSpec(), max_positions=policy.max_positions,
-                       hidden_size=policy.hidden_size, stop_ids=policy.stop_ids, vocab_size=policy.vocab_size)
+                       hidden_size=policy.hidden_size, stop_ids=policy.stop_ids, vocab_size=policy.vocab_size,
+                       env=env)
     reasons: list[str | None] = [cheap_checks(g, ctx)[0] for g in groups]
     passed = [i for i, r in enumerate(reasons) if r is None]
     reports: list[GroupReport | None] = [None] * len(groups)

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from swarmrl.protocol.episodes import spans
 from swarmrl.protocol.messages import TrainingGroup
 from swarmrl.protocol.run import CorrectionSpec
 
@@ -118,9 +119,11 @@ class Batch:
 
 
 def build_batch(groups: Sequence[TrainingGroup], pad_id: int, adv_eps: float = 1e-4) -> Batch:
-    """Right-padded rows for every rollout of `groups`; loss only on completion tokens."""
+    """Right-padded rows for every rollout of `groups`; loss only on the completion tokens the model sampled (in a
+    multi-turn episode, not on the environment's turns)."""
     rows: list[list[int]] = []
     starts: list[int] = []
+    env_spans: list[list[tuple[int, int]]] = []
     lps: list[list[float]] = []
     advs: list[Tensor] = []
     rewards: list[float] = []
@@ -132,6 +135,7 @@ def build_batch(groups: Sequence[TrainingGroup], pad_id: int, adv_eps: float = 1
             rows.append(list(prompt) + list(r.completion_ids))
             starts.append(len(prompt))
             lps.append(r.logprobs)
+            env_spans.append([(a, b) for a, b, is_model in spans(r.turns, len(r.completion_ids)) if not is_model])
     if not rows:
         raise ValueError("no rollouts to build a batch from")
     B, L = len(rows), max(len(r) for r in rows)
@@ -144,6 +148,8 @@ def build_batch(groups: Sequence[TrainingGroup], pad_id: int, adv_eps: float = 1
         attention_mask[i, : len(row)] = 1
         # Token j (j >= start) is predicted at position j - 1.
         loss_mask[i, start - 1 : len(row) - 1] = 1.0
+        for a, b in env_spans[i]:
+            loss_mask[i, start + a - 1 : start + b - 1] = 0.0
         sampler_logprobs[i, start - 1 : len(row) - 1] = torch.tensor(lp, dtype=torch.float32)
     return Batch(input_ids, attention_mask, loss_mask, sampler_logprobs, torch.cat(advs),
                  torch.tensor(rewards, dtype=torch.float32))

@@ -58,7 +58,7 @@ from swarmrl.trainer.distributed import (
     shard_model,
     unsharded_copy,
 )
-from swarmrl.trainer.evaluate import correct_count
+from swarmrl.trainer.evaluate import correct_count, run_episodes
 from swarmrl.trainer.exporter import TrainerExporter
 from swarmrl.trainer.grpo import build_batch, make_optimizer
 from swarmrl.trainer.metrics import StepDisplay, elapsed_s, rollout_metrics, staleness_histogram
@@ -156,7 +156,7 @@ class _Run:
             raise UserError(f"{e}: remove the trainer's [run] table, or point it at that run's coordinator") from None
         self.info = info
         self.run_id = info.run_id
-        self.task = load_task(info.spec.task)
+        self.task, self.episodes = load_task(info.spec.task), run_episodes(info.spec)
         self.max_staleness = info.spec.max_staleness
         self.temperature = info.spec.sampling.temperature
 
@@ -243,7 +243,7 @@ class _Run:
         t0 = time.monotonic()
         problems = list(self.task.eval_set()[: self.cfg.eval_size])
         mine = problems[self.env.rank :: self.env.world_size]
-        correct = correct_count(self.model, self.tokenizer, mine, self.task, synced_gpus=self.env.distributed)
+        correct = correct_count(self.model, self.tokenizer, mine, self.task, self.env.distributed, self.episodes)
         acc = all_reduce_int(correct, self.env) / max(len(problems), 1)
         self.eval_total_s += time.monotonic() - t0
         return acc

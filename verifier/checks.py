@@ -3,7 +3,9 @@
 - prompt tokens must be the leased prompt's, seeds the leased seeds, every token id in the vocabulary;
 - prompt tokens as `models.prompts.render_prompt` makes them (the chat template when the tokenizer has one);
 - termination: a stop token (any of the model's) only at the end and exactly when "stop"; "length" only at
-  max_tokens or at the model's length limit; no completion longer than max_tokens;
+  max_tokens or at the model's length limit; no completion longer than max_tokens; in a multi-turn run, the same
+  for each model turn, and every environment turn exactly what the run's environment answers
+  (`models.episodes.episode_problem`);
 - versions: generated with a version no newer than the lease's and within the pool's staleness bound;
 - logprobs finite and <= 0, and equal (within twice the logprob tolerance) wherever two rollouts of the group
   share the tokens up to and including that position: the policy gives a prefix one logprob, whatever seed
@@ -29,8 +31,10 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from swarmrl.models.episodes import Episode, episode_problem, last_model_turn
 from swarmrl.models.prompts import render_prompt
 from swarmrl.protocol import proofs
+from swarmrl.protocol.episodes import Environment, model_spans
 from swarmrl.protocol.messages import PendingGroup
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import Scored, Task
@@ -56,6 +60,14 @@ class CheckContext:
     """The full check's logprob tolerance; claims of a shared prefix may differ by twice it. None: not compared."""
     proof_ledger: ProofLedger | None = None
     """Proofs the node sent recently (None: only the group itself is compared)."""
+    env: Environment | None = None
+    """The run's environment (multi-turn runs): every episode's environment turns are replayed with it."""
+
+    def episode(self, g: PendingGroup, prompt_len: int) -> Episode:
+        """What `g`'s episodes were played in (`models.episodes`)."""
+        assert self.env is not None
+        return Episode(self.env, self.tokenizer, g.sampling, self.stop_ids or frozenset({self.tokenizer.eos_token_id}),
+                       g.prompt_text, prompt_len, self.max_positions)
 
 
 def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
@@ -79,6 +91,13 @@ def check_shape(g: PendingGroup, ctx: CheckContext) -> str | None:
             return f"rollout {i}: token id outside the vocabulary"
         if ctx.max_positions is not None and len(expected_prompt) + len(ids) > ctx.max_positions:
             return f"rollout {i}: longer than the model's length limit"
+        if g.sampling.max_turns > 1:
+            if ctx.env is None:
+                raise RuntimeError("a multi-turn run's group, but the verifier has no environment")
+            episode = ctx.episode(g, len(expected_prompt))
+            if (problem := episode_problem(episode, ids, r.logprobs, r.turns, r.finish_reason, r.seed)) is not None:
+                return f"rollout {i}: {problem}"
+            continue
         if any(t in stops for t in ids[:-1]):
             return f"rollout {i}: tokens after a stop token"
         ends_eos = ids[-1] in stops
@@ -102,8 +121,8 @@ def check_proofs_decode(g: PendingGroup, ctx: CheckContext) -> str | None:
             p = proofs.decode(r.proof)
         except proofs.ProofError as e:
             return f"rollout {i}: malformed activation proof ({e})"
-        if p.n_tokens != len(r.completion_ids):
-            return f"rollout {i}: proof covers {p.n_tokens} tokens, completion has {len(r.completion_ids)}"
+        if p.n_tokens != (n := sum(b - a for a, b in model_spans(r.turns, len(r.completion_ids)))):
+            return f"rollout {i}: proof covers {p.n_tokens} tokens, the completion's model turns have {n}"
         if (p.chunk_tokens, p.topk) != (ctx.run.proofs.chunk_tokens, ctx.run.proofs.topk):
             return f"rollout {i}: proof parameters {p.chunk_tokens}x{p.topk} are not the pool's"
         if ctx.hidden_size is not None and p.hidden_size != ctx.hidden_size:
@@ -196,8 +215,8 @@ def scored_rollouts(g: PendingGroup, ctx: CheckContext) -> list[Scored]:
     """Trusted rewards, each with whether a time limit decided it: the completion decoded here, scored against the
     coordinator's answer (`Task.scored`)."""
     out = []
-    for r in g.group.rollouts:
-        text = ctx.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+    for r in g.group.rollouts:  # an episode is scored on its last model turn, its answer
+        text = ctx.tokenizer.decode(last_model_turn(r.completion_ids, r.turns), skip_special_tokens=True)
         out.append(ctx.task.scored(text, g.answer))
     return out
 

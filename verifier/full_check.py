@@ -35,7 +35,9 @@ import torch
 
 from swarmrl.models.head import head_of
 from swarmrl.protocol import proofs as wire
+from swarmrl.protocol.episodes import model_spans
 from swarmrl.protocol.messages import PendingGroup
+from swarmrl.protocol.sampling import turn_seed
 from swarmrl.verifier.config import Tolerances
 from swarmrl.verifier.models import PolicyModel
 from swarmrl.verifier.prefill import ChunkedPrefill, length_batches
@@ -92,6 +94,8 @@ class _Rollout:
     seed: int
     temperature: float
     proof: wire.Proof | None
+    turns: list[int] = field(default_factory=list)
+    """Turn lengths of a multi-turn episode (`protocol.episodes`); empty: one model turn."""
     max_gap: float = 0.0
     gap_pos: int = 0
     mismatches: int = 0
@@ -107,7 +111,19 @@ class _Rollout:
         """The same rollout, nothing scored, its completion cut to `n` tokens (the probe)."""
         k = len(self.tokens) if n is None else min(n, len(self.tokens))
         return _Rollout(self.group, self.index, self.prompt, self.tokens[:k], self.claimed[:k], self.seed,
-                        self.temperature, self.proof)
+                        self.temperature, self.proof, self.turns)
+
+    def model_pieces(self, a: int, b: int) -> list[tuple[int, int, int, int, int]]:
+        """The model-sampled stretches of tokens a..b-1: (start, end, seed, position of start within its turn, index
+        of start among the model's tokens, where the proof has it). Environment tokens are in none: they are
+        replayed by `models.episodes.episode_problem`, not sampled."""
+        out, before = [], 0
+        for k, (s, e) in enumerate(model_spans(self.turns, len(self.tokens))):
+            lo, hi = max(a, s), min(b, e)
+            if lo < hi:
+                out.append((lo, hi, turn_seed(self.seed, k), lo - s, before + lo - s))
+            before += e - s
+        return out
 
 
 def full_check(groups: list[PendingGroup], policy: PolicyModel, tol: Tolerances, max_batch_tokens: int = 16384,
@@ -117,7 +133,7 @@ def full_check(groups: list[PendingGroup], policy: PolicyModel, tol: Tolerances,
     rng = rng or random.SystemRandom()
     reports = [GroupReport() for _ in groups]
     rollouts = [[_Rollout(gi, i, g.group.prompt_ids, r.completion_ids, r.logprobs, r.seed, g.sampling.temperature,
-                          wire.decode(r.proof) if r.proof is not None else None)
+                          wire.decode(r.proof) if r.proof is not None else None, list(r.turns))
                  for i, r in enumerate(g.group.rollouts)] for gi, g in enumerate(groups)]
     run = _Run(policy, tol, staging, max_batch_tokens, reports, [g.node_id for g in groups])
     if staging.early_exit and staging.probe_tokens > 0:
@@ -130,6 +146,22 @@ def full_check(groups: list[PendingGroup], policy: PolicyModel, tol: Tolerances,
         rep.reason = rep.failures[0] if rep.failures else ("not checked: another group of this node failed its "
                                                            "full check first" if rep.skipped else None)
     return reports
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Tokens a..b-1 of rollout `r`, all of one model turn, with the states that chose them."""
+
+    r: _Rollout
+    a: int
+    b: int
+    states: torch.Tensor
+    seed: int
+    """The seed of their turn (`protocol.sampling.turn_seed`)."""
+    pos: int
+    """Token a's position within its turn (the sampling rule's position)."""
+    at: int
+    """Token a's index among the rollout's model tokens (the proof's)."""
 
 
 class _Run:
@@ -180,8 +212,8 @@ class _Run:
             for row, r in enumerate(items[j] for j in pf.rows):
                 p0 = len(r.prompt) - 1
                 a, b = max(0, start - p0), min(len(r.tokens), pf.done - p0)
-                if a < b:
-                    pieces.append((r, a, b, hidden[row, p0 + a - start:p0 + b - start]))
+                for lo, hi, seed, pos, at in r.model_pieces(a, b):
+                    pieces.append(_Piece(r, lo, hi, hidden[row, p0 + lo - start:p0 + hi - start], seed, pos, at))
             self._score(pieces)
             seconds = time.perf_counter() - t0
             real = pf.real_tokens(start, pf.done)
@@ -191,7 +223,7 @@ class _Run:
                 rep.prefill_tokens += n
                 rep.seconds += seconds * n / total
             label = name if name == "probe" else f"{name} {k}"
-            for gi in sorted({r.group for r, *_ in pieces}):
+            for gi in sorted({p.r.group for p in pieces}):
                 self._judge(gi, per_group[gi], label)
             if self.staging.early_exit:
                 pf.keep([j for j in pf.rows if not self.done(items[j].group)])
@@ -200,17 +232,18 @@ class _Run:
             end = pf.done + size
 
     @torch.inference_mode()
-    def _score(self, pieces: list[tuple[_Rollout, int, int, torch.Tensor]]) -> None:
-        """Replay, logprobs and proof entries of each piece (rollout, tokens a..b-1, their states)."""
+    def _score(self, pieces: list[_Piece]) -> None:
+        """Replay, logprobs and proof entries of each piece (model-sampled tokens a..b-1 of a rollout, their
+        states)."""
         if not pieces:
             return
         head = head_of(self.policy.model)  # the model's own logits: softcapping, scales, ... are its business
-        states = torch.cat([s for *_, s in pieces])
-        tokens = torch.tensor([t for r, a, b, _ in pieces for t in r.tokens[a:b]], dtype=torch.long)
-        claimed = torch.tensor([c for r, a, b, _ in pieces for c in r.claimed[a:b]], dtype=torch.float64)
-        seeds = torch.tensor([r.seed for r, a, b, _ in pieces for _ in range(a, b)], dtype=torch.int64)
-        positions = torch.tensor([i for _, a, b, _ in pieces for i in range(a, b)], dtype=torch.int64)
-        temps = torch.tensor([r.temperature for r, a, b, _ in pieces for _ in range(a, b)], dtype=torch.float64)
+        states = torch.cat([p.states for p in pieces])
+        tokens = torch.tensor([t for p in pieces for t in p.r.tokens[p.a:p.b]], dtype=torch.long)
+        claimed = torch.tensor([c for p in pieces for c in p.r.claimed[p.a:p.b]], dtype=torch.float64)
+        seeds = torch.tensor([p.seed for p in pieces for _ in range(p.a, p.b)], dtype=torch.int64)
+        positions = torch.tensor([p.pos + i for p in pieces for i in range(p.b - p.a)], dtype=torch.int64)
+        temps = torch.tensor([p.r.temperature for p in pieces for _ in range(p.a, p.b)], dtype=torch.float64)
         gaps = torch.empty(len(tokens), dtype=torch.float64)
         diffs = torch.empty(len(tokens), dtype=torch.float64)
         step = self.rows_per_call
@@ -223,13 +256,13 @@ class _Run:
             own = logp.gather(-1, tokens[sl].to(dev)[:, None])[:, 0].cpu()
             diffs[sl] = torch.nan_to_num((claimed[sl] - own).abs(), nan=float("inf"))
             del logits, logp
-        with_proof = [k for k, (r, *_) in enumerate(pieces) if r.proof is not None]
-        stats = proof_errors_many([pieces[k][0].proof for k in with_proof],  # type: ignore[misc]
-                                  [pieces[k][3] for k in with_proof], self.tol.proof_boundary_rel,
-                                  starts=[pieces[k][1] for k in with_proof])
+        with_proof = [k for k, p in enumerate(pieces) if p.r.proof is not None]
+        stats = proof_errors_many([pieces[k].r.proof for k in with_proof],  # type: ignore[misc]
+                                  [pieces[k].states for k in with_proof], self.tol.proof_boundary_rel,
+                                  starts=[pieces[k].at for k in with_proof])
         proof_stats = dict(zip(with_proof, stats, strict=True))
         off = 0
-        for k, (r, a, b, _) in enumerate(pieces):
+        for k, (r, a, b) in enumerate((p.r, p.a, p.b) for p in pieces):
             g, d = gaps[off:off + b - a], diffs[off:off + b - a]
             off += b - a
             gi, di = int(g.argmax()), int(d.argmax())

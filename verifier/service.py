@@ -34,6 +34,7 @@ import torch
 
 from swarmrl.protocol import quarantine
 from swarmrl.protocol.groupsig import verify_group
+from swarmrl.protocol.episodes import Environment, load_environment
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.leases import lease_problem
 from swarmrl.protocol.manifest import ManifestError
@@ -67,6 +68,8 @@ class Verifier:
         self.client = CoordinatorClient(cfg.coordinator_url, self.identity, coordinator_key=cfg.coordinator_key)
         self.client.outage.context = lambda: "the verifier checks groups once it answers (start the coordinator first)"
         self.task: Task | None = None
+        self.env: Environment | None = None
+        """The run's environment, which the checks replay multi-turn episodes with; None: a single-turn run."""
         rules = cfg.quarantine_rules()
         self.policy = CheckPolicy(rules)
         self._rng = random.SystemRandom() if cfg.policy_seed is None else random.Random(cfg.policy_seed + 1)
@@ -99,6 +102,7 @@ class Verifier:
             raise UserError(f"{e}: remove the verifier's [run] table, or point it at that run's coordinator") from None
         self.run_spec = info.spec
         self.task = load_task(info.spec.task)
+        self.env = None if info.spec.environment is None else load_environment(info.spec.environment)
         keep = max(self.cfg.keep_versions, info.spec.max_staleness + 1)  # a group may be that many versions old
         self.models = ModelCache(self.client, key, self.cfg.work_dir, keep=keep,
                                  dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device, p2p=self.cfg.p2p,
@@ -109,7 +113,7 @@ class Verifier:
         return CheckContext(tokenizer=weights.tokenizer, task=self.task, run=self.run_spec,
                             max_positions=weights.max_positions, hidden_size=weights.hidden_size,
                             stop_ids=weights.stop_ids, vocab_size=weights.vocab_size,
-                            logprob_abs=self.cfg.tolerances.logprob_abs, proof_ledger=self.ledger)
+                            logprob_abs=self.cfg.tolerances.logprob_abs, proof_ledger=self.ledger, env=self.env)
 
     def verify(self, groups: list[PendingGroup]) -> list[Verdict]:
         """Verdicts for `groups`, in group-id order (so holds are applied before later passes vouch for them); a
