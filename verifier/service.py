@@ -33,8 +33,8 @@ import httpx
 import torch
 
 from swarmrl.protocol import quarantine
-from swarmrl.protocol.groupsig import verify_group
 from swarmrl.protocol.episodes import Environment, load_environment
+from swarmrl.protocol.groupsig import verify_group
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.leases import lease_problem
 from swarmrl.protocol.manifest import ManifestError
@@ -291,6 +291,7 @@ class Verifier:
                 metrics.close()
             if self.models is not None:
                 self.models.close()  # leaves the checkpoint swarm, if it joined one
+
 
 def node_signature_problem(g: PendingGroup, pool: str) -> str | None:
     """Why `g` is not known to be what its node sent (its node signature, `protocol.groupsig`, does not verify for
