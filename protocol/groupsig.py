@@ -7,16 +7,15 @@ and the verifier and the trainer check it themselves, against the node's public 
 is not the node's doing, and is refused without a ban.
 
 What is signed, with the one signing function (`protocol.signing.sign`, kind `KIND_GROUP`, for the pool), is
-`group_body`: the canonical JSON of the group as it travels (its own `node_signature` left out), its lease id, the
+`group_body`: the canonical JSON of the group as it travels (its own `node_signature` left out, and every field at
+its default: a field added to the protocol with a default leaves older signers' groups verifying), its lease id, the
 policy version of its submission and the node id. It is signed once for good (ts 0, a nonce derived from the body),
 so only the Ed25519 signature travels: whoever checks it rebuilds the rest of the header from what it knows.
 Floats survive the trip (JSON numbers read back as the same doubles); a non-finite one, which travels as null, is
-signed as null, as every receiver reads it.
+signed as every receiver reads it.
 """
 
 from __future__ import annotations
-
-import json
 
 from pydantic import ValidationError
 
@@ -27,6 +26,7 @@ from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.signing import Signature, SignatureError, canonical_json, sha256_hex, sign, verify
 
 KIND_GROUP = "group"
+_UNSIGNED = {"node_signature"}
 
 
 def group_body(group: RolloutGroup, *, lease_id: str, policy_version: int, node_id: str) -> bytes:
@@ -34,9 +34,14 @@ def group_body(group: RolloutGroup, *, lease_id: str, policy_version: int, node_
     for the group as sent and as any receiver parses it (canonical JSON; the group's signature left out)."""
     facts = {"lease_id": lease_id, "policy_version": policy_version, "node_id": node_id}
     try:
-        return canonical_json({"group": group.model_dump(exclude={"node_signature"}), **facts})
-    except ValueError:  # a non-finite number, which the group's JSON carries as null: sign what receivers read
-        return canonical_json({"group": json.loads(group.model_dump_json(exclude={"node_signature"})), **facts})
+        return canonical_json({"group": group.model_dump(exclude=_UNSIGNED, exclude_defaults=True), **facts})
+    except ValueError:  # a non-finite number, which the group's JSON carries as null: sign the group receivers read
+        wire = group.model_dump_json()
+        try:
+            read = RolloutGroup.model_validate_json(wire)
+        except ValidationError:  # a null where a number must be: receivers refuse the request whole
+            return canonical_json({"group": wire, **facts})
+        return canonical_json({"group": read.model_dump(exclude=_UNSIGNED, exclude_defaults=True), **facts})
 
 
 def sign_group(identity: Identity, group: RolloutGroup, *, lease_id: str, policy_version: int,

@@ -39,6 +39,11 @@ def test_a_group_verifies_only_as_its_node_signed_it():
     received = m.RolloutGroup.model_validate_json(signed.model_dump_json())
     who = dict(node_key=node.public_key_hex, node_id=node.node_id)
     verify_group(received, **who, **facts)
+    # A field at its default is not signed: a group that leaves it out (an older signer's) verifies the same.
+    wire = json.loads(signed.model_dump_json())
+    for r in wire["rollouts"]:
+        r.pop("proof")
+    verify_group(m.RolloutGroup.model_validate(wire), **who, **facts)
     rollout = received.rollouts[0]
     changed = {
         "a token": received.model_copy(update={"rollouts": [rollout.model_copy(update={"completion_ids": [5, 6, 8]}),
@@ -67,13 +72,14 @@ def test_a_group_verifies_only_as_its_node_signed_it():
 def test_a_non_finite_claim_is_signed_as_it_travels():
     node = Identity.generate()
     group = _group()
-    group = group.model_copy(update={"rollouts": [group.rollouts[0].model_copy(update={"claimed_reward": float("nan")}),
-                                                  group.rollouts[1]]})
-    signed = sign_group(node, group, lease_id="L", policy_version=0, pool=POOL)
-    received = m.RolloutGroup.model_validate_json(signed.model_dump_json())
-    assert received.rollouts[0].claimed_reward is None  # JSON carries NaN as null
-    verify_group(received, node_key=node.public_key_hex, node_id=node.node_id, lease_id="L", policy_version=0,
-                 pool=POOL)
+    for claim in (float("nan"), float("inf")):
+        group = group.model_copy(update={"rollouts": [group.rollouts[0].model_copy(update={"claimed_reward": claim}),
+                                                      group.rollouts[1]]})
+        signed = sign_group(node, group, lease_id="L", policy_version=0, pool=POOL)
+        received = m.RolloutGroup.model_validate_json(signed.model_dump_json())
+        assert received.rollouts[0].claimed_reward is None  # JSON carries it as null
+        verify_group(received, node_key=node.public_key_hex, node_id=node.node_id, lease_id="L", policy_version=0,
+                     pool=POOL)
 
 
 def _rewrite(run, group_id: int) -> None:
