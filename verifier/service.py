@@ -141,12 +141,15 @@ class Verifier:
             if (reason := missing_proof(g, ctx)) is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason))
                 continue
+            t0 = time.perf_counter()
             try:
                 reason, _ = cheap_checks(g, ctx, scored=False)
             except Exception as e:  # a bug here must not stop the verifier, nor pass the group
                 log.exception("cheap checks of group %d crashed", g.group_id)
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"verifier error: {e!r}"[:500]))
                 continue
+            finally:  # a multi-turn episode's environment ran again here: the sender pays for it, as for rewards
+                self._charge(g, time.perf_counter() - t0)
             if reason is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=reason, ban=True))
                 banned_here.add(g.node_id)
