@@ -4,7 +4,6 @@ roles one port and listen on loopback unless the pool goes public."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -18,26 +17,10 @@ from swarmrl.runtime.client import CoordinatorClient
 from swarmrl.runtime.config import load_config
 from swarmrl.trainer.config import TrainerConfig
 from swarmrl.verifier.config import VerifierConfig
+from tests.support.pool_setup import setup_configs, setup_module
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"coordinator": CoordinatorConfig, "verifier": VerifierConfig, "trainer": TrainerConfig, "node": NodeConfig}
-
-
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("setup_pool", REPO / "docker" / "setup_pool.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _setup(pool: Path, monkeypatch: pytest.MonkeyPatch, **kw) -> dict[str, Path]:
-    """setup_pool's configs for `pool`, without building the model (a checkpoint directory is already there)."""
-    (pool / "init").mkdir(parents=True, exist_ok=True)
-    (pool / "init" / "config.json").write_text("{}")
-    for name in ("COORDINATOR_URL", "METRICS_PORT", "RUN_ID", "WARMUP_ACCURACY"):
-        monkeypatch.delenv(name, raising=False)
-    return _setup_module().setup(pool, **kw)
 
 
 def test_a_path_in_a_config_file_is_relative_to_the_file_and_one_in_set_to_the_current_directory(
@@ -62,7 +45,7 @@ def test_a_path_in_a_config_file_is_relative_to_the_file_and_one_in_set_to_the_c
 def test_setup_configs_give_each_role_its_own_port_on_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
     pool = tmp_path / "pool"
-    paths = _setup(pool, monkeypatch)
+    paths = setup_configs(pool, monkeypatch)
     cfgs = {role: load_config(MODELS[role], path) for role, path in paths.items()}
     assert cfgs["coordinator"].host == "127.0.0.1" and cfgs["coordinator"].port == 8470
     for role in ("verifier", "trainer", "node"):
@@ -70,16 +53,24 @@ def test_setup_configs_give_each_role_its_own_port_on_loopback(tmp_path: Path, m
         assert cfgs[role].metrics_port is None  # off: nothing to clash on one machine
     monkeypatch.setenv("METRICS_PORT", "9300")
     monkeypatch.setenv("COORDINATOR_URL", "http://127.0.0.1:9470")
-    paths = _setup_module().setup(pool)
+    paths = setup_module().setup(pool)
     cfgs = {role: load_config(MODELS[role], path) for role, path in paths.items()}
     assert cfgs["coordinator"].port == 9470
     ports = {role: (cfgs[role].metrics_host, cfgs[role].metrics_port) for role in ("verifier", "trainer", "node")}
     assert ports == {"verifier": ("127.0.0.1", 9300), "trainer": ("127.0.0.1", 9301), "node": ("127.0.0.1", None)}
-    public = load_config(CoordinatorConfig, _setup_module().setup(pool, public=True)["coordinator"])
-    assert public.host == "0.0.0.0"
+    # In public nginx holds the strangers' connections (tests/test_reverse_proxy.py); the coordinator stays on
+    # loopback, believes nginx's header, and the operator roles beside it reach it there.
+    monkeypatch.setenv("COORDINATOR_URL", "https://pool.example.org")
+    public = {role: load_config(MODELS[role], path) for role, path in setup_module().setup(pool, public=True).items()
+              if role in MODELS}
+    assert (public["coordinator"].host, public["coordinator"].port) == ("127.0.0.1", 8470)
+    limits = public["coordinator"].rate_limits
+    assert (limits.source_header, limits.trusted_proxies) == ("x-real-ip", ["127.0.0.1"])
+    assert public["node"].coordinator_url == "https://pool.example.org"
+    assert public["verifier"].coordinator_url == public["trainer"].coordinator_url == "http://127.0.0.1:8470"
     monkeypatch.delenv("METRICS_PORT")
     monkeypatch.delenv("COORDINATOR_URL")
-    inside = _setup_module().setup(pool, containers=True)
+    inside = setup_module().setup(pool, containers=True)
     cfgs = {role: load_config(MODELS[role], path) for role, path in inside.items()}
     assert cfgs["coordinator"].host == "0.0.0.0"  # one role per container: each has its own addresses
     for role in ("verifier", "trainer", "node"):
@@ -90,7 +81,7 @@ def test_setup_configs_give_each_role_its_own_port_on_loopback(tmp_path: Path, m
 def test_setup_configs_find_the_pools_keys_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     pool = tmp_path / "pool"
-    paths = _setup(pool, monkeypatch)
+    paths = setup_configs(pool, monkeypatch)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
