@@ -25,7 +25,11 @@ script runs them and writes the results.
 6. slowloris (`testing.byzantine.slowloris`): a coordinator process with 1024 open files, one source holding every
    connection it can get, and honest requests from another, each on a new connection: `honest_success_under_slowloris`
    (at least 0.99; the least of `--slowloris-repeats` arms), beside one arm without the connection bounds;
-7. reward flood (`testing.byzantine.reward_flood`): proven and fresh identities send the costliest code and math
+7. multi-turn (`testing.byzantine.episodes`): a multi-turn run on the echo environment, a node that fakes, drops or
+   adds an environment turn, one that samples later turns with the leased seed and one whose environment tokens claim
+   logprobs, `--attempts` times each, while honest multi-turn nodes work until `--multi-turn-honest-groups` were
+   verified: `multi_turn_attacks`, `multi_turn_honest_rejected` of `multi_turn_honest_total`;
+8. reward flood (`testing.byzantine.reward_flood`): proven and fresh identities send the costliest code and math
    answers they can build (programs that exit just under each test case's time limit, LaTeX power towers) to the
    real verifier's real scoring, beside honest nodes: `honest_verified_under_reward_flood`, honest groups verified
    per second with them over without them (at least 0.9; the least over the two tasks), beside one arm per task
@@ -122,9 +126,12 @@ def main() -> None:
     p.add_argument("--reclaim-rounds", type=int, default=2000, help="cheating groups raced for by two verifiers")
     p.add_argument("--selection-leases", type=int, default=200, help="leases of the attacker that drops by outcome")
     p.add_argument("--slowloris-repeats", type=int, default=3, help="arms with the connection bounds")
+    p.add_argument("--multi-turn-honest-groups", type=int, default=500)
+    p.add_argument("--multi-turn-engines", default="torch,vllm", help="engines of the honest multi-turn nodes")
     p.add_argument("--reward-flood-seconds", type=float, default=60.0, help="seconds per reward-flood arm")
     p.add_argument("--reward-flood-repeats", type=int, default=3, help="rounds of the reward-flood arms, per task")
-    for part in ("calibration", "suite", "cost", "swarm", "adaptive", "slowloris", "reward-flood"):
+    for part in ("calibration", "suite", "cost", "swarm", "adaptive", "slowloris", "multi-turn",
+                 "reward-flood"):
         p.add_argument(f"--skip-{part}", action="store_true")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -172,6 +179,12 @@ def main() -> None:
 
         result["slowloris"] = slowloris.section(args.out / "slowloris", args.slowloris_repeats, log=log)
         save()
+    if not args.skip_multi_turn:
+        from swarmrl.testing.byzantine.episodes import multi_turn_suite
+
+        result["multi_turn"] = multi_turn_suite(args.out, args.attempts, args.multi_turn_honest_groups,
+                                                args.multi_turn_engines.split(","), log)
+        save()
     if not args.skip_reward_flood:
         from swarmrl.testing.byzantine import reward_flood
 
@@ -179,6 +192,9 @@ def main() -> None:
                                                       repeats=args.reward_flood_repeats, log=log)
         save()
     last = {k: result.get(k) for k in ("attacks", "honest_rejected", "honest_total", "verify_cost_ratio")}
+    mt = result.get("multi_turn", {})
+    last.update(multi_turn_attacks=mt.get("attacks"), multi_turn_honest_rejected=mt.get("honest_rejected"),
+                multi_turn_honest_total=mt.get("honest_total"))
     ad, co = result.get("adaptive", {}), result.get("cost", {})
     by_rule = ad.get("poisoned_share_by_rule", {})
     hoard, frame = ad.get("hoarding", {}), ad.get("framing", {})

@@ -261,15 +261,17 @@ LAST = ("stale_policy_version",)
 
 
 def run_suite(pool: Pool, attempts: int, names: list[str] | None = None,
-              honest: Callable[[], int] | None = None, rng: random.Random | None = None
-              ) -> dict[str, list[Attempt]]:
-    """`attempts` attempts of each attack (interleaved with `honest()` rounds when given)."""
-    names = names or list(ATTACKS)
+              honest: Callable[[], int] | None = None, rng: random.Random | None = None,
+              attacks: dict[str, Callable[[Pool, int], Attempt]] | None = None) -> dict[str, list[Attempt]]:
+    """`attempts` attempts of each attack of `attacks` (default `ATTACKS`), interleaved with `honest()` rounds when
+    given."""
+    attacks = ATTACKS if attacks is None else attacks
+    names = names or list(attacks)
     order = [n for n in names if n not in LAST] + [n for n in names if n in LAST]
     results: dict[str, list[Attempt]] = {n: [] for n in order}
     for i in range(attempts):
         for name in order:
-            results[name].append(ATTACKS[name](pool, i))
+            results[name].append(attacks[name](pool, i))
             if honest is not None:
                 honest()
     return results

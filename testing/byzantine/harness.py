@@ -201,12 +201,16 @@ class Pool:
 
 @contextmanager
 def open_pool(root: Path, checkpoint: Path, *, sampling: m.SamplingSpec | None = None, max_staleness: int = 1,
-              verifier: dict | None = None, **coordinator: object) -> Iterator[Pool]:
-    """A coordinator on loopback with `checkpoint` published as version 0, and a verifier for it."""
+              verifier: dict | None = None, run: RunSpec | dict | None = None,
+              **coordinator: object) -> Iterator[Pool]:
+    """A coordinator on loopback with `checkpoint` published as version 0, and a verifier for it. `run`: the run
+    description, or fields of it that replace the defaults (e.g. `environment` for a multi-turn run, whose `sampling`
+    then sets `max_turns`)."""
     op_key = Identity.generate()
-    run = RunSpec(run_id="byzantine", max_staleness=max_staleness,
-                  sampling=sampling or m.SamplingSpec(temperature=0.8, max_tokens=8, group_size=8))
-    settings: dict = dict(data_dir=root / "coordinator", run=run, operator_keys=[op_key.public_key_hex],
+    spec = run if isinstance(run, RunSpec) else RunSpec(**{
+        "run_id": "byzantine", "max_staleness": max_staleness,
+        "sampling": sampling or m.SamplingSpec(temperature=0.8, max_tokens=8, group_size=8), **(run or {})})
+    settings: dict = dict(data_dir=root / "coordinator", run=spec, operator_keys=[op_key.public_key_hex],
                           keep_versions=max_staleness + 2, max_body_bytes=2 << 20,
                           max_outstanding_leases=64, lease_ttl_s=600.0, rate_limits=RateLimitConfig.off(),
                           # Every identity here stands for a machine of its own, though all dial from loopback: the
