@@ -138,7 +138,7 @@ http {{
     }}
 
     server {{
-        listen {site.listen}{" ssl" if site.tls else ""};
+        listen {site.listen}{" ssl" if site.tls else ""};{_v6_hint(site)}
         server_name {site.server_name};
 {tls}
         proxy_http_version 1.1;
@@ -162,6 +162,13 @@ http {{
     }}
 }}
 """
+
+
+def _v6_hint(site: ProxySite) -> str:
+    """For a name: how to serve IPv6 too (not on by default: nginx does not start where IPv6 is off)."""
+    if site.listen != str(site.port):
+        return ""
+    return f"\n        # IPv6 clients too: listen [::]:{site.port}{' ssl' if site.tls else ''};"
 
 
 def _is_loopback_ip(host: str) -> bool:
