@@ -6,6 +6,7 @@ PostgreSQL where the server is there), real clients, real Ed25519; the store rew
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -51,6 +52,8 @@ def test_a_group_verifies_only_as_its_node_signed_it():
         "a logprob": received.model_copy(update={"rollouts": [rollout.model_copy(update={"logprobs": [-0.2, -2.5e-7,
                                                                                                      -3.0]}),
                                                               received.rollouts[1]]}),
+        "a logprob's last bit": received.model_copy(update={"rollouts": [rollout.model_copy(update={"logprobs": [
+            math.nextafter(rollout.logprobs[0], 0.0), *rollout.logprobs[1:]]}), received.rollouts[1]]}),
         "the rollouts' order": received.model_copy(update={"rollouts": received.rollouts[::-1]}),
         "unsigned": received.model_copy(update={"node_signature": None}),
         "another's signature": sign_group(other, _group(), **facts),
