@@ -24,7 +24,8 @@ CONFIGS = sorted(EXAMPLES.glob("*/swarm.toml"))
 
 
 def test_there_are_the_examples_the_readme_names():
-    assert {p.parent.name for p in CONFIGS} >= {"addition", "math-qwen2", "code-qwen2", "gpu-gsm8k", "reasoning-gym"}
+    assert {p.parent.name for p in CONFIGS} >= {"addition", "math-qwen2", "code-qwen2", "gpu-gsm8k", "reasoning-gym",
+                                                 "tool-calc"}
     for config in CONFIGS:
         assert (config.parent / "README.md").is_file(), config.parent
 
