@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import pytest
 
+from swarmrl.testing.byzantine import episodes as mt
 from swarmrl.testing.byzantine.episodes import (
     MULTI_TURN_ATTACKS,
     SAMPLING,
+    LyingNode,
     make_multi_turn_checkpoint,
     open_multi_turn_pool,
     run_multi_turn_suite,
 )
+from swarmrl.testing.groups import pending_group
+from swarmrl.testing.local import verify_groups
+from swarmrl.verifier.models import load_policy
 
 ATTEMPTS = 2
 
@@ -79,3 +84,28 @@ def test_each_attack_is_caught_by_the_check_meant_for_it(suite):
         assert "claims logprobs" in a.reason or "claim logprobs" in a.reason, a.reason
     for a in results["leased_seed_later_turns"]:
         assert "replay" in a.caught_by, (a.caught_by, a.reason)
+
+
+@pytest.mark.parametrize("lie", ["faked_reply", "dropped_reply", "added_reply"])
+def test_a_lying_node_is_honest_but_for_its_lie(suite, lie):
+    """What a node that fakes, drops or adds an environment turn submits passes every check, the full check's
+    replay, logprobs and proofs included, when checked against its own environment: only the replay of the run's
+    environment stands between it and the trainer."""
+    _, _, pool, _ = suite
+    for attempt in range(4):
+        node = pool.node(LyingNode, name=f"unsent{lie}{attempt}", max_prompts=2, lie=getattr(mt, lie), at=1)
+        node.load_ready_weights(SAMPLING.temperature)
+        lease = node.client.lease(2, held_version=node.stats.held_version)
+        sub = node.generate(lease)  # never submitted
+        node.engine.close()
+        if node.deviated:
+            break
+    assert node.deviated
+    texts = {p.prompt_id: (p.text, p.seeds) for p in lease.prompts}
+    groups = [pending_group(group_id=k + 1, prompt_text=texts[g.prompt_id][0], answer="0", sampling=lease.sampling,
+                            seeds=texts[g.prompt_id][1], group=g) for k, g in enumerate(sub.groups)]
+    policy = load_policy(pool.versions[0], 0)
+    assert verify_groups(policy, groups, run=pool.cfg.run, env=node.liar)[0] == [None] * len(groups)
+    reasons = verify_groups(policy, groups, run=pool.cfg.run, env=node.liar.true)[0]
+    assert any(r is not None for r in reasons) and all(r is None or "environment" in r or "episode" in r
+                                                       for r in reasons), reasons

@@ -79,7 +79,7 @@ class LyingEnvironment(Environment):
         return out
 
 
-def _faked(truth: str | None, turns: Sequence[str], seed: int) -> str | None:
+def faked_reply(truth: str | None, turns: Sequence[str], seed: int) -> str | None:
     """Another observation of the same length: the reply's last digit changed (so the episode's budget is spent
     alike and the episode goes on exactly where the true one does)."""
     if truth is None:
@@ -87,12 +87,12 @@ def _faked(truth: str | None, turns: Sequence[str], seed: int) -> str | None:
     return truth[:-1] + str((int(truth[-1]) + 1 + seed % 9) % 10) if truth[-1:].isdigit() else truth + "0"
 
 
-def _dropped(truth: str | None, turns: Sequence[str], seed: int) -> None:
+def dropped_reply(truth: str | None, turns: Sequence[str], seed: int) -> None:
     """No reply: the episode ends as if the environment were done."""
     return None
 
 
-def _added(truth: str | None, turns: Sequence[str], seed: int) -> str | None:
+def added_reply(truth: str | None, turns: Sequence[str], seed: int) -> str | None:
     """A reply where the environment gives none (what echo says when it never ends an episode)."""
     return truth if truth is not None else f"{len(turns[-1])}+{seed % 1000:03d}"
 
@@ -117,7 +117,7 @@ class LyingNode(ScriptedNode):
     def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
         assert self.liar is not None
         rollouts = [r for g in submission.groups for r in g.rollouts if r.seed in self.liar.lies]
-        if self.lie is _faked:  # the lie shows only where its environment turn made it into the episode
+        if self.lie is faked_reply:  # the lie shows only where its environment turn made it into the episode
             rollouts = [r for r in rollouts if len(r.turns) > 2 * self.at - 1]
         self.deviated = bool(rollouts)
         return submission
@@ -201,11 +201,11 @@ def _at(i: int) -> int:
 
 
 MULTI_TURN_ATTACKS: dict[str, Callable[[Pool, int], Attempt]] = {
-    "faked_env_turn": _node_attack(lambda p, i: p.node(LyingNode, name=f"fake-env{i}", lie=_faked, at=_at(i)),
+    "faked_env_turn": _node_attack(lambda p, i: p.node(LyingNode, name=f"fake-env{i}", lie=faked_reply, at=_at(i)),
                                    tries=4),
-    "dropped_env_turn": _node_attack(lambda p, i: p.node(LyingNode, name=f"drop-env{i}", lie=_dropped, at=_at(i)),
+    "dropped_env_turn": _node_attack(lambda p, i: p.node(LyingNode, name=f"drop-env{i}", lie=dropped_reply, at=_at(i)),
                                      tries=4),
-    "added_env_turn": _node_attack(lambda p, i: p.node(LyingNode, name=f"add-env{i}", lie=_added, at=_at(i)),
+    "added_env_turn": _node_attack(lambda p, i: p.node(LyingNode, name=f"add-env{i}", lie=added_reply, at=_at(i)),
                                    tries=4),
     "leased_seed_later_turns": _node_attack(lambda p, i: p.node(LeasedSeedNode, name=f"turn-seed{i}"), tries=4),
     "env_tokens_claim_logprobs": _node_attack(lambda p, i: p.node(EnvLogprobNode, name=f"env-lp{i}", seed=i),
@@ -264,6 +264,7 @@ def multi_turn_suite(out: Path, attempts: int, honest_groups: int, engines: Sequ
         groups = [g for nid in ids for g in pool.groups(nid)]
         episodes = [r for h in honest for g in h.last_submission.groups for r in g.rollouts]
         banned = sum(pool.node_row(nid).banned for nid in ids)
+        reports = [pool.verifier.reports[g["id"]] for g in groups if g["id"] in pool.verifier.reports]
         for h in honest:
             h.engine.close()
     summary = {
@@ -275,6 +276,9 @@ def multi_turn_suite(out: Path, attempts: int, honest_groups: int, engines: Sequ
         "honest_total": len(groups),
         "honest_rejected_reasons": [g["reason"] for g in groups if g["status"] == "rejected"][:10],
         "honest_nodes_banned": banned,
+        "honest_full_checked": len(reports),
+        "honest_max_logprob_diff": max((r.max_logprob_diff for r in reports), default=None),
+        "honest_max_replay_gap": max((r.max_replay_gap for r in reports), default=None),
         "last_round_model_turns": {n: sum((len(r.turns) + 1) // 2 == n or (n == 1 and not r.turns) for r in episodes)
                                    for n in range(1, SAMPLING.max_turns + 1)},
         "engines": list(engines),
