@@ -84,7 +84,8 @@ def played(request, ckpt):
 
 
 def _check(policy, groups, env=None) -> list[str | None]:
-    return verify_groups(policy, groups, task=ToolArithmeticTask(), run=RUN, env=env or Talker(Environment.Options()))[0]
+    env = env or Talker(Environment.Options())
+    return verify_groups(policy, groups, task=ToolArithmeticTask(), run=RUN, env=env)[0]
 
 
 def test_honest_episodes_pass_every_check(played):
