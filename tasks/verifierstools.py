@@ -38,6 +38,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, validate_call
 
 from swarmrl.protocol.episodes import Environment
+from swarmrl.protocol.pydantic_errors import describe_validation_error
 from swarmrl.tasks.verifierscommon import VerifiersRefused, load_toolset, run_coroutine, tool_names
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -143,8 +144,7 @@ class VerifiersTools(Environment):
             if inspect.isawaitable(result):
                 result = await result
         except ValidationError as e:
-            return f"error: bad arguments for {name}: {e.error_count()} problem(s): " + "; ".join(
-                f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors(include_url=False)[:4])
+            return f"error: bad arguments for {name}: {describe_validation_error(e, limit=4, root='arguments')}"
         except Exception as e:  # (a tool's error on the model's arguments is an answer, as MCP would send it)
             with contextlib.suppress(Exception):
                 return f"error: {type(e).__name__}: {e}"
