@@ -32,7 +32,7 @@ from swarmrl.node.membership import Membership, MembershipConfig
 from swarmrl.node.metrics import node_families
 from swarmrl.node.receipts import ReceiptBook
 from swarmrl.node.refusal import PermanentRefusal, pinned_coordinator_key
-from swarmrl.node.stats import Download, NodeStats
+from swarmrl.node.stats import NodeStats
 from swarmrl.node.weights import EngineFactory, Weights, WeightsConfig
 from swarmrl.node.work import Work, WorkConfig
 from swarmrl.protocol.episodes import Environment, EnvironmentSpec, load_environment
@@ -133,10 +133,6 @@ class Node:
     def swarm(self) -> SwarmPeer | None:
         return self.weights.swarm
 
-    def download_progress(self) -> tuple[Download, int] | None:
-        """The checkpoint being fetched and how many of its shards are stored so far, or None."""
-        return self.weights.download_progress()
-
     # -- the steps --------------------------------------------------------------------------------------------------
 
     def join(self) -> None:
@@ -176,10 +172,10 @@ class Node:
         return self._env[1]
 
     def step(self) -> bool:
-        """Lease, generate and submit once. False when there was no work (the caller waits)."""
+        """Lease, generate and submit once (pipelined: `node.work`). False when there was no work."""
         assert self._run_info is not None
         run = self._run_info.spec
-        lease = self.work.lease_in_hand()
+        lease = self.work.lease_ready()
         # Weights newer than a lease that came with the last submission wait for the next lease (groups from
         # weights newer than their lease's are refused, and their node banned).
         self.load_ready_weights(run.sampling.temperature, max_version=None if lease is None else lease.policy_version)
@@ -191,10 +187,11 @@ class Node:
             if lease is None:
                 return False
         self.stats.count_lease()
+        self.work.prefetch()  # pipelined: the next lease is asked for while this one is generated
         self.wait_for_weights(lease, run.max_staleness, run.sampling.temperature)
         t0 = time.perf_counter()
         try:
-            self.work.submit(self.generate(lease))
+            self.work.hand_over(self.generate(lease))  # pipelined: submitted while the next lease is generated
         finally:
             self.stats.busy_seconds += time.perf_counter() - t0
         return True
@@ -241,14 +238,10 @@ class Node:
                     self.stats.idle_seconds += time.perf_counter() - t0
         finally:
             self._stop.set()
+            self.work.close()  # the submission in flight is answered and counted
             fetch_thread.join(timeout=5)
             self.weights.close()
         return self.stats
-
-    def collect_receipts(self) -> int:
-        """Collect the receipts the coordinator signed for this node since the last ones held (`node.receipts`);
-        how many new ones were kept. A refusal is logged, not raised."""
-        return self.membership.collect_receipts()
 
     def stop(self) -> None:
         self._stop.set()

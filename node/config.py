@@ -50,6 +50,11 @@ class NodeConfig(BaseModel):
                                      "this port at /metrics; 0 or None: off.")
     metrics_host: str = Field("127.0.0.1", description="Interface the metrics port listens on (0.0.0.0: all).")
     max_leases: int | None = Field(None, description="Stop after this many leases (for tests); None runs forever.")
+    pipeline: bool = Field(
+        True, description="Keep the engine busy: submit on a background thread while the next lease is generated, "
+        "and ask for a lease ahead, so that one is in hand when generation ends (node.work). Where the pool's "
+        "admission allows this node one lease at a time, it works one at a time. False: lease, generate, submit "
+        "in turn.")
     progress: bool = Field(True, description="Show a live panel (rich); false: plain log lines.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine settings.")
     p2p: P2PConfig = Field(

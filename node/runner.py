@@ -49,7 +49,7 @@ def render(node: Node, pool: str = "") -> Panel:
     current = f"v{s.current_version}" if s.current_version >= 0 else "none published yet"
     t.add_row("policy", f"v{s.held_version} held, {current} current" if s.held_version >= 0 else
               f"none held yet, {current} current")
-    progress = node.download_progress()
+    progress = node.weights.download_progress()
     if progress is None:
         t.add_row("download", "[dim]idle[/]")
     else:

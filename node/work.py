@@ -5,17 +5,29 @@ submission and gets it in the same answer (`next_lease`): one round trip per lea
 counted and the work goes on, unless it refuses the node itself (`refusal.is_about_the_node`), which is raised
 for the node's membership to deal with.
 
+Pipelined (`WorkConfig.pipeline`), the engine does not wait on the network: a courier thread carries one request at
+a time while the engine generates. A submission goes out on it (`hand_over`) while the next lease, already in hand,
+is generated; its answer brings the lease after that one. To get one lease ahead, a lease is asked for in the
+background (`prefetch`) while the first one is generated. Where the coordinator refuses the node a second lease in
+flight (its admission allowance), prefetching pauses for PREFETCH_PAUSE_S and the work goes on one lease at a time,
+as unpipelined. Whatever the courier's request raised (a refusal of the node itself) is raised in the caller's
+thread at the next `settle`.
+
 `Work` is built from `WorkConfig` (the node config's fields it reads) and talks to the coordinator through
 `WorkClient`, the few calls it makes.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import httpx
 from transformers import PreTrainedTokenizerBase
 
 from swarmrl.models.prompts import render_prompt
@@ -28,6 +40,13 @@ from swarmrl.protocol.episodes import Environment
 from swarmrl.protocol.messages import Lease, LeaseRequest, Rollout, RolloutGroup, RolloutSubmission, SubmitResult
 from swarmrl.protocol.overview import Training
 from swarmrl.runtime.client import CoordinatorError
+from swarmrl.runtime.retry import RetryPolicy
+
+log = logging.getLogger("swarmrl.node")
+
+# After the coordinator granted no lease ahead (admission, or no work), prefetching waits this long before trying
+# again, so a node its allowance keeps at one lease asks once a minute, not once a lease.
+PREFETCH_PAUSE_S = 60.0
 
 
 class WorkClient(Protocol):
@@ -47,10 +66,11 @@ class WorkConfig:
 
     max_prompts: int
     max_leases: int | None
+    pipeline: bool = False
 
     @classmethod
     def from_node(cls, cfg: NodeConfig) -> WorkConfig:
-        return cls(max_prompts=cfg.max_prompts, max_leases=cfg.max_leases)
+        return cls(max_prompts=cfg.max_prompts, max_leases=cfg.max_leases, pipeline=cfg.pipeline)
 
 
 class Work:
@@ -60,11 +80,21 @@ class Work:
     def __init__(self, cfg: WorkConfig, client: WorkClient, stats: NodeStats, stop: threading.Event):
         self.cfg, self.client, self.stats, self._stop = cfg, client, stats, stop
         self.next_lease: Lease | None = None
+        self._courier: ThreadPoolExecutor | None = None
+        self._in_flight: Future[Lease | None] | None = None
+        self._prefetch_after = 0.0  # monotonic time before which no lease is asked for ahead
 
     @property
     def done(self) -> bool:
         """Whether max_leases leases were taken."""
         return self.cfg.max_leases is not None and self.stats.leases >= self.cfg.max_leases
+
+    def _wants_another(self) -> bool:
+        """Whether a lease beyond those taken and the one in hand would still be worked on."""
+        if self._stop.is_set():
+            return False
+        return self.cfg.max_leases is None or \
+            self.stats.leases + (self.next_lease is not None) < self.cfg.max_leases
 
     def lease_in_hand(self) -> Lease | None:
         """The lease that came with the last submission, taken out of `next_lease`; None when there is none or it
@@ -123,7 +153,12 @@ class Work:
     def submit(self, submission: RolloutSubmission) -> None:
         """Submit, asking for the next lease in the same answer (unless stopping or at max_leases), and count the
         outcome. A refusal of the node itself is raised; any other refusal is counted and the work goes on."""
-        if not self._stop.is_set() and not self.done:  # the next lease comes with this answer: one round trip fewer
+        self.next_lease = self._send(submission, self._wants_another())
+
+    def _send(self, submission: RolloutSubmission, ask_next: bool) -> Lease | None:
+        """Submit (with `ask_next`, asking for the next lease in the same answer: one round trip fewer) and count the
+        outcome; the lease that came with the answer."""
+        if ask_next:
             submission.next_lease = LeaseRequest(max_prompts=self.cfg.max_prompts, held_version=self.stats.held_version)
         try:
             result = self.client.submit(submission)
@@ -131,6 +166,83 @@ class Work:
             self.stats.count_refused(submission, e)
             if is_about_the_node(e):
                 raise  # the main loop stops, or registers again
-            return
+            return None
         self.stats.count_result(submission, result)
-        self.next_lease = result.next_lease
+        return result.next_lease
+
+    # -- pipelined ---------------------------------------------------------------------------------------------------
+
+    def hand_over(self, submission: RolloutSubmission) -> None:
+        """Submit `submission`: unpipelined, now (`submit`); pipelined, on the courier once the request before it
+        has settled (one in flight), returning at once."""
+        if not self.cfg.pipeline:
+            self.submit(submission)
+            return
+        self.settle()
+        ask_next = self._wants_another()
+        self._in_flight = self._courier_pool().submit(self._send, submission, ask_next)
+
+    def prefetch(self) -> None:
+        """Pipelined, with nothing in flight and no lease in hand: ask for the next lease in the background, so that
+        it is in hand when the one being generated is done. Skipped for PREFETCH_PAUSE_S after one was not
+        granted."""
+        if not self.cfg.pipeline or self._in_flight is not None or self.next_lease is not None \
+                or not self._wants_another() or time.monotonic() < self._prefetch_after:
+            return
+        self._in_flight = self._courier_pool().submit(self._ask_ahead)
+
+    def _ask_ahead(self) -> Lease | None:
+        """A lease ahead, asked for once: a full allowance's refusal (a 429 saying when a lease will expire) or an
+        outage is not waited out here, as the submission behind it on the courier would wait too."""
+        once = copy.copy(self.client)  # the same connection, run and key, without retries
+        if hasattr(once, "retry"):
+            once.retry = RetryPolicy(attempts=0)
+        try:
+            lease = once.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
+        except CoordinatorError as e:
+            if is_about_the_node(e):
+                raise
+            log.debug("no lease ahead: %s", e.reason)
+            lease = None
+        except httpx.TransportError as e:
+            log.debug("no lease ahead: %r", e)
+            lease = None
+        if lease is None:  # over the allowance, or no work: one lease at a time for a while
+            self._prefetch_after = time.monotonic() + PREFETCH_PAUSE_S
+        return lease
+
+    def settle(self) -> None:
+        """Wait for the courier's request in flight, if any, keeping the lease its answer brought (as `next_lease`,
+        unless one is in hand already) and raising what it raised."""
+        future, self._in_flight = self._in_flight, None
+        if future is None:
+            return
+        lease = future.result()
+        if lease is not None and self.next_lease is None:
+            self.next_lease = lease
+
+    def lease_ready(self) -> Lease | None:
+        """The lease to work on next: the one in hand (`lease_in_hand`), or else the one the request in flight
+        brings (waiting for it)."""
+        lease = self.lease_in_hand()
+        if lease is None and self._in_flight is not None:
+            self.settle()
+            lease = self.lease_in_hand()
+        return lease
+
+    def close(self) -> None:
+        """Wait for the submission in flight (its outcome counted; a refusal of the node logged, as the node is
+        stopping anyway), then end the courier."""
+        try:
+            self.settle()
+        except Exception as e:  # stopping: nothing is left to do about it but say so
+            log.warning("the last submission before stopping failed: %s", e)
+        finally:
+            if self._courier is not None:
+                self._courier.shutdown(wait=True)
+                self._courier = None
+
+    def _courier_pool(self) -> ThreadPoolExecutor:
+        if self._courier is None:
+            self._courier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmrl-courier")
+        return self._courier

@@ -74,7 +74,7 @@ class ScriptedNode(Node):
     connects from (127.0.0.x: on loopback, a machine of its own to the coordinator's per-source rules)."""
 
     def __init__(self, cfg: NodeConfig, source: str | None = None):
-        super().__init__(cfg)
+        super().__init__(cfg.model_copy(update={"pipeline": False}))  # each step's submission answered within it
         transport = httpx.HTTPTransport(local_address=source) if source is not None else None
         self.client = RecordingClient(cfg.coordinator_url, self.identity, retries=0,
                                       coordinator_key=cfg.coordinator_key, transport=transport)
