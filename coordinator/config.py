@@ -16,6 +16,7 @@ from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.coordinator.watchdog import WatchdogConfig
 from swarmrl.pools.config import PoolConfig
 from swarmrl.protocol import quarantine
+from swarmrl.protocol.episodes import load_environment
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import task_options
@@ -162,6 +163,8 @@ class CoordinatorConfig(BaseModel):
     @classmethod
     def _known_task(cls, run: RunSpec) -> RunSpec:
         task_options(run.task)  # raises ValueError naming the known tasks, or the options refused
+        if run.environment is not None:  # refused now, in one line, unless it loads and replays (protocol.episodes)
+            load_environment(run.environment)
         return run
 
     @model_validator(mode="after")

@@ -30,6 +30,7 @@ from rich.panel import Panel
 from swarmrl.demoview import metric_series, plot, render
 from swarmrl.localswarm import LOOPBACK_MADDRS, Swarm, free_port, wait_until_up
 from swarmrl.modelcmd import ModelRecipe
+from swarmrl.protocol.episodes import load_environment
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.messages import RunStatus
 from swarmrl.protocol.run import RunSpec, SamplingSpec
@@ -106,6 +107,8 @@ class DemoConfig(BaseModel):
     @classmethod
     def _known_task(cls, run: RunSpec) -> RunSpec:
         task_options(run.task)  # the task is registered and takes these options (its data is read at the start)
+        if run.environment is not None:  # refused now, in one line, unless it loads and replays (protocol.episodes)
+            load_environment(run.environment)
         return run
 
 

@@ -15,7 +15,7 @@ import pytest
 from tests.support.e2e_tasks import held_out_reward_rises
 
 
-@pytest.mark.slow(minutes=8)
+@pytest.mark.slow(minutes=5)
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 def test_held_out_reward_rises_on_a_multi_turn_tool_task_through_the_swarm(tmp_path):

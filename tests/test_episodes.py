@@ -199,3 +199,14 @@ def test_a_multi_turn_run_names_its_environment():
         RunSpec(sampling=SAMPLING)
     with pytest.raises(ValueError, match="max_turns"):
         RunSpec(environment=EnvironmentSpec(name="calculator"))
+
+
+def test_a_coordinator_refuses_an_environment_it_cannot_load_when_the_run_starts(tmp_path):
+    from pydantic import ValidationError
+
+    from swarmrl.coordinator.config import CoordinatorConfig
+
+    run = {"sampling": {"max_turns": 2}, "environment": {"name": "calculatorr"}}
+    with pytest.raises(ValidationError, match=r"\[run.environment\] name: unknown environment 'calculatorr'"):
+        CoordinatorConfig(data_dir=tmp_path, run=run)
+    assert CoordinatorConfig(data_dir=tmp_path, run={**run, "environment": {"name": "calculator"}}).run.environment
