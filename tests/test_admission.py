@@ -14,8 +14,8 @@ import pytest
 from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
-from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from tests.support.coordinator import Run, post, refused, signed, submission
+from swarmrl.runtime.client import CoordinatorClient
+from tests.support.coordinator import Run, hoard, post, refused, signed, submission
 
 pytestmark = pytest.mark.both_stores  # each test on SQLite and on PostgreSQL (conftest.py)
 
@@ -38,20 +38,6 @@ def _row(run: Run, node: CoordinatorClient) -> m.NodeStatus:
     return next(n for n in run.op.status().nodes if n.node_id == node.identity.node_id)
 
 
-def _hoard(node: CoordinatorClient) -> list[m.Lease]:
-    """Lease as much as the coordinator gives, never submitting."""
-    held: list[m.Lease] = []
-    while True:
-        try:
-            lease = node.lease(m.MAX_PROMPTS_PER_LEASE, 0)
-        except CoordinatorError as e:
-            assert e.status == 429 and "may hold" in e.reason, e.reason
-            return held
-        if lease is None:
-            return held
-        held.append(lease)
-
-
 # -- leases ---------------------------------------------------------------------------------------------------
 
 
@@ -61,14 +47,14 @@ def test_a_hoarder_does_not_stall_honest_nodes(run_factory) -> None:
     run = run_factory(max_buffered_groups=32, max_staleness=1)
     run.publish(0)
     hoarder = run.node("hoarder")
-    assert sum(len(lease.prompts) for lease in _hoard(hoarder)) == NEW
+    assert sum(len(lease.prompts) for lease in hoard(hoarder)) == NEW
     honest = run.node("honest")
     for _ in range(6):
         lease = honest.lease(NEW, 0)
         assert lease is not None and len(lease.prompts) == NEW
         assert honest.submit(submission(lease)).rejected == {}
         assert _accept_and_train(run) == NEW
-        _hoard(hoarder)  # the hoarder takes whatever it may, every round
+        hoard(hoarder)  # the hoarder takes whatever it may, every round
     assert _row(run, honest).groups_accepted == 6 * NEW and _row(run, hoarder).prompts_leased == NEW
 
 

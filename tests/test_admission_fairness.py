@@ -13,7 +13,7 @@ import pytest
 
 from swarmrl.protocol import messages as m
 from swarmrl.runtime.client import CoordinatorClient, CoordinatorError
-from tests.support.coordinator import Clock, Run, submission
+from tests.support.coordinator import Clock, Run, hoard, submission
 
 pytestmark = pytest.mark.both_stores
 
@@ -41,20 +41,6 @@ def _accept_and_train(run: Run) -> None:
     batch = run.op.training_batch(after_id=0, limit=4096)
     if batch.groups:
         run.op.ack(batch.groups[-1].group_id)
-
-
-def _hoard(node: CoordinatorClient) -> list[m.Lease]:
-    """Lease as much as the coordinator gives, never submitting: until it says to wait or refuses (allowance)."""
-    held: list[m.Lease] = []
-    while True:
-        try:
-            lease = node.lease(m.MAX_PROMPTS_PER_LEASE, 0)
-        except CoordinatorError as e:
-            assert e.status == 429 and "may hold" in e.reason, e.reason
-            return held
-        if lease is None:
-            return held
-        held.append(lease)
 
 
 def _earn(run: Run, node: CoordinatorClient, groups: int) -> None:
@@ -116,7 +102,7 @@ def test_a_sources_abandoned_share_bounds_its_fresh_identities(run_factory) -> N
     run = run_factory(lease_ttl_s=30.0, max_buffered_groups=1000)
     run.publish(0)
     hoarder = run.node("hoarder", source="127.0.0.2")
-    assert sum(len(lease.prompts) for lease in _hoard(hoarder)) == NEW
+    assert sum(len(lease.prompts) for lease in hoard(hoarder)) == NEW
     run.clock.advance(31.0)
     run.node("swept", source="127.0.0.4").lease(1, 0)  # any lease request sweeps the expired lease
     fresh_there = run.node("fresh", source="127.0.0.2")
@@ -131,13 +117,13 @@ def test_newcomers_from_a_new_address_get_their_part_while_others_fill_the_share
     run = run_factory(max_buffered_groups=32, max_staleness=1)  # the unproven share: 16 prompts
     run.publish(0)
     sybils = [run.node(f"sybil{i}.{j}", source=f"127.0.0.{10 + i}") for i in range(4) for j in range(2)]
-    held = [sum(len(lease.prompts) for lease in _hoard(s)) for s in sybils]
+    held = [sum(len(lease.prompts) for lease in hoard(s)) for s in sybils]
     assert sum(held) >= 16
     honest = run.node("honest", source="127.0.0.20")
     for _ in range(3):
         lease = honest.lease(NEW, 0)
         assert lease is not None and len(lease.prompts) == 16 // 5  # an equal part among five sources
-        assert [_hoard(s) for s in sybils] == [[]] * len(sybils)  # every sybil source holds its part
+        assert [hoard(s) for s in sybils] == [[]] * len(sybils)  # every sybil source holds its part
         honest.submit(submission(lease))
         _accept_and_train(run)
 

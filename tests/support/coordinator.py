@@ -145,3 +145,17 @@ def busy_pool(run_factory) -> Run:
     for step, (reward, acc) in enumerate([(0.2, 0.25), (0.35, 0.3), (0.5, 0.42)], 1):
         run.op.metrics(step=step, version=step - 1, metrics={"reward_mean": reward, "eval_accuracy": acc})
     return run
+
+
+def hoard(node: CoordinatorClient) -> list[m.Lease]:
+    """Lease as much as the coordinator gives, never submitting: until it says to wait or refuses (allowance)."""
+    held: list[m.Lease] = []
+    while True:
+        try:
+            lease = node.lease(m.MAX_PROMPTS_PER_LEASE, 0)
+        except CoordinatorError as e:
+            assert e.status == 429 and "may hold" in e.reason, e.reason
+            return held
+        if lease is None:
+            return held
+        held.append(lease)
