@@ -1,0 +1,247 @@
+"""Benchmark: a full node's tokens per second against bare vLLM on the same model, machine and prompts.
+
+A child process holds a real pool on loopback (`testing.byzantine.harness.open_pool`: uvicorn, SQLite, Ed25519; no
+verifier and no trainer: backpressure is off, so the node is never held back for want of a trainer), as a pool's
+coordinator is another machine's process; this one runs one real `node.agent.Node` with the vLLM engine (proofs
+on), driven by the same steps as its `run` loop: lease, generate (with proofs), sign and submit, heartbeats.
+The arms, each a wall window of `--window-s`, alternate `--repeats` times (each repeat in another order), so that
+the load of other work on the machine hits each alike:
+
+- `node`: the node pipelined (`NodeConfig.pipeline`, the default): submissions on the wire while the next lease is
+  generated, a lease asked for ahead;
+- `node_unpipelined`: the same node with pipelining off (lease, generate, submit in turn);
+- `bare_vllm`: the node's own engine (the same `VLLMEngine`, its seeded Gumbel sampling processor and proofs) given
+  the prompts and seeds of leases the node was granted, one lease's requests per call, back to back: what the
+  machine generates with no coordinator, no network and no signing.
+
+Each arm's rate is the completion tokens generated in its window over the window's wall time (a node arm's window
+ends once its last submission is answered). The arms share the engine, so the model, its sampling and the prompts
+are the same by construction. The identity is allowed 2 leases of `--max-prompts` in flight (a proven node's
+allowance; a new identity's default of 8 prompts would allow one), so that pipelining can ask a lease ahead.
+
+    python bench/node_throughput.py --model tiny                 # the record (bench/RESULTS.md)
+    python bench/node_throughput.py --model small30m --max-tokens 64 --repeats 1
+
+The last line printed is one JSON object: `node_tok_s`, `node_unpipelined_tok_s`, `bare_vllm_tok_s` (medians over
+the repeats), `ratio` (node / bare), `ratio_unpipelined`, each run's rates, the share of each window the engine
+spent generating (`engine_busy`), `model_params` and the setup. `--rtt-ms` adds a round trip to each of the node's
+requests (a node across the internet from its pool; the coordinator here is on loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import httpx  # noqa: E402
+
+from swarmrl.models.build import ModelConfig, build_model, save_checkpoint  # noqa: E402
+from swarmrl.models.prompts import render_prompt  # noqa: E402
+from swarmrl.models.tokenizers import build_bpe_tokenizer  # noqa: E402
+from swarmrl.node.agent import Node  # noqa: E402
+from swarmrl.node.config import NodeConfig  # noqa: E402
+from swarmrl.node.engine import EngineConfig, GenerationRequest  # noqa: E402
+from swarmrl.protocol import messages as m  # noqa: E402
+from swarmrl.runtime.client import CoordinatorClient  # noqa: E402
+from swarmrl.runtime.retry import RetryPolicy  # noqa: E402
+from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool  # noqa: E402
+
+ARMS = ("node", "node_unpipelined", "bare_vllm")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def checkpoint(out: Path, model: str) -> Path:
+    """The tiny model (its 16-token character tokenizer) or a ~30M Qwen2 (`small30m`, an 8192-token BPE)."""
+    if model == "tiny":
+        return make_checkpoint(out, ModelConfig.preset("tiny"))
+    tok = build_bpe_tokenizer(8192)
+    return save_checkpoint(build_model(ModelConfig.preset(model, arch="qwen2"), tok), tok, out)
+
+
+def model_params(ckpt: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        return sum(f.get_tensor(k).numel() for k in f.keys())
+
+
+class RecordingNode(Node):
+    """`Node` unchanged but for remembering the leases it generated (the bare arm replays their prompts)."""
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self.leases: list[m.Lease] = []
+
+    def generate(self, lease: m.Lease) -> m.RolloutSubmission:
+        self.leases.append(lease)
+        return super().generate(lease)
+
+
+class DelayedTransport(httpx.HTTPTransport):
+    """Loopback HTTP with a network's round trip added to each request (a simulated wide-area link)."""
+
+    def __init__(self, rtt_s: float):
+        super().__init__()
+        self.rtt_s = rtt_s
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        time.sleep(self.rtt_s)  # the link's latency, not a synchronisation
+        return super().handle_request(request)
+
+
+class Bench:
+    def __init__(self, url: str, coordinator_key: str, work_dir: Path, args: argparse.Namespace):
+        self.args = args
+        cfg = NodeConfig(coordinator_url=url, coordinator_key=coordinator_key, key_path=work_dir / "node.key",
+                         name="bench", work_dir=work_dir, max_prompts=args.max_prompts, progress=False,
+                         poll_interval_s=0.05, engine=EngineConfig(kind="vllm"), p2p={"enabled": False})
+        self.node = RecordingNode(cfg)
+        if args.rtt_ms:  # a node across the internet: every request of its client waits one round trip first
+            self.node.client = CoordinatorClient(url, self.node.identity, retry=RetryPolicy(attempts=None),
+                                                 stop=self.node._stop, coordinator_key=coordinator_key,
+                                                 transport=DelayedTransport(args.rtt_ms / 1000))
+        self.node.join()
+        self.fetch_thread = self.node.weights.start()
+
+    def steps(self, until: float) -> None:
+        """The node's `run` loop (step, heartbeat) until `until` (perf_counter), then its submission in flight
+        answered."""
+        while time.perf_counter() < until:
+            self.step()
+        self.node.work.settle()
+
+    def step(self) -> None:
+        worked = self.node.step()
+        self.node.membership.keep_up(worked)
+        if not worked:
+            self.node._stop.wait(self.node.cfg.poll_interval_s)
+
+    def warm_up(self) -> None:
+        """Until the engine is loaded and three leases went through (vLLM's first calls are slow)."""
+        while self.node.stats.leases < 3:
+            self.step()
+        self.node.work.settle()
+
+    def node_arm(self, pipeline: bool) -> tuple[int, float, float]:
+        work, stats = self.node.work, self.node.stats
+        work.cfg = dataclasses.replace(work.cfg, pipeline=pipeline)
+        t0, tokens0, gen0 = time.perf_counter(), stats.tokens, stats.gen_seconds
+        self.steps(t0 + self.args.window_s)
+        wall = time.perf_counter() - t0
+        return stats.tokens - tokens0, wall, (stats.gen_seconds - gen0) / wall
+
+    def bare_arm(self) -> tuple[int, float, float]:
+        engine, tok = self.node.engine, self.node.tokenizer
+        assert engine is not None and tok is not None
+        batches = [([GenerationRequest(prompt_ids=render_prompt(tok, p.text), seed=s)
+                     for p in lease.prompts for s in p.seeds], lease.sampling.max_tokens)
+                   for lease in self.node.leases[-16:]]
+        t0, tokens, i, gen_s = time.perf_counter(), 0, 0, 0.0
+        while time.perf_counter() < t0 + self.args.window_s:
+            reqs, max_tokens = batches[i % len(batches)]
+            t1 = time.perf_counter()
+            tokens += sum(len(c.token_ids) for c in engine.generate(reqs, max_tokens))
+            gen_s += time.perf_counter() - t1
+            i += 1
+        wall = time.perf_counter() - t0
+        return tokens, wall, gen_s / wall
+
+    def close(self) -> None:
+        self.node.stop()
+        self.node.work.close()
+        self.fetch_thread.join(timeout=10)
+        self.node.weights.close()
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The pool (child process): its address and key on stdout, then up until stdin closes."""
+    sampling = m.SamplingSpec(temperature=1.0, max_tokens=args.max_tokens, group_size=args.group_size)
+    admission = {"unproven_per_source": 10**6, "new_identity_prompts": 2 * args.max_prompts}
+    with open_pool(args.out / "pool", args.serve, sampling=sampling, admission=admission) as pool:
+        print(json.dumps({"url": pool.url, "key": pool.coordinator_key}), flush=True)
+        sys.stdin.read()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", choices=["tiny", "mini", "small30m"])
+    ap.add_argument("--window-s", type=float, default=20.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-prompts", type=int, default=8, help="prompts per lease")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip added to each of the node's requests")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the child: the pool
+    args = ap.parse_args()
+    if args.serve is not None:
+        serve(args)
+        return
+    arms = args.arms.split(",")
+    out = args.out or Path(tempfile.mkdtemp(prefix="node-throughput-"))
+    ckpt = checkpoint(out / f"ckpt-{args.model}", args.model)
+    params = model_params(ckpt)
+    rates: dict[str, list[float]] = {a: [] for a in arms}
+    busy: dict[str, list[float]] = {a: [] for a in arms}
+    child = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--out", str(out), "--serve", str(ckpt)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        pool = json.loads(child.stdout.readline())
+        bench = Bench(pool["url"], pool["key"], out / "node", args)
+        try:
+            bench.warm_up()
+            for r in range(args.repeats):
+                for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                    tokens, wall, share = bench.bare_arm() if arm == "bare_vllm" else bench.node_arm(arm == "node")
+                    rates[arm].append(tokens / wall)
+                    busy[arm].append(share)
+                    log(f"run {r}: {arm}: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s, engine busy "
+                        f"{share:.1%} of the window (load {os.getloadavg()[0]:.1f})")
+            stats = bench.node.stats
+            log(f"node: {stats.leases} leases, {stats.groups_accepted} groups accepted, {stats.groups_rejected} "
+                f"refused")
+        finally:
+            bench.close()
+    finally:
+        child.stdin.close()  # the pool's process ends
+        child.wait(timeout=60)
+    med = {a: statistics.median(v) for a, v in rates.items()}
+    result: dict[str, Any] = {f"{a}_tok_s": round(v, 1) for a, v in med.items()}
+    if "bare_vllm" in med:
+        for a, key in (("node", "ratio"), ("node_unpipelined", "ratio_unpipelined")):
+            if a in med:
+                result[key] = round(med[a] / med["bare_vllm"], 3)
+    result.update(model=args.model, model_params=params, runs={a: [round(x, 1) for x in v] for a, v in rates.items()},
+                  engine_busy={a: [round(x, 3) for x in v] for a, v in busy.items()},
+                  setup={"window_s": args.window_s, "repeats": args.repeats, "max_prompts": args.max_prompts,
+                         "group_size": args.group_size, "max_tokens": args.max_tokens, "rtt_ms": args.rtt_ms,
+                         "cpu_threads": 1, "load_avg_end": round(os.getloadavg()[0], 2)})
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
