@@ -23,9 +23,14 @@ allowance; a new identity's default of 8 prompts would allow one), so that pipel
     python bench/node_throughput.py --model small30m --max-tokens 64 --repeats 1
 
 The last line printed is one JSON object: `node_tok_s`, `node_unpipelined_tok_s`, `bare_vllm_tok_s` (medians over
-the repeats), `ratio` (node / bare), `ratio_unpipelined`, each run's rates, the share of each window the engine
-spent generating (`engine_busy`), `model_params` and the setup. `--rtt-ms` adds a round trip to each of the node's
-requests (a node across the internet from its pool; the coordinator here is on loopback).
+the repeats); `ratio` (node / bare: the median over repeats of each repeat's ratio, as other work's load changes
+more between repeats than within one) and `ratio_unpipelined`; each run's rates; the share of each window the
+engine spent generating (`engine_busy`; `<arm>_engine_busy`, its median, changes little with other load);
+`model_params` and the setup. `--rtt-ms` adds a round trip to each of the node's requests (a node across the
+internet from its pool; the coordinator here is on loopback). With `--swap`, after the arms a new version (the
+checkpoint perturbed by 1%) is published while the pipelined node works: `swap_gap_s` is the time its engine
+generated nothing between its last lease on the old version and its first on the new one (fetching, loading into
+vLLM), `lease_gap_s` the median gap between two leases of one version.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +69,7 @@ from swarmrl.node.engine import EngineConfig, GenerationRequest  # noqa: E402
 from swarmrl.protocol import messages as m  # noqa: E402
 from swarmrl.runtime.client import CoordinatorClient  # noqa: E402
 from swarmrl.runtime.retry import RetryPolicy  # noqa: E402
-from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool  # noqa: E402
+from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint  # noqa: E402
 
 ARMS = ("node", "node_unpipelined", "bare_vllm")
 
@@ -93,10 +99,14 @@ class RecordingNode(Node):
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self.leases: list[m.Lease] = []
+        self.calls: list[tuple[float, float, int]] = []  # each generation's start, end and the version it used
 
     def generate(self, lease: m.Lease) -> m.RolloutSubmission:
         self.leases.append(lease)
-        return super().generate(lease)
+        t0 = time.perf_counter()
+        submission = super().generate(lease)
+        self.calls.append((t0, time.perf_counter(), submission.policy_version))
+        return submission
 
 
 class DelayedTransport(httpx.HTTPTransport):
@@ -168,6 +178,23 @@ class Bench:
         wall = time.perf_counter() - t0
         return tokens, wall, gen_s / wall
 
+    def swap_gap(self, publish: Callable[[], int]) -> dict[str, float]:
+        """A new version published while the node works: the time its engine generated nothing between the last
+        lease of the old version and the first of the new one, and the gap between two leases of one version."""
+        start = len(self.node.calls)
+        while len(self.node.calls) < start + 3:
+            self.step()
+        version = publish()
+        while sum(v == version for _, _, v in self.node.calls) < 3:
+            self.step()
+        self.node.work.settle()
+        calls = self.node.calls[start:]
+        first_new = next(i for i, (_, _, v) in enumerate(calls) if v == version)
+        gaps = [b[0] - a[1] for a, b in zip(calls, calls[1:], strict=False)]
+        same = [g for i, g in enumerate(gaps) if i + 1 != first_new]
+        return {"swap_gap_s": round(calls[first_new][0] - calls[first_new - 1][1], 3),
+                "lease_gap_s": round(statistics.median(same), 4)}
+
     def close(self) -> None:
         self.node.stop()
         self.node.work.close()
@@ -176,12 +203,16 @@ class Bench:
 
 
 def serve(args: argparse.Namespace) -> None:
-    """The pool (child process): its address and key on stdout, then up until stdin closes."""
+    """The pool (child process): its address and key on stdout, then up until stdin closes, publishing a new
+    version for each line "publish" (its number on stdout)."""
     sampling = m.SamplingSpec(temperature=1.0, max_tokens=args.max_tokens, group_size=args.group_size)
     admission = {"unproven_per_source": 10**6, "new_identity_prompts": 2 * args.max_prompts}
     with open_pool(args.out / "pool", args.serve, sampling=sampling, admission=admission) as pool:
         print(json.dumps({"url": pool.url, "key": pool.coordinator_key}), flush=True)
-        sys.stdin.read()
+        for i, line in enumerate(sys.stdin):  # each line asks for a new version (the old one, perturbed)
+            if line.strip() == "publish":
+                new = perturb_checkpoint(args.serve, args.out / f"ckpt-v{i + 1}", 0.01, seed=i + 1)
+                print(json.dumps({"version": pool.publish(new)}), flush=True)
 
 
 def main() -> None:
@@ -193,6 +224,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip added to each of the node's requests")
+    ap.add_argument("--swap", action="store_true", help="then publish a new version mid-run: swap_gap_s")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the child: the pool
@@ -206,6 +238,7 @@ def main() -> None:
     params = model_params(ckpt)
     rates: dict[str, list[float]] = {a: [] for a in arms}
     busy: dict[str, list[float]] = {a: [] for a in arms}
+    swap: dict[str, float] = {}
     child = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--out", str(out), "--serve", str(ckpt)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
@@ -221,6 +254,14 @@ def main() -> None:
                     busy[arm].append(share)
                     log(f"run {r}: {arm}: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s, engine busy "
                         f"{share:.1%} of the window (load {os.getloadavg()[0]:.1f})")
+            if args.swap:
+                def publish() -> int:
+                    child.stdin.write("publish\n")  # type: ignore[union-attr]
+                    child.stdin.flush()  # type: ignore[union-attr]
+                    return int(json.loads(child.stdout.readline())["version"])  # type: ignore[union-attr]
+
+                swap.update(bench.swap_gap(publish))
+                log(f"version change: {swap}")
             stats = bench.node.stats
             log(f"node: {stats.leases} leases, {stats.groups_accepted} groups accepted, {stats.groups_rejected} "
                 f"refused")
@@ -231,10 +272,14 @@ def main() -> None:
         child.wait(timeout=60)
     med = {a: statistics.median(v) for a, v in rates.items()}
     result: dict[str, Any] = {f"{a}_tok_s": round(v, 1) for a, v in med.items()}
-    if "bare_vllm" in med:
+    if "bare_vllm" in med:  # each repeat's ratio (its arms ran back to back), the median of those
         for a, key in (("node", "ratio"), ("node_unpipelined", "ratio_unpipelined")):
             if a in med:
-                result[key] = round(med[a] / med["bare_vllm"], 3)
+                per_run = [x / b for x, b in zip(rates[a], rates["bare_vllm"], strict=True)]
+                result[key] = round(statistics.median(per_run), 3)
+                result[f"{key}_runs"] = [round(x, 3) for x in per_run]
+    result.update({f"{a}_engine_busy": round(statistics.median(v), 3) for a, v in busy.items()})
+    result.update(swap)
     result.update(model=args.model, model_params=params, runs={a: [round(x, 1) for x in v] for a, v in rates.items()},
                   engine_busy={a: [round(x, 3) for x in v] for a, v in busy.items()},
                   setup={"window_s": args.window_s, "repeats": args.repeats, "max_prompts": args.max_prompts,
