@@ -80,6 +80,7 @@ class Work:
     def __init__(self, cfg: WorkConfig, client: WorkClient, stats: NodeStats, stop: threading.Event):
         self.cfg, self.client, self.stats, self._stop = cfg, client, stats, stop
         self.next_lease: Lease | None = None
+        self._after_next: Lease | None = None  # a lease that came while `next_lease` was still in hand
         self._courier: ThreadPoolExecutor | None = None
         self._in_flight: Future[Lease | None] | None = None
         self._prefetch_after = 0.0  # monotonic time before which no lease is asked for ahead
@@ -94,12 +95,12 @@ class Work:
         if self._stop.is_set():
             return False
         return self.cfg.max_leases is None or \
-            self.stats.leases + (self.next_lease is not None) < self.cfg.max_leases
+            self.stats.leases + (self.next_lease is not None) + (self._after_next is not None) < self.cfg.max_leases
 
     def lease_in_hand(self) -> Lease | None:
         """The lease that came with the last submission, taken out of `next_lease`; None when there is none or it
         expired (or is older than the weights held: never the case, as leases only move on)."""
-        lease, self.next_lease = self.next_lease, None
+        lease, self.next_lease, self._after_next = self.next_lease, self._after_next, None
         if lease is not None and (lease.expires_at <= time.time() or lease.policy_version < self.stats.held_version):
             return None
         return lease
@@ -213,13 +214,17 @@ class Work:
 
     def settle(self) -> None:
         """Wait for the courier's request in flight, if any, keeping the lease its answer brought (as `next_lease`,
-        unless one is in hand already) and raising what it raised."""
+        or after it when one is in hand already: a lease is never dropped, as it counts against the node's
+        allowance until it expires) and raising what it raised."""
         future, self._in_flight = self._in_flight, None
         if future is None:
             return
         lease = future.result()
-        if lease is not None and self.next_lease is None:
-            self.next_lease = lease
+        if lease is not None:
+            if self.next_lease is None:
+                self.next_lease = lease
+            else:
+                self._after_next = lease
 
     def lease_ready(self) -> Lease | None:
         """The lease to work on next: the one in hand (`lease_in_hand`), or else the one the request in flight

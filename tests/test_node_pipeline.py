@@ -191,3 +191,15 @@ def test_stop_waits_for_the_submission_in_flight(tmp_path: Path) -> None:
     assert client.held_released == {"L2": True} and client.submitted == ["L1", "L2"]
     assert node.stats.groups_accepted == 2
     assert node.stats.leases == 2 and client.granted == 2  # no lease asked for beyond max_leases
+
+
+def test_a_lease_that_comes_while_one_is_in_hand_is_kept(tmp_path: Path) -> None:
+    """Settling the courier with a lease still in hand keeps the one the answer brought, after it (a dropped lease
+    would count against the node's allowance until it expired)."""
+    client = FakeClient()
+    node = _node(tmp_path, client)
+    assert node.step()  # L1 generated and handed over (asking for L3); L2 asked for ahead and in hand
+    node.work.settle()  # L3 arrives while L2 is in hand
+    assert node.step() and node.step()
+    node.work.close()
+    assert node.generated == ["L1", "L2", "L3"] and client.lease_calls == 2
