@@ -154,7 +154,7 @@ class Work:
     def submit(self, submission: RolloutSubmission) -> None:
         """Submit, asking for the next lease in the same answer (unless stopping or at max_leases), and count the
         outcome. A refusal of the node itself is raised; any other refusal is counted and the work goes on."""
-        self.next_lease = self._send(submission, self._wants_another())
+        self._keep(self._send(submission, self._wants_another()))
 
     def _send(self, submission: RolloutSubmission, ask_next: bool) -> Lease | None:
         """Submit (with `ask_next`, asking for the next lease in the same answer: one round trip fewer) and count the
@@ -219,7 +219,10 @@ class Work:
         future, self._in_flight = self._in_flight, None
         if future is None:
             return
-        lease = future.result()
+        self._keep(future.result())
+
+    def _keep(self, lease: Lease | None) -> None:
+        """Keep a lease granted: as `next_lease`, or after it when one is in hand already."""
         if lease is not None:
             if self.next_lease is None:
                 self.next_lease = lease

@@ -203,3 +203,17 @@ def test_a_lease_that_comes_while_one_is_in_hand_is_kept(tmp_path: Path) -> None
     assert node.step() and node.step()
     node.work.close()
     assert node.generated == ["L1", "L2", "L3"] and client.lease_calls == 2
+
+
+def test_switching_pipelining_off_keeps_the_leases_in_hand(tmp_path: Path) -> None:
+    """Two leases in hand when pipelining is turned off: each is worked on, none dropped for the one a submission
+    brings."""
+    import dataclasses
+
+    client = FakeClient()
+    node = _node(tmp_path, client)
+    assert node.step()
+    node.work.settle()  # L2 and L3 in hand
+    node.work.cfg = dataclasses.replace(node.work.cfg, pipeline=False)
+    assert node.step() and node.step() and node.step()
+    assert node.generated == ["L1", "L2", "L3", "L4"] and client.submitted == node.generated
