@@ -132,6 +132,9 @@ class Verifier:
             if why is not None:
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {why}"))
                 continue
+            if self._over_budget(g):  # deferred before any work on it; it keeps its draw: see verifier.budget
+                self.stats.deferred += 1
+                continue
             try:
                 weights = self.models.get(g.policy_version)
             except VersionUnavailable as e:
@@ -162,9 +165,6 @@ class Verifier:
             if g.node_id in banned_here:  # the ban drops it anyway: no draw, no check
                 verdicts.append(Verdict(group_id=g.group_id, accepted=False,
                                         reason="not checked: another group of this node failed its checks"))
-                continue
-            if self._over_budget(g):
-                self.stats.deferred += 1  # it keeps its draw: see verifier.budget
                 continue
             check = self.policy.decide(g.node_checks_passed, g.node_held + held_here[g.node_id], g.draw)
             if check.full:

@@ -139,6 +139,9 @@ class GroupCommit:
             return
         while self._queue:
             self.commit_due()
+        with self._ready:  # a commit another thread started (the serving thread's) ends before its connection closes
+            while self._committing:
+                self._ready.wait(timeout=1.0)
         self._close_connection()
 
     def due_in(self) -> float | None:
@@ -191,6 +194,7 @@ class GroupCommit:
                 self._committing = False
                 self.batches += 1
                 self.writes += len(batch)
+                self._ready.notify_all()
             for w in batch:
                 if w.done is not None:
                     w.done(w.error, w.result)
