@@ -49,20 +49,18 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from swarmrl.protocol.tasks import Problem, Task
+from swarmrl.protocol.tasks import Problem
 from swarmrl.runtime.errors import UserError
+from swarmrl.tasks.heldout import IndexedTask
 from swarmrl.tasks.templates import question_template
 
 REPLAY_CHECK_ITEMS = 32
 """Items of each range (held-out, training) generated again in another process when the task loads."""
-MAX_DRAWS = 10_000
-"""Training draws that may land on held-out questions in a row before the task says it has too few problems."""
 ENTRY_CACHE = 4096
 """Regenerated items kept (a group's rollouts, and the held-out set, score against the same item many times)."""
 MAX_ANSWER_CHARS = 4096
@@ -214,7 +212,7 @@ def check_replay(options: ReasoningGymOptions) -> None:
     _REPLAYED.add(key)
 
 
-class ReasoningGymTask(Task):
+class ReasoningGymTask(IndexedTask):
     """Items of a reasoning-gym mixture, regenerated from the signed options on every role (module docstring)."""
 
     name = "reasoning_gym"
@@ -245,29 +243,8 @@ class ReasoningGymTask(Task):
         return Problem(prompt=self.options.template.format(question=entry["question"]),
                        answer=f"{index}:{item_digest(entry)}", solution=solution)
 
-    @cached_property
-    def _eval(self) -> tuple[Problem, ...]:
-        seen: dict[str, Problem] = {}
-        for i in range(self.options.eval_size):
-            p = self._problem(i)
-            seen.setdefault(p.prompt, p)
-        return tuple(seen.values())
-
-    @cached_property
-    def _eval_prompts(self) -> frozenset[str]:
-        return frozenset(p.prompt for p in self._eval)
-
-    def eval_set(self) -> tuple[Problem, ...]:
-        return self._eval
-
-    def sample(self, rng: random.Random) -> Problem:
-        for _ in range(MAX_DRAWS):
-            p = self._problem(rng.randrange(self.options.eval_size, self.options.size))
-            if p.prompt not in self._eval_prompts:
-                return p
-        raise RuntimeError(f"reasoning_gym: {MAX_DRAWS} training draws in a row were held-out questions: the "
-                           "datasets' configs allow too few distinct problems for eval_size "
-                           f"{self.options.eval_size}")
+    def _items(self) -> int:
+        return self.options.size
 
     def entry(self, answer: str) -> dict[str, Any]:
         """The item a stored answer (`"<index>:<digest>"`) names, regenerated and checked against its digest."""

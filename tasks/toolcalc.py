@@ -16,13 +16,13 @@ import ast
 import random
 import re
 from collections.abc import Sequence
-from functools import cached_property
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarmrl.protocol.episodes import Environment
-from swarmrl.protocol.tasks import EvalSettings, Problem, Task
+from swarmrl.protocol.tasks import EvalSettings, Problem
+from swarmrl.tasks.heldout import DrawnTask, digits_reward
 
 _CALL = re.compile(r"\s*calc\s+(.{1,64}?)\s*")
 _OPS = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__}
@@ -81,7 +81,7 @@ class ToolArithmeticOptions(BaseModel):
     max_turns: int = Field(2, ge=1, le=16, description="Model turns of a held-out episode (the run's max_turns).")
 
 
-class ToolArithmeticTask(Task):
+class ToolArithmeticTask(DrawnTask):
     """`What is 37 * 48?` -> `1776`, scored on the episode's last model turn; the reference episode calls the
     calculator, then copies its answer."""
 
@@ -91,10 +91,7 @@ class ToolArithmeticTask(Task):
 
     def __init__(self, options: ToolArithmeticOptions | None = None, data_dir: Path | None = None):
         super().__init__(options or ToolArithmeticOptions(), data_dir or Path.cwd())
-        n = 9 * 10 ** (self.options.digits - 1)
-        if self.options.eval_size > n * n // 2:
-            raise ValueError(f"eval_size {self.options.eval_size} leaves too few {self.options.digits}-digit "
-                             "problems to train on")
+        self._require_room((9 * 10 ** (self.options.digits - 1)) ** 2)
 
     def _draw(self, rng: random.Random) -> Problem:
         lo, hi = 10 ** (self.options.digits - 1), 10**self.options.digits - 1
@@ -102,32 +99,9 @@ class ToolArithmeticTask(Task):
         return Problem(prompt=f"What is {a} * {b}?", answer=str(a * b), solution=str(a * b),
                        solution_turns=(f"calc {a} * {b}", str(a * b)))
 
-    @cached_property
-    def _eval(self) -> tuple[Problem, ...]:
-        rng = random.Random(self.options.eval_seed)
-        seen: dict[str, Problem] = {}
-        while len(seen) < self.options.eval_size:
-            p = self._draw(rng)
-            seen.setdefault(p.prompt, p)
-        return tuple(seen.values())
-
-    def eval_set(self) -> tuple[Problem, ...]:
-        return self._eval
-
-    def sample(self, rng: random.Random) -> Problem:
-        held_out = {p.prompt for p in self._eval}
-        while True:
-            p = self._draw(rng)
-            if p.prompt not in held_out:
-                return p
-
     def reward(self, completion: str, answer: str) -> float:
         """1 for the exact product; else a quarter point scaled by the digits in the right place."""
-        text = completion.strip()
-        if text == answer:
-            return 1.0
-        right = sum(1 for a, b in zip(text, answer, strict=False) if a == b)
-        return 0.25 * right / max(len(answer), len(text), 1)
+        return digits_reward(completion, answer, 0.25)
 
     def is_correct(self, completion: str, answer: str) -> bool:
         return completion.strip() == answer

@@ -48,13 +48,13 @@ import os
 import random
 import subprocess
 import sys
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swarmrl.protocol.tasks import EvalSettings, Problem, Task
+from swarmrl.protocol.tasks import EvalSettings, Problem
+from swarmrl.tasks.heldout import IndexedTask
 from swarmrl.tasks.verifierscommon import (
     VerifiersRefused,
     import_ref,
@@ -67,8 +67,6 @@ from swarmrl.tasks.verifierscommon import (
 
 REPLAY_CHECK_ITEMS = 16
 """Tasks of each range (held-out, training) loaded and scored again in another process when the task loads."""
-MAX_DRAWS = 10_000
-"""Training draws that may land on held-out prompts in a row before the task says it has too few tasks."""
 PROBE_COMPLETIONS = ("", "0", "The answer is 42.")
 """Completions every checked task is scored on in the replay check (with the task's `answer` field, if it has one)."""
 _HOOKS_OFF = ("setup", "finalize", "stage_verifier")
@@ -181,7 +179,7 @@ def row_refusal(index: int, task: Any, options: VerifiersOptions) -> str | None:
     return None
 
 
-class VerifiersTask(Task):
+class VerifiersTask(IndexedTask):
     """Tasks of a verifiers taskset, loaded again from the signed options on every role (module docstring)."""
 
     name = "verifiers"
@@ -207,28 +205,8 @@ class VerifiersTask(Task):
         task = self._tasks[index]
         return Problem(prompt=self._preamble.prompt(task), answer=f"{index}:{task.hash[:16]}")
 
-    @cached_property
-    def _eval(self) -> tuple[Problem, ...]:
-        seen: dict[str, Problem] = {}
-        for i in range(self.options.eval_size):
-            p = self._problem(i)
-            seen.setdefault(p.prompt, p)
-        return tuple(seen.values())
-
-    @cached_property
-    def _eval_prompts(self) -> frozenset[str]:
-        return frozenset(p.prompt for p in self._eval)
-
-    def eval_set(self) -> tuple[Problem, ...]:
-        return self._eval
-
-    def sample(self, rng: random.Random) -> Problem:
-        for _ in range(MAX_DRAWS):
-            p = self._problem(rng.randrange(self.options.eval_size, len(self._tasks)))
-            if p.prompt not in self._eval_prompts:
-                return p
-        raise RuntimeError(f"verifiers: {MAX_DRAWS} training draws in a row were held-out prompts: the taskset has "
-                           f"too few distinct prompts for eval_size {self.options.eval_size}")
+    def _items(self) -> int:
+        return len(self._tasks)
 
     def task(self, answer: str) -> Any:
         """The verifiers task a stored answer (`"<index>:<hash>"`) names, checked against its hash."""
