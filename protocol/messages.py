@@ -84,6 +84,12 @@ class Rollout(Strict):
                                "alternating, model first and last (`protocol.episodes`); empty: one model turn.")
 
 
+MAX_VERSION_SPANS = 64
+"""Most version spans one group may record (in-flight updates, `RolloutGroup.version_spans`)."""
+VersionSpan = tuple[Index64, Index64]
+"""(index of the span's first completion token, the policy version that generated the span's tokens)."""
+
+
 class RolloutGroup(Strict):
     prompt_id: str = Field(max_length=64)
     prompt_ids: list[Int64] = Field(max_length=MAX_PROMPT_TOKENS, description="Prompt as tokenized by the node.")
@@ -92,6 +98,26 @@ class RolloutGroup(Strict):
                                        "Ed25519 signature of this group, its lease, policy version and node id "
                                        "(`protocol.groupsig`): the verifier and the trainer check it themselves and "
                                        "refuse the group without it. Clients sign every group they submit.")
+    version_spans: list[VersionSpan] = Field(
+        default_factory=list, max_length=MAX_VERSION_SPANS, description="In-flight updates "
+        "(`SamplingSpec.in_flight_updates`): the version that generated each span of tokens, as (first token index, "
+        "version) pairs: the first at token 0 with the submission's policy_version (the oldest), then indices and "
+        "versions increasing; a span runs up to the next one's first token, in every rollout of the group. Empty: "
+        "every token from the submission's policy_version.")
+
+    @field_validator("version_spans")
+    @classmethod
+    def _spans_increase(cls, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if spans and spans[0][0] != 0:
+            raise ValueError(f"the first version span starts at token {spans[0][0]}, not 0")
+        for (a, v), (b, w) in zip(spans, spans[1:], strict=False):
+            if not (b > a and w > v):
+                raise ValueError(f"version spans ({a}, {v}) then ({b}, {w}): token indices and versions must increase")
+        return spans
+
+    def span_versions(self, policy_version: int) -> list[tuple[int, int]]:
+        """(first token index, version) of every span, for a group of a submission at `policy_version`."""
+        return list(self.version_spans) or [(0, policy_version)]
 
 
 class RolloutSubmission(Strict):
@@ -103,6 +129,14 @@ class RolloutSubmission(Strict):
         None, description="Ask for the next lease in the same request: the answer's `next_lease` holds it, granted "
         "once this submission has settled its lease, as POST /v1/lease would grant it. One round trip per lease "
         "instead of two.")
+
+    @model_validator(mode="after")
+    def _spans_start_at_the_version(self) -> RolloutSubmission:
+        for g in self.groups:
+            if g.version_spans and g.version_spans[0][1] != self.policy_version:
+                raise ValueError(f"group {g.prompt_id[:64]!r}: its first version span is of version "
+                                 f"{g.version_spans[0][1]}, the submission's policy_version is {self.policy_version}")
+        return self
 
 
 ALREADY_SUBMITTED = "already submitted"

@@ -42,6 +42,14 @@ class SamplingSpec(Strict):
     max_episode_tokens: int | None = Field(
         None, ge=1, le=MAX_COMPLETION_TOKENS, description="Tokens of a whole episode, the environment's included: a "
         "reply that leaves no room for a model token ends the episode ('length'). None: max_tokens x max_turns.")
+    in_flight_updates: bool = Field(
+        False, description="Nodes may load a newer policy version between decode chunks of a lease, without "
+        "draining: each group then records the version of every span of its tokens (`RolloutGroup.version_spans`), "
+        "the verifier replays each span with its version, and staleness is judged by the oldest span. Needs "
+        "max_staleness >= 1 and single-turn episodes.")
+    update_chunk_tokens: int = Field(
+        16, ge=1, le=MAX_COMPLETION_TOKENS, description="With in_flight_updates: tokens decoded between two looks "
+        "for a newer version (a span starts at a multiple of it).")
 
     @property
     def episode_tokens(self) -> int:
@@ -109,6 +117,9 @@ class RunSpec(Strict):
         if self.sampling.max_turns == 1 and self.environment is not None:
             raise ValueError("[run.environment] is set but sampling.max_turns is 1: set max_turns to the model turns "
                              "an episode may have")
+        if self.sampling.in_flight_updates and (self.sampling.max_turns > 1 or self.max_staleness < 1):
+            raise ValueError("sampling.in_flight_updates needs max_staleness >= 1 (a group then spans versions) and "
+                             "sampling.max_turns = 1 (multi-turn episodes cannot change versions mid-episode)")
         return self
 
     def mismatch(self, expected: RunSpec) -> str | None:

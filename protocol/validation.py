@@ -9,6 +9,10 @@
   token ids that can be token ids, logprobs that can be logprobs. The coordinator calls it on every submission,
   so everything behind it (the verifier's checks, the trainer) sees only groups of this shape; what needs the
   model's tokenizer (prompt tokens, vocabulary, stop tokens, termination, environment turns) is the verifier's.
+- `version_spans_problem`: with in-flight updates (`SamplingSpec.in_flight_updates`) a group's tokens come from
+  several versions, one per span (`RolloutGroup.version_spans`); staleness is judged by the oldest (the
+  submission's policy_version), and the newest may be no newer than the newest version published, nor more than k
+  versions after the oldest.
 """
 
 from __future__ import annotations
@@ -37,6 +41,21 @@ def is_fresh(version: int, reference: int, max_staleness: int) -> bool:
     return staleness_problem(version, reference, max_staleness) is None
 
 
+def version_spans_problem(group: RolloutGroup, policy_version: int, max_staleness: int,
+                          newest_published: int | None = None) -> str | None:
+    """Why the version spans of `group`, of a submission at `policy_version`, cannot be, or None. With
+    `newest_published` (the coordinator's current version), a span of a later version is a problem too."""
+    spans = group.span_versions(policy_version)
+    oldest, newest = spans[0][1], spans[-1][1]
+    if oldest != policy_version:
+        return f"the first version span is of version {oldest}, the submission's policy_version is {policy_version}"
+    if newest - oldest > max_staleness:
+        return f"version spans from {oldest} to {newest}: more than max_staleness {max_staleness} versions apart"
+    if newest_published is not None and newest > newest_published:
+        return f"a version span of version {newest}, newer than the newest published {newest_published}"
+    return None
+
+
 def group_problem(group: RolloutGroup, seeds: Sequence[int], sampling: SamplingSpec) -> str | None:
     """Why `group` does not have the shape of a group leased with `seeds` and `sampling`, or None."""
     if len(group.rollouts) != sampling.group_size:
@@ -44,6 +63,12 @@ def group_problem(group: RolloutGroup, seeds: Sequence[int], sampling: SamplingS
     if Counter(r.seed for r in group.rollouts) != Counter(seeds):
         return "rollout seeds do not match the leased seeds"
     # Builtins over whole lists (min, max, map): a coordinator checks every token of every submission.
+    if len(group.version_spans) > 1:
+        if not sampling.in_flight_updates:
+            return "version spans, but this run has no in-flight updates (sampling.in_flight_updates)"
+        longest = max(len(r.completion_ids) for r in group.rollouts)
+        if group.version_spans[-1][0] >= longest:
+            return f"a version span starts at token {group.version_spans[-1][0]}, past every rollout's last token"
     if group.prompt_ids and min(group.prompt_ids) < 0:
         return "negative token id in the prompt"
     for i, r in enumerate(group.rollouts):

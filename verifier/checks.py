@@ -38,7 +38,7 @@ from swarmrl.protocol.episodes import Environment, model_spans
 from swarmrl.protocol.messages import PendingGroup
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.tasks import Scored, Task
-from swarmrl.protocol.validation import group_problem, staleness_problem
+from swarmrl.protocol.validation import group_problem, staleness_problem, version_spans_problem
 
 REWARD_CLAIM_TOL = 1e-6
 
@@ -71,7 +71,14 @@ class CheckContext:
 
 
 def check_versions(g: PendingGroup, ctx: CheckContext) -> str | None:
-    problem = staleness_problem(g.policy_version, g.lease_version, ctx.run.max_staleness)
+    """The group's versions against its lease's. With in-flight updates a node may hold, when it starts a lease,
+    a version published after the lease was granted (the coordinator refused any span newer than its current
+    version at submission): the oldest span may then be up to max_staleness versions after the lease's."""
+    k = ctx.run.max_staleness
+    reference = g.lease_version + (k if g.sampling.in_flight_updates else 0)
+    problem = staleness_problem(g.policy_version, reference, k if reference == g.lease_version else 2 * k)
+    if problem is None:
+        problem = version_spans_problem(g.group, g.policy_version, k)
     return None if problem is None else f"against the lease's version: {problem}"
 
 

@@ -21,6 +21,11 @@ exactly when the whole check would have failed: stopping early changes what the 
 verdict. `Staging(early_exit=False)` checks everything of every group (calibration, and the byzantine suite's
 account of which layer catches which attack).
 
+In-flight updates (`RolloutGroup.version_spans`): a group whose tokens come from several versions is checked once
+per version, with that version's model, on the tokens of that version's spans only (the prefill runs over the
+prompt and every token before them, so each token is judged by the very logits that chose it). A span whose
+claimed version is not the one that generated it fails replay, logprobs and proof like any other forgery.
+
 Memory: logits exist only for the positions being scored, at most `logit_memory_mb` of float64 [positions,
 vocab] at a time; the final hidden states ([tokens, hidden]) of a rollout are kept for its proof.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +102,8 @@ class _Rollout:
     proof: wire.Proof | None
     turns: list[int] = field(default_factory=list)
     """Turn lengths of a multi-turn episode (`protocol.episodes`); empty: one model turn."""
+    windows: list[tuple[int, int]] | None = None
+    """The token ranges [a, b) checked (those of one version's spans); None: every token."""
     max_gap: float = 0.0
     gap_pos: int = 0
     mismatches: int = 0
@@ -111,7 +119,7 @@ class _Rollout:
         """The same rollout, nothing scored, its completion cut to `n` tokens (the probe)."""
         k = len(self.tokens) if n is None else min(n, len(self.tokens))
         return _Rollout(self.group, self.index, self.prompt, self.tokens[:k], self.claimed[:k], self.seed,
-                        self.temperature, self.proof, self.turns)
+                        self.temperature, self.proof, self.turns, self.windows)
 
     def model_pieces(self, a: int, b: int) -> list[tuple[int, int, int, int, int]]:
         """The model-sampled stretches of tokens a..b-1: (start, end, seed, position of start within its turn, index
@@ -119,33 +127,84 @@ class _Rollout:
         replayed by `models.episodes.episode_problem`, not sampled."""
         out, before = [], 0
         for k, (s, e) in enumerate(model_spans(self.turns, len(self.tokens))):
-            lo, hi = max(a, s), min(b, e)
-            if lo < hi:
-                out.append((lo, hi, turn_seed(self.seed, k), lo - s, before + lo - s))
+            for wa, wb in self.windows if self.windows is not None else [(s, e)]:
+                lo, hi = max(a, s, wa), min(b, e, wb)
+                if lo < hi:
+                    out.append((lo, hi, turn_seed(self.seed, k), lo - s, before + lo - s))
             before += e - s
         return out
 
 
 def full_check(groups: list[PendingGroup], policy: PolicyModel, tol: Tolerances, max_batch_tokens: int = 16384,
-               staging: Staging | None = None, rng: random.Random | None = None) -> list[GroupReport]:
-    """One report per group, in order."""
+               staging: Staging | None = None, rng: random.Random | None = None,
+               others: Mapping[int, PolicyModel] | None = None) -> list[GroupReport]:
+    """One report per group, in order. Groups whose tokens span several versions (in-flight updates) need the model
+    of each: `policy` is that of the groups' policy_version, `others` those of the later spans' versions."""
     staging = staging or Staging()
     rng = rng or random.SystemRandom()
     reports = [GroupReport() for _ in groups]
     rollouts = [[_Rollout(gi, i, g.group.prompt_ids, r.completion_ids, r.logprobs, r.seed, g.sampling.temperature,
                           wire.decode(r.proof) if r.proof is not None else None, list(r.turns))
                  for i, r in enumerate(g.group.rollouts)] for gi, g in enumerate(groups)]
-    run = _Run(policy, tol, staging, max_batch_tokens, reports, [g.node_id for g in groups])
-    if staging.early_exit and staging.probe_tokens > 0:
-        probes = [rs[rng.randrange(len(rs))].fresh(staging.probe_tokens) for rs in rollouts]
-        run.stage([[p] for p in probes], "probe", single_span=True)
-    run.stage([[r.fresh() for r in rs] for rs in rollouts], "chunk", single_span=False)
+    nodes, failed_nodes = [g.node_id for g in groups], set[str]()
+    if all(len(g.group.version_spans) <= 1 for g in groups):
+        _check(_Run(policy, tol, staging, max_batch_tokens, reports, nodes, failed_nodes), rollouts, rng)
+    else:
+        models = {g.policy_version: policy for g in groups} | dict(others or {})
+        spans = [_windows(g) for g in groups]
+        for v in sorted({v for by_version in spans for v in by_version}):
+            if v not in models:
+                raise ValueError(f"a group has a span of version {v}, but no model of that version was given")
+            part = [GroupReport() for _ in groups]
+            mine = [[_Rollout(**{**r.__dict__, "windows": w}).fresh(w[-1][1]) for r in rs
+                     if (w := spans[gi].get(v)) and len(r.tokens) > w[0][0]] for gi, rs in enumerate(rollouts)]
+            _check(_Run(models[v], tol, staging, max_batch_tokens, part, nodes, failed_nodes), mine, rng)
+            for whole, one in zip(reports, part, strict=True):
+                _merge(whole, one, v)
     for rep in reports:
         if not rep.stage:
             rep.stage = "complete"
         rep.reason = rep.failures[0] if rep.failures else ("not checked: another group of this node failed its "
                                                            "full check first" if rep.skipped else None)
     return reports
+
+
+def _check(run: _Run, rollouts: list[list[_Rollout]], rng: random.Random) -> None:
+    """The stages (probe, then chunks) over these rollouts, per group (a group may have none)."""
+    if run.staging.early_exit and run.staging.probe_tokens > 0:
+        probes = [[rs[rng.randrange(len(rs))].fresh(run.staging.probe_tokens)] if rs else [] for rs in rollouts]
+        run.stage(probes, "probe", single_span=True)
+    run.stage([[r.fresh() for r in rs] for rs in rollouts], "chunk", single_span=False)
+
+
+def _windows(g: PendingGroup) -> dict[int, list[tuple[int, int]]]:
+    """Per version, the token ranges [a, b) of its spans (`RolloutGroup.version_spans`)."""
+    spans = g.group.span_versions(g.policy_version)
+    out: dict[int, list[tuple[int, int]]] = {}
+    for (a, v), (b, _) in zip(spans, spans[1:] + [(2**62, -1)], strict=True):
+        out.setdefault(v, []).append((a, b))
+    return out
+
+
+def _merge(whole: GroupReport, part: GroupReport, version: int) -> None:
+    """Add what one version's check of a group measured to the group's report."""
+    if part.failures and not whole.failures:
+        whole.stage = f"version {version} {part.stage}"
+    whole.failures += [f"version {version} span: {f}" for f in part.failures]
+    checked = whole.proof_checked + part.proof_checked
+    if checked:
+        whole.proof_mean_ulp = (whole.proof_mean_ulp * whole.proof_checked +
+                                part.proof_mean_ulp * part.proof_checked) / checked
+    whole.proof_checked = checked
+    whole.max_logprob_diff = max(whole.max_logprob_diff, part.max_logprob_diff)
+    whole.max_replay_gap = max(whole.max_replay_gap, part.max_replay_gap)
+    whole.proof_max_ulp = max(whole.proof_max_ulp, part.proof_max_ulp)
+    whole.replay_mismatches += part.replay_mismatches
+    whole.tokens += part.tokens
+    whole.prefill_tokens += part.prefill_tokens
+    whole.seconds += part.seconds
+    if part.skipped and not whole.failures:
+        whole.skipped, whole.stage = True, "skipped"
 
 
 @dataclass(frozen=True)
@@ -168,10 +227,11 @@ class _Run:
     """One call's state: the reports, which groups have failed and which nodes."""
 
     def __init__(self, policy: PolicyModel, tol: Tolerances, staging: Staging, max_batch_tokens: int,
-                 reports: list[GroupReport], nodes: list[str]):
+                 reports: list[GroupReport], nodes: list[str], failed_nodes: set[str]):
         self.policy, self.tol, self.staging, self.max_batch_tokens = policy, tol, staging, max_batch_tokens
         self.reports, self.nodes = reports, nodes
-        self.failed_nodes: set[str] = set()
+        self.failed_nodes = failed_nodes
+        """Nodes that failed a group in this call (shared by the calls of each version)."""
         vocab = policy.model.get_output_embeddings().weight.shape[0]
         self.rows_per_call = max(1, (staging.logit_memory_mb << 20) // (vocab * 8 * _TEMPORARIES))
 

@@ -173,13 +173,17 @@ class Verifier:
                 held_here[g.node_id] += 1
                 verdicts.append(self._scored(g, ctx, check))
         for version, items in full.items():
+            # In-flight updates: the later spans' versions too (the cache keeps max_staleness + 1 versions, all a
+            # group may span, so loading them evicts none of these).
+            later = sorted({v for g, _, _ in items for _, v in g.group.version_spans} - {version})
             try:
                 weights = self.models.get(version)
+                others = {v: self.models.get(v) for v in later}
             except (VersionUnavailable, ManifestError, OSError) as e:  # not the node's doing: no ban
                 verdicts.extend(Verdict(group_id=g.group_id, accepted=False, reason=f"cannot verify: {e}")
                                 for g, _, _ in items)
                 continue
-            verdicts.extend(self._full(weights, items))
+            verdicts.extend(self._full(weights, items, others))
         return sorted(verdicts, key=lambda v: v.group_id)
 
     def _over_budget(self, g: PendingGroup) -> bool:
@@ -210,15 +214,15 @@ class Verifier:
         return Verdict(group_id=g.group_id, accepted=True, rewards=rewards, checked=check.full,
                        vouches=check.vouches)
 
-    def _full(self, weights: PolicyModel, items: list[Item]) -> list[Verdict]:
+    def _full(self, weights: PolicyModel, items: list[Item], others: dict[int, PolicyModel]) -> list[Verdict]:
         t0 = time.perf_counter()
         try:
             reports: list[GroupReport | None] = list(full_check(
                 [g for g, _, _ in items], weights, self.cfg.tolerances, self.cfg.max_batch_tokens, self.staging,
-                self._rng))
+                self._rng, others))
         except Exception:
             log.exception("batched full check crashed; checking its %d groups one by one", len(items))
-            reports = [self._full_one(g, weights) for g, _, _ in items]
+            reports = [self._full_one(g, weights, others) for g, _, _ in items]
         self.stats.check_seconds += time.perf_counter() - t0
         out = []
         for (g, ctx, check), rep in zip(items, reports, strict=True):
@@ -240,10 +244,10 @@ class Verifier:
                 out.append(Verdict(group_id=g.group_id, accepted=False, reason=rep.reason, ban=True))
         return out
 
-    def _full_one(self, g: PendingGroup, weights: PolicyModel) -> GroupReport | None:
+    def _full_one(self, g: PendingGroup, weights: PolicyModel, others: dict[int, PolicyModel]) -> GroupReport | None:
         try:
             return full_check([g], weights, self.cfg.tolerances, self.cfg.max_batch_tokens, self.staging,
-                              self._rng)[0]
+                              self._rng, others)[0]
         except Exception:
             log.exception("full check of group %d crashed", g.group_id)
             return None
