@@ -159,8 +159,10 @@ class Node:
 
     def generate(self, lease: Lease) -> RolloutSubmission:
         """`lease`'s groups, generated with the weights loaded (`Work.generate`)."""
-        assert self.engine is not None and self.tokenizer is not None
-        return self.work.generate(lease, self.engine, self.tokenizer, self.environment())
+        assert self.engine is not None and self.tokenizer is not None and self._run_info is not None
+        run = self._run_info.spec  # in-flight updates: up to max_staleness versions past the one generation starts on
+        return self.work.generate(lease, self.engine, self.tokenizer, self.environment(), update=partial(
+            self.weights.load_in_flight, run.sampling.temperature, self.stats.held_version + run.max_staleness))
 
     def environment(self) -> Environment | None:
         """The run's environment (multi-turn runs), loaded once per run description; None for single-turn runs."""
@@ -187,6 +189,7 @@ class Node:
             if lease is None:
                 return False
         self.stats.count_lease()
+        self.work.newer_ok = run.max_staleness
         self.work.prefetch()  # pipelined: the next lease is asked for while this one is generated
         self.wait_for_weights(lease, run.max_staleness, run.sampling.temperature)
         t0 = time.perf_counter()

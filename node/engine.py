@@ -29,6 +29,9 @@ class GenerationRequest:
     """The coordinator's seed for this one rollout; it fixes the Gumbel noise at every position."""
     temperature: float | None = None
     """Sampling temperature of this request; None: the engine's default. Requests of one batch may differ."""
+    position: int = 0
+    """The completion position of the first token sampled (the sampling rule's position): a completion continued
+    from `prompt_ids` = prompt + its tokens so far (in-flight updates, `node.inflight`) starts where they end."""
     keep_states: bool = False
     """With proofs on: hand back the final hidden states (`Completion.states`) instead of a proof, for a caller that
     builds one proof over several generations (the model turns of an episode)."""

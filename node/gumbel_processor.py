@@ -39,6 +39,9 @@ TEMP_KEY = "swarmrl_temperature"
 """Key of the rollout's sampling temperature in `SamplingParams.extra_args`."""
 CAPTURE_KEY = "swarmrl_capture_key"
 """Key of a request's record id in `SamplingParams.extra_args`: its logprobs (and states) are recorded under it."""
+POSITION_KEY = "swarmrl_position"
+"""Key of the completion position of a request's first sampled token in `SamplingParams.extra_args` (0 if absent):
+a completion continued after a weight update samples on from where its tokens end."""
 STATES_KEY = "swarmrl_states"
 """Key of a flag in `SamplingParams.extra_args`: record the request's hidden states too (for proofs)."""
 
@@ -51,6 +54,8 @@ class _Row:
     """The request's live list of output token ids (vLLM appends to it): its length is the position."""
     key: int | None
     states: bool
+    offset: int = 0
+    """The completion position of the request's first output token."""
 
 
 # Worker-side state (one vLLM engine per process). The pre-hook stores the hidden states handed to the LM head;
@@ -139,7 +144,8 @@ class GumbelSamplingProcessor(LogitsProcessor):
                 return None
             key = extra.get(CAPTURE_KEY)
             return _Row(seed=int(extra[SEED_KEY]), temperature=float(extra[TEMP_KEY]), output_ids=output_ids,
-                        key=None if key is None else int(key), states=bool(extra.get(STATES_KEY, False)))
+                        key=None if key is None else int(key), states=bool(extra.get(STATES_KEY, False)),
+                        offset=int(extra.get(POSITION_KEY, 0)))
 
         process_dict_updates(self._rows, batch_update, new_state)
 
@@ -159,7 +165,8 @@ class GumbelSamplingProcessor(LogitsProcessor):
         temps = torch.tensor([s.temperature for s in state], dtype=torch.float64, device=dev)
         every_row = len(rows) == logits.shape[0]
         winners, logprobs = sampling.sample_with_logprobs(logits if every_row else logits[idx], seeds,
-                                                          torch.tensor(positions, device=dev), temps)
+                                                          torch.tensor([p + s.offset for p, s in zip(positions, state,
+                                                                       strict=True)], device=dev), temps)
         self._record(rows, state, positions, logprobs, hidden, logits.shape[0])
         # Only the winner stays finite. The argmax was taken in float64, as the protocol does: rounding perturbed
         # scores back to the logits' dtype could otherwise flip near-ties.

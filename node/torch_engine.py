@@ -119,6 +119,7 @@ class TorchEngine(InferenceEngine):
         # Seeds and temperatures go to the model's device once: the noise is computed there, next to the logits.
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64).to(dev)
         temps = torch.tensor([self._temperature(r) for r in requests], dtype=torch.float64).to(dev)
+        offsets = torch.tensor([r.position for r in requests], dtype=torch.int64).to(dev)
 
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -131,8 +132,7 @@ class TorchEngine(InferenceEngine):
         while active:
             rows = torch.tensor(active, dtype=torch.long, device=dev)
             rows_seeds = seeds[rows]
-            picked, picked_lp_t = sampling.sample_with_logprobs(logits, rows_seeds, torch.full_like(rows_seeds, step),
-                                                                temps[rows])
+            picked, picked_lp_t = sampling.sample_with_logprobs(logits, rows_seeds, offsets[rows] + step, temps[rows])
             picked_lp = picked_lp_t.tolist()
             picked_list = picked.tolist()
             step_states = self._last_state.cpu() if self.cfg.proofs else None

@@ -172,7 +172,14 @@ class VLLMEngine(InferenceEngine):
             return []
         from vllm import SamplingParams, TokensPrompt
 
-        from swarmrl.node.gumbel_processor import CAPTURE_KEY, SEED_KEY, STATES_KEY, TEMP_KEY, take_records
+        from swarmrl.node.gumbel_processor import (
+            CAPTURE_KEY,
+            POSITION_KEY,
+            SEED_KEY,
+            STATES_KEY,
+            TEMP_KEY,
+            take_records,
+        )
 
         keys = [next(self._capture_keys) for _ in requests]
         stops = sorted(self.stop_ids)
@@ -184,7 +191,7 @@ class VLLMEngine(InferenceEngine):
                 stop_token_ids=stops,
                 detokenize=False,
                 extra_args={SEED_KEY: int(r.seed), TEMP_KEY: self._temperature(r), CAPTURE_KEY: key,
-                            STATES_KEY: self.cfg.proofs},
+                            STATES_KEY: self.cfg.proofs, POSITION_KEY: int(r.position)},
             )
             for r, key in zip(requests, keys, strict=True)
         ]

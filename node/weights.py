@@ -192,6 +192,13 @@ class Weights(ReadyWeights):
             self.stats.held_version = version
         log.info("now generating with policy version %d", version)
 
+    def load_in_flight(self, temperature: float, max_version: int) -> int | None:
+        """Between two decode chunks (in-flight updates): `load` what is ready up to `max_version`; the version now
+        held, or None when nothing was loaded."""
+        before = self.stats.held_version
+        self.load(temperature, max_version)
+        return self.stats.held_version if self.stats.held_version != before else None
+
     def wait_once(self, lease: Lease, max_staleness: int) -> bool:
         """Wait a moment for weights recent enough that `lease`'s groups will be accepted; False when there is no
         more reason to wait (the weights held are fresh enough, the node is stopping, or waiting is hopeless).

@@ -1,0 +1,152 @@
+"""In-flight weight updates (`SamplingSpec.in_flight_updates`): a node loads a newer version between decode chunks,
+its groups record the version of each span of tokens, the verifier replays each span with its version, staleness is
+judged by the oldest span, and a node that lies about a span's version is caught and banned.
+
+The pool tests run a real coordinator on loopback and the real verifier; the node engine is the torch one (and vLLM
+on the CPU, marked `vllm`)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from swarmrl.node.engine import EngineConfig, GenerationRequest
+from swarmrl.node.engines import build_engine
+from swarmrl.node.inflight import generate_in_flight
+from swarmrl.protocol import messages as m
+from swarmrl.protocol.run import RunSpec
+from swarmrl.protocol.validation import group_problem, version_spans_problem
+from swarmrl.testing.byzantine.harness import ScriptedNode, make_checkpoint, open_pool, perturb_checkpoint
+from swarmrl.testing.groups import pending_group
+from swarmrl.verifier.checks import CheckContext, check_versions
+
+SAMPLING = m.SamplingSpec(temperature=0.8, max_tokens=12, group_size=4, in_flight_updates=True, update_chunk_tokens=4)
+
+
+def _group(spans: list[tuple[int, int]], lengths: tuple[int, ...] = (12, 12, 5, 1)) -> m.RolloutGroup:
+    rollouts = [m.Rollout(seed=i, completion_ids=[3] * n, logprobs=[-0.5] * n, finish_reason="length")
+                for i, n in enumerate(lengths)]
+    return m.RolloutGroup(prompt_id="p", prompt_ids=[1, 2], rollouts=rollouts, version_spans=spans)
+
+
+# -- the protocol -------------------------------------------------------------------------------------------------
+
+def test_the_run_description_refuses_in_flight_updates_it_cannot_honour():
+    with pytest.raises(ValidationError, match="in_flight_updates needs max_staleness >= 1"):
+        RunSpec(max_staleness=0, sampling=SAMPLING)
+    assert RunSpec(max_staleness=1, sampling=SAMPLING).sampling.in_flight_updates
+    assert not m.SamplingSpec().in_flight_updates  # off unless the run says so
+
+
+@pytest.mark.parametrize("spans", [[(1, 0)], [(0, 0), (0, 1)], [(0, 1), (4, 1)], [(0, 2), (4, 1)]])
+def test_malformed_spans_are_refused_whole(spans):
+    with pytest.raises(ValidationError, match="version span"):
+        _group(spans)
+
+
+def test_the_first_span_is_the_submissions_version():
+    with pytest.raises(ValidationError, match="first version span is of version 1"):
+        m.RolloutSubmission(lease_id="l", policy_version=0, groups=[_group([(0, 1), (4, 2)])])
+    m.RolloutSubmission(lease_id="l", policy_version=1, groups=[_group([(0, 1), (4, 2)])])
+
+
+def test_spans_are_checked_against_the_run_and_the_published_versions():
+    two = _group([(0, 3), (4, 4)])
+    assert group_problem(two, seeds=[0, 1, 2, 3], sampling=SAMPLING) is None
+    assert "no in-flight updates" in group_problem(two, [0, 1, 2, 3], SAMPLING.model_copy(
+        update={"in_flight_updates": False}))
+    assert "past every rollout's last token" in group_problem(_group([(0, 3), (12, 4)]), [0, 1, 2, 3], SAMPLING)
+    assert version_spans_problem(two, 3, max_staleness=1, newest_published=4) is None
+    assert "newer than the newest published 3" in version_spans_problem(two, 3, 1, newest_published=3)
+    assert "more than max_staleness 1" in version_spans_problem(_group([(0, 3), (4, 5)]), 3, 1)
+    assert version_spans_problem(_group([]), 3, 1, newest_published=3) is None  # an old client's group
+
+
+@pytest.mark.parametrize(("oldest", "newest", "lease", "fine"), [
+    (3, 4, 3, True),     # swapped to a version published after the lease
+    (4, 5, 3, True),     # started on a version newer than the lease's (held when it was in hand): within k
+    (2, 3, 3, True),     # the oldest span is one behind
+    (1, 2, 3, False),    # the oldest span is two behind: stale, although the newest is not
+    (5, 6, 3, False),    # more than k after the lease
+])
+def test_staleness_is_judged_by_the_oldest_span(oldest, newest, lease, fine):
+    g = pending_group(group_id=1, prompt_text="1+1=", answer="2", sampling=SAMPLING, seeds=[0, 1, 2, 3],
+                      group=_group([(0, oldest), (4, newest)]), policy_version=oldest, lease_version=lease)
+    ctx = CheckContext(tokenizer=None, task=None, run=RunSpec(max_staleness=1, sampling=SAMPLING))  # type: ignore
+    assert (check_versions(g, ctx) is None) == fine, check_versions(g, ctx)
+
+
+# -- the node's chunks ------------------------------------------------------------------------------------------
+
+def test_chunked_generation_is_the_same_sample_as_one_go(tmp_path):
+    """Without a version change, chunks continued at their completion positions give the tokens of one call."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    engine = build_engine(EngineConfig(kind="torch"), ckpt, 0.8)
+    reqs = [GenerationRequest(prompt_ids=[1, 5, 6, 7], seed=s) for s in range(6)]
+    whole = engine.generate(reqs, max_tokens=12)
+    chunked, spans = generate_in_flight(engine, reqs, 12, 5, version=7, update=lambda: None)
+    assert spans == [(0, 7)]
+    assert [c.token_ids for c in chunked] == [c.token_ids for c in whole]
+    assert [c.finish_reason for c in chunked] == [c.finish_reason for c in whole]
+    assert max(abs(a - b) for c, w in zip(chunked, whole, strict=True) for a, b in zip(c.logprobs, w.logprobs,
+                                                                                       strict=True)) < 1e-5
+
+
+# -- a pool ---------------------------------------------------------------------------------------------------------
+
+class SpanLiar(ScriptedNode):
+    """Generates honestly with in-flight updates, then misreports the version spans of every group: `hide` claims
+    one version for all of it, `late` claims the change a chunk later than it was, `early` one token earlier."""
+
+    def __init__(self, cfg, lie: str):
+        super().__init__(cfg)
+        self.lie = lie
+
+    def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
+        groups = []
+        for g in submission.groups:
+            spans = list(g.version_spans)
+            if len(spans) == 2:
+                (a, v), (b, w) = spans
+                longest = max(len(r.completion_ids) for r in g.rollouts)
+                spans = {"hide": [], "late": [(a, v), (b + SAMPLING.update_chunk_tokens, w)] if
+                         b + SAMPLING.update_chunk_tokens < longest else [], "early": [(a, v), (b - 1, w)]}[self.lie]
+            groups.append(g.model_copy(update={"version_spans": spans}))
+        return submission.model_copy(update={"groups": groups})
+
+
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_two_version_groups_pass_and_span_liars_are_banned(tmp_path, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm", exc_type=ImportError)
+    v0 = make_checkpoint(tmp_path / "ckpt")
+    with open_pool(tmp_path, v0, sampling=SAMPLING, max_staleness=1) as pool:
+        honest = pool.node(name="honest", engine=engine, max_prompts=2)
+        liars = [pool.node(SpanLiar, name=f"liar-{lie}", max_prompts=2, lie=lie) for lie in ("hide", "late", "early")]
+        nodes = [honest, *liars]
+        try:
+            for n in nodes:
+                n.step()  # version 0; the lease that came with the submission is of version 0 too
+            pool.publish(perturb_checkpoint(v0, tmp_path / "v1", 0.02))
+            for n in nodes:
+                n.sync()  # version 1 is ready: not loaded for the lease of version 0 in hand ...
+                n.step()  # ... until the first chunk boundary, in place
+                assert n.stats.held_version == 1
+        finally:
+            for n in nodes:
+                n.engine.close()
+        sub = honest.last_submission
+        assert sub.policy_version == 0 and all(g.version_spans == [(0, 0), (4, 1)] for g in sub.groups)
+        assert pool.verify_all() == 4 * 4
+        assert [g["status"] for g in pool.groups(honest.node_id)] == ["accepted"] * 4
+        assert not pool.node_row(honest.node_id).banned
+        for liar in liars:
+            assert any(g.version_spans != t.version_spans for g, t in zip(
+                liar.last_submission.groups, sub.groups, strict=False)) or liar.lie == "hide"
+            rows = pool.groups(liar.node_id)
+            assert rows[-1]["status"] == "rejected", (liar.lie, rows)
+            # Caught by the replay of a span with the version it claims (or, first, the probe of the first span).
+            assert any(r["reason"].startswith("version ") for r in rows), [r["reason"] for r in rows]
+            assert pool.node_row(liar.node_id).banned, liar.lie
+        # The trainer's feed: the oldest span is the group's version.
+        assert {g.policy_version for g in pool.op.training_batch(0, 100).groups} == {0}
