@@ -22,6 +22,7 @@ from swarmrl.testing.byzantine.episodes import (
 from swarmrl.testing.groups import pending_group
 from swarmrl.testing.local import verify_groups
 from swarmrl.verifier.models import load_policy
+from tests.support.byzantine import run_with_honest
 
 ATTEMPTS = 2
 
@@ -31,16 +32,7 @@ def suite(tmp_path_factory):
     root = tmp_path_factory.mktemp("byzantine-episodes")
     with open_multi_turn_pool(root, make_multi_turn_checkpoint(root / "ckpt")) as pool:
         honest = [pool.node(name="honest-a", max_prompts=4), pool.node(name="honest-b", max_prompts=4)]
-
-        def honest_round() -> int:
-            for h in honest:
-                h.sync()
-                h.step()
-            return pool.verify_all()
-
-        honest_round()
-        results = run_multi_turn_suite(pool, ATTEMPTS, honest=honest_round)
-        honest_groups = [g for h in honest for g in pool.groups(h.node_id)]
+        results, honest_groups = run_with_honest(pool, honest, run_multi_turn_suite, ATTEMPTS)
         yield results, honest_groups, pool, honest
         for h in honest:
             h.engine.close()

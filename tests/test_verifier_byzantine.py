@@ -11,6 +11,7 @@ import pytest
 
 from swarmrl.testing.byzantine.attacks import ATTACKS, run_suite
 from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool
+from tests.support.byzantine import run_with_honest
 
 ATTEMPTS = 2
 
@@ -20,16 +21,7 @@ def suite(tmp_path_factory):
     root = tmp_path_factory.mktemp("byzantine")
     with open_pool(root, make_checkpoint(root / "ckpt")) as pool:
         honest = [pool.node(name="honest-a"), pool.node(name="honest-b")]
-
-        def honest_round() -> int:
-            for h in honest:
-                h.sync()
-                h.step()
-            return pool.verify_all()
-
-        honest_round()
-        results = run_suite(pool, ATTEMPTS, honest=honest_round)
-        honest_groups = [g for h in honest for g in pool.groups(h.node_id)]
+        results, honest_groups = run_with_honest(pool, honest, run_suite, ATTEMPTS)
         attackers = {g["node_id"] for g in pool.groups()} - {h.node_id for h in honest}
         yield results, honest_groups, pool, attackers
 
