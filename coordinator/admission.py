@@ -9,9 +9,9 @@ time passes, and lost by abandoning prompts (`allowance`):
     allowance   = max(1, floor(earned * reliability^2 * source_reliability^2))
 
 `age_s` is the time since the identity registered; `source_reliability` is the same share over every identity
-registered from its source (`source_record`), so that a machine whose identities abandon what they lease earns its
-next identity less. A burst of fast work earns no more than the time it took allows, and a lease left to expire
-costs as many prompts of allowance as it held (the hoarder pays for what it held with as much work, and as much
+registered from its source (`InFlight.source_record`), so that a machine whose identities abandon what they lease
+earns its next identity less. A burst of fast work earns no more than the time it took allows, and a lease left to
+expire costs as many prompts of allowance as it held (the hoarder pays for what it held with as much work, and as much
 time). No identity holds more than `max_identity_share` of the buffer (`identity_cap`), whatever it earned.
 
 A new identity (free to make) holds `new_identity_prompts`; a node that hoards (leases and never submits) sees
@@ -100,8 +100,8 @@ class AdmissionConfig(BaseModel):
 def allowance(node: NodeRow, cfg: AdmissionConfig, source: tuple[int, int] | None = None) -> int:
     """Prompts in flight `node` may hold (module docstring), its age taken at its `last_seen` (a lease request
     touches it first). `source`: (prompts leased, prompts abandoned) by every identity of its source
-    (`source_record`); without it, its own record alone. Never less than 1, so that an honest node whose leases
-    were lost can always earn its allowance back."""
+    (`InFlight.source_record`); without it, its own record alone. Never less than 1, so that an honest node whose
+    leases were lost can always earn its allowance back."""
     age = max(0.0, node.last_seen - node.registered_at)
     grown = min(cfg.prompts_per_accepted_group * node.groups_accepted, cfg.allowance_growth_per_s * age)
     # Abandoned prompts are taken from what was earned before the cap, so that a long record pays off an
@@ -147,18 +147,6 @@ def in_flight(tx: Tx, node: NodeRow, min_version: int, pending: dict[inflight.Ke
     transaction's `pending` counter moves (`coordinator.inflight`: a few counter rows, whatever the number of open
     leases)."""
     return inflight.read(tx, node, min_version, pending)
-
-
-_SOURCE_RECORD = Prepared(select(func.coalesce(func.sum(nodes.c.prompts_leased), 0),
-                                 func.coalesce(func.sum(nodes.c.prompts_abandoned), 0)).where(
-    nodes.c.source == bindparam("b_source")))
-
-
-def source_record(tx: Tx, source: str) -> tuple[int, int]:
-    """(prompts leased, prompts abandoned) by every identity registered from `source` (an index range over that
-    source's identities: a machine that makes many pays for them on its own requests)."""
-    leased, abandoned = _SOURCE_RECORD.first(tx, b_source=source)
-    return int(leased), int(abandoned)
 
 
 def counted_in_flight(flight: InFlight, cap: int) -> int:

@@ -24,9 +24,11 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from sqlalchemy import select
+
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import LeasePromptRow
-from swarmrl.coordinator.db.schema import LEASE_COUNTER
+from swarmrl.coordinator.db.schema import LEASE_COUNTER, LEASE_SEQUENCE
 from swarmrl.coordinator.db.store import EncodedJSON, Tx, add_to_counter, encode_json
 from swarmrl.coordinator.run_secret import RunSecret
 from swarmrl.protocol import messages as m
@@ -112,8 +114,16 @@ class LeaseComposer:
         seed = self.config.prompt_seed
         if seed is not None:
             assert tx is not None, "a reproducible prompt stream is drawn inside the granting transaction"
-            return random.Random(f"{seed}/{add_to_counter(tx, LEASE_COUNTER)}")
+            return random.Random(f"{seed}/{lease_number(tx)}")
         return random.Random(self.secret.derive("prompts", lease_id.encode()))
+
+
+def lease_number(tx: Tx) -> int:
+    """The next lease number (from 1): the counter row on SQLite, where writes take turns; on PostgreSQL a sequence,
+    so that concurrent grants do not wait on one row (a number a rolled-back grant took is skipped)."""
+    if tx.dialect.name == "postgresql":
+        return int(tx.execute(select(LEASE_SEQUENCE.next_value())).scalar_one())
+    return add_to_counter(tx, LEASE_COUNTER)
 
 
 class RecentLeases:

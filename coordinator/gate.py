@@ -38,7 +38,13 @@ from pydantic import BaseModel
 from swarmrl.coordinator.auth import Refused, Replayed, Signed, typed_payload
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.store import Store, Tx
-from swarmrl.coordinator.idempotency import Answered, check_key, previous_answer, request_digest
+from swarmrl.coordinator.idempotency import (
+    Answered,
+    check_key,
+    previous_answer,
+    record_nonce_and_find_answer,
+    request_digest,
+)
 from swarmrl.coordinator.nonces import record_nonce
 from swarmrl.coordinator.ratelimit import Buckets
 from swarmrl.protocol.refusals import RefusalCode
@@ -54,10 +60,15 @@ def admit(tx: Tx, req: Signed) -> None:
     """The start of every signed request's transaction: `Answered` with the stored answer when this is a retry of a
     request already applied, Refused(422) for an Idempotency-Key reused for another request, Replayed (409) for a
     nonce seen before; otherwise the nonce is recorded (committed with the request's effect)."""
-    earlier = previous_answer(tx, req)
+    if tx.dialect.name == "postgresql":  # one round trip for both
+        recorded, earlier = record_nonce_and_find_answer(tx, req)
+    else:
+        earlier, recorded = previous_answer(tx, req), None
     if earlier is not None:
         raise Answered(earlier)
-    if not record_nonce(tx, req.signer, req.sig.nonce, req.sig.ts):
+    if recorded is None:
+        recorded = record_nonce(tx, req.signer, req.sig.nonce, req.sig.ts)
+    if not recorded:
         raise Replayed()
 
 

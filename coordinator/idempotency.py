@@ -25,11 +25,11 @@ import re
 from dataclasses import dataclass
 
 from pydantic import BaseModel
-from sqlalchemy import bindparam, delete, select, tuple_
+from sqlalchemy import Double, and_, bindparam, delete, exists, literal, select, tuple_
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.db.fast import Prepared
-from swarmrl.coordinator.db.schema import idempotency_keys
+from swarmrl.coordinator.db.schema import idempotency_keys, nonces
 from swarmrl.coordinator.db.store import Tx, insert
 from swarmrl.protocol.refusals import RefusalCode
 
@@ -88,7 +88,29 @@ def previous_answer(tx: Tx, req: Signed) -> Answer | None:
     the key was used for a different request."""
     if req.idempotency_key is None:
         return None
-    row = _LOOKUP.first(tx, b_signer=req.signer, b_key=req.idempotency_key)
+    return _answer(req, _LOOKUP.first(tx, b_signer=req.signer, b_key=req.idempotency_key))
+
+
+# PostgreSQL: the nonce recorded and the stored answer looked up in one statement (one round trip, not two).
+_RECORDED = insert("postgresql", nonces).values(
+    ts=bindparam("b_ts", type_=Double), signer=bindparam("b_signer"), nonce=bindparam("b_nonce"),
+).on_conflict_do_nothing().returning(nonces.c.signer).cte("recorded")
+_ONE = select(literal(1).label("one")).subquery("one")
+_RECORD_AND_LOOKUP = Prepared(
+    select(exists(select(_RECORDED.c.signer)), _k.digest, _k.status, _k.body).select_from(_ONE.outerjoin(
+        idempotency_keys, and_(_k.signer == bindparam("b_signer"), _k.key == bindparam("b_key")))))
+
+
+def record_nonce_and_find_answer(tx: Tx, req: Signed) -> tuple[bool, Answer | None]:
+    """On PostgreSQL, `record_nonce` of `req` and `previous_answer` of it, in one statement: (whether its nonce is
+    new, the stored answer). Both are changes of `tx` only: an answer found or a replay refused rolls them back."""
+    recorded, digest, status, body = _RECORD_AND_LOOKUP.first(
+        tx, b_ts=req.sig.ts, b_signer=req.signer, b_nonce=req.sig.nonce, b_key=req.idempotency_key)
+    return bool(recorded), _answer(req, None if digest is None else (digest, status, body))
+
+
+def _answer(req: Signed, row: tuple[str, int, str] | None) -> Answer | None:
+    """The answer stored in `row` for an earlier try of `req`; Refused(422) if the key was used for another."""
     if row is None:
         return None
     digest, status, body = row

@@ -46,7 +46,7 @@ from sqlalchemy import BigInteger, Integer, and_, bindparam, case, delete, exist
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import in_flight as table
-from swarmrl.coordinator.db.schema import prompt_queue
+from swarmrl.coordinator.db.schema import nodes, prompt_queue
 from swarmrl.coordinator.db.store import Tx, insert
 
 STRIPES = 16
@@ -73,6 +73,12 @@ class InFlight:
     queued: bool = field(default=True, compare=False)
     """Whether a prompt waits in the queue that the requester did not abandon (read with the counters, in the same
     statement, so that a grant reads the queue only when one does: `admission.take_queued`). Not a count."""
+    source_record: tuple[int, int] = field(default=(0, 0), compare=False)
+    """(prompts leased, prompts abandoned) by every identity of the requester's source (`admission.allowance`),
+    read in the same statement."""
+    other_sources: int = field(default=0, compare=False)
+    """Sources other than the requester's whose unproven identities hold prompts in flight (`other_sources`), read in
+    the same statement."""
 
 
 def stripe(node_id: str) -> int:
@@ -133,6 +139,7 @@ def apply(tx: Tx, deltas: dict[Key, int]) -> None:
 
 
 _min = bindparam("b_min", type_=BigInteger)
+_o = table.alias("other")
 _src = bindparam("b_src")
 _SUMS = Prepared(select(
     func.coalesce(func.sum(case((and_(_c.cls == PROVEN, _c.policy_version >= _min), _c.n), else_=0)), 0),
@@ -140,13 +147,18 @@ _SUMS = Prepared(select(
     func.coalesce(func.sum(case((and_(_c.cls == UNPROVEN, _c.policy_version >= _min), _c.n), else_=0)), 0),
     func.coalesce(func.sum(case((_c.cls == SOURCE, _c.n), else_=0)), 0),
     exists().where(prompt_queue.c.abandoned_by != bindparam("b_node")),
+    # What else a grant reads, in the same round trip: the source's record and the other sources holding prompts.
+    select(func.coalesce(func.sum(nodes.c.prompts_leased), 0)).where(nodes.c.source == _src).scalar_subquery(),
+    select(func.coalesce(func.sum(nodes.c.prompts_abandoned), 0)).where(nodes.c.source == _src).scalar_subquery(),
+    select(func.count(func.distinct(_o.c.source))).where(_o.c.cls == SOURCE, _o.c.source != _src).scalar_subquery(),
 ).where(or_(_c.cls == PROVEN, _c.cls == UNPROVEN, and_(_c.cls == SOURCE, _c.source == _src))))
 
 
 def read(tx: Tx, node: NodeRow, min_version: int, pending: dict[Key, int] | None = None) -> InFlight:
     """What is in flight, as seen by `node` (its row as read in this transaction) asking for a lease; usable: of
     policy version >= `min_version`. `pending`: counter moves of this transaction not yet applied, counted too."""
-    proven, unproven, usable, same, queued = _SUMS.first(tx, b_min=min_version, b_src=node.source, b_node=node.id)
+    proven, unproven, usable, same, queued, leased, abandoned, others = _SUMS.first(
+        tx, b_min=min_version, b_src=node.source, b_node=node.id)
     for (cls, source, version, _), n in (pending or {}).items():
         if cls == PROVEN:
             proven += n if version >= min_version else 0
@@ -155,14 +167,6 @@ def read(tx: Tx, node: NodeRow, min_version: int, pending: dict[Key, int] | None
             usable += n if version >= min_version else 0
         elif cls == SOURCE and source == node.source:
             same += n
-    return InFlight(node.in_flight, int(proven), int(unproven), int(usable), int(same), bool(queued))
+    return InFlight(node.in_flight, int(proven), int(unproven), int(usable), int(same), bool(queued),
+                    (int(leased), int(abandoned)), int(others))
 
-
-_OTHER_SOURCES = Prepared(select(func.count(func.distinct(_c.source))).where(_c.cls == SOURCE, _c.source != _src))
-
-
-def other_sources(tx: Tx, source: str) -> int:
-    """Sources other than `source` whose unproven identities hold prompts in flight (rows at zero are deleted, so
-    a row means prompts held). A transaction's own pending moves only ever settle its requester's leases, which are
-    of `source`: they change nothing here."""
-    return int(_OTHER_SOURCES.first(tx, b_src=source)[0])

@@ -125,7 +125,7 @@ class Leases:
         if node.in_flight and admission.settle_own_expired(tx, node.id, now, adm.sweep_batch, deltas):
             node = require_node(tx, node.id)
         flight = admission.in_flight(tx, node, min_version, deltas)
-        allowed = min(admission.allowance(node, adm, admission.source_record(tx, node.source)),
+        allowed = min(admission.allowance(node, adm, flight.source_record),
                       admission.identity_cap(adm, cfg.max_buffered_groups))
         if flight.own >= allowed:
             raise Refused(RefusalCode.PROMPTS_IN_FLIGHT,
@@ -142,7 +142,7 @@ class Leases:
         n = min(body.max_prompts, allowed - flight.own)
         if not admission.is_proven(node, adm):
             # Newcomers share the unproven share by source, in equal parts (`admission.source_share`).
-            part = admission.source_share(adm, cap, inflight.other_sources(tx, node.source) + 1)
+            part = admission.source_share(adm, cap, flight.other_sources + 1)
             n = min(n, part - flight.unproven_same_source, adm.max_unproven_prompts - flight.unproven)
         if n <= 0:
             granted = None  # its source's part of the unproven share is taken (or all of it): only newcomers wait

@@ -28,7 +28,7 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import load_config
 from tests.support.postgres import fresh_database, needs_pg
 
-HEAD = "0013"
+HEAD = "0014"
 """The newest migration's revision."""
 
 
@@ -485,6 +485,23 @@ def test_a_database_at_0009_gets_the_liveness_counters(store_url: str) -> None: 
     with _database_at(store_url, "0009", down=True) as conn:
         keys = {r[0] for r in conn.execute(text("SELECT key FROM kv"))}
         assert "feed_read" not in keys and "trainer_seen_at" not in keys and "feed_acked" in keys
+
+
+def test_lease_numbers_continue_through_0014_both_ways(store_url: str) -> None:  # noqa: F811
+    """Revision 0014 moves PostgreSQL's lease counter to a sequence that continues after the counter row's value
+    (SQLite keeps the row); a downgrade leaves the row at the last number handed out."""
+    from swarmrl.coordinator.compose import lease_number
+
+    with _database_at(store_url, "0013") as conn:
+        conn.execute(text(f"UPDATE kv SET value = 41 WHERE key = '{LEASE_COUNTER}'"))
+    s = Store(store_url)
+    try:
+        assert _revision(s) == HEAD
+        assert [s.write(lease_number) for _ in range(3)] == [42, 43, 44]
+    finally:
+        s.close()
+    with _database_at(store_url, "0013", down=True) as conn:
+        assert conn.execute(text(f"SELECT value FROM kv WHERE key = '{LEASE_COUNTER}'")).scalar_one() == 44
 
 
 def test_the_migrations_make_what_the_schema_says(store: Store) -> None:

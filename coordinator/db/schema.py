@@ -26,6 +26,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Sequence,
     Table,
     Text,
     UniqueConstraint,
@@ -247,7 +248,9 @@ TRAINER_SEEN_AT = "trainer_seen_at"
 VERIFIER_SEEN_AT = "verifier_seen_at"
 """When a verifier last claimed groups (Unix seconds; 0: never): the watchdog's."""
 LEASE_COUNTER = "lease_counter"
-"""Leases issued so far: with the prompt seed, it fixes each lease's prompts."""
+"""Leases issued so far: with the prompt seed, it fixes each lease's prompts (on SQLite; PostgreSQL: LEASE_SEQUENCE)."""
+LEASE_SEQUENCE = Sequence("lease_counter_seq", metadata=metadata)
+"""PostgreSQL's lease counter (migration 0014): numbers without a row lock that grants would wait on."""
 CURRENT_VERSION = "current_version"
 """The newest published policy version (-1 before the first)."""
 METRICS_REPORTS = "metrics_reports"

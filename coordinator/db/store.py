@@ -189,7 +189,9 @@ class Store:
             self._group = GroupCommit(self.engine, group_commit, self._writer_lock, realtime=realtime_committer,
                                       min_interval_s=commit_interval_s, threaded=committer_thread)
         elif self.dialect == "postgresql":
-            self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, pool_pre_ping=True, **json_args)
+            # No ping before each checkout (a round trip per transaction): a connection the server closed fails its
+            # transaction before the commit, and that transaction is run again on a new one (`_write_pg`, `read`).
+            self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, **json_args)
         else:
             raise ValueError(f"unsupported store_url {parsed.render_as_string()!r}: use sqlite:///... or "
                              "postgresql+psycopg://...")
@@ -239,6 +241,7 @@ class Store:
 
     def _write_pg(self, fn: Callable[[Tx], T], notify: bool, durable: bool) -> T:
         for attempt in range(RETRIES + 1):
+            committing = False
             try:
                 with self.engine.connect() as conn:
                     with conn.begin():
@@ -247,20 +250,31 @@ class Store:
                         result = fn(conn)
                         if notify:
                             conn.execute(_NOTIFY)  # delivered at commit
+                        committing = True
                 return result
             except DBAPIError as e:
-                if attempt == RETRIES or getattr(e.orig, "sqlstate", None) not in _TRANSIENT_SQLSTATES:
+                # A connection lost before the commit committed nothing: run it again on another. One lost during
+                # the commit may have committed: that is not known, so it is not run again.
+                lost = e.connection_invalidated and not committing
+                if attempt == RETRIES or not (lost or getattr(e.orig, "sqlstate", None) in _TRANSIENT_SQLSTATES):
                     raise
-                log.info("transaction conflict (%s); running it again", getattr(e.orig, "sqlstate", "?"))
+                log.info("transaction %s; running it again",
+                         "lost its connection" if lost else f"conflict ({getattr(e.orig, 'sqlstate', '?')})")
         raise AssertionError("unreachable")
 
     def read(self, fn: Callable[[Tx], T]) -> T:
         """`fn(tx)` in a read transaction (on SQLite one snapshot; on PostgreSQL each statement sees what was
         committed when it started). It must not write."""
-        with self.engine.connect() as conn:
-            conn.info[_BEGIN] = "BEGIN"
-            with conn.begin():
-                return fn(conn)
+        for attempt in range(RETRIES + 1):
+            try:
+                with self.engine.connect() as conn:
+                    conn.info[_BEGIN] = "BEGIN"
+                    with conn.begin():
+                        return fn(conn)
+            except DBAPIError as e:
+                if attempt == RETRIES or not e.connection_invalidated:
+                    raise  # a connection lost (the server restarted): read again on another
+        raise AssertionError("unreachable")
 
     # -- change notifications -------------------------------------------------------------------------
 
