@@ -2,7 +2,7 @@
 
 The HTTP protocol alone, driven in this process on one kept-alive connection (a transport that keeps what is written,
 an app that answers 200 at once), so that nothing but the protocol layer is measured: `before`, the server's
-protocol as it was (uvicorn's httptools protocol with coalesced writes, `httpwrites.CoalescingHttpProtocol`), and
+protocol as it was (uvicorn's httptools protocol, `HttpToolsProtocol`), and
 `after`, `GuardedHttpProtocol` under a `ConnectionGuard` with the app inside `RecordKeeper` (what
 `server.uvicorn_config` runs). Two kinds of request: a GET, and a POST with a 200-byte body from a source without a
 record (the record keeper watches its answer: the dearest case). Arms alternate; CPU time of this process.
@@ -23,11 +23,11 @@ import time
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from swarmrl.coordinator.connections import ConnectionConfig, ConnectionGuard
 from swarmrl.coordinator.httpguard import GuardedHttpProtocol, RecordKeeper
-from swarmrl.coordinator.httpwrites import CoalescingHttpProtocol
 from swarmrl.coordinator.ratelimit import RateLimitConfig
 
 REQUESTS = {
@@ -87,7 +87,7 @@ async def drive(guarded: bool, kind: str, requests: int) -> float:
         config = uvicorn.Config(RecordKeeper(app, guard, _Store(), 8), lifespan="off", ws="none",  # type: ignore[arg-type]
                                 http=GuardedHttpProtocol.bound(guard, 1 << 20), log_level="warning")
     else:
-        config = uvicorn.Config(app, lifespan="off", ws="none", http=CoalescingHttpProtocol, log_level="warning")
+        config = uvicorn.Config(app, lifespan="off", ws="none", http=HttpToolsProtocol, log_level="warning")
     config.load()
     protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
     transport = Transport()

@@ -1,7 +1,7 @@
 """The server's HTTP protocol with `coordinator.connections` applied to every connection, and the ASGI layer that
 gives sources their record.
 
-`GuardedHttpProtocol` is uvicorn's httptools protocol (through `httpwrites.CoalescingHttpProtocol`) that asks the
+`GuardedHttpProtocol` is uvicorn's httptools protocol that asks the
 process's `ConnectionGuard` to admit each new connection (a refused one is answered 429 or 503 and closed) and moves
 the connection's deadline as its requests go: the head's from the connection's start or the previous response's end,
 the body's from the end of the head, none while the app has the request. It relies on uvicorn's private protocol
@@ -22,11 +22,11 @@ from typing import Any
 
 from sqlalchemy import select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from swarmrl.coordinator.connections import ConnectionGuard
 from swarmrl.coordinator.db.schema import nodes
 from swarmrl.coordinator.db.store import Store
-from swarmrl.coordinator.httpwrites import CoalescingHttpProtocol
 from swarmrl.coordinator.middleware import error_response
 from swarmrl.coordinator.pipeline import _Route as SignedRoute
 from swarmrl.protocol.signing import SIGNATURE_HEADER, SignatureError, parse_header
@@ -38,7 +38,7 @@ MAX_CANDIDATES = 1024
 """Sources waiting for their node's record to be looked up; more wait for a later request."""
 
 
-class GuardedHttpProtocol(CoalescingHttpProtocol):
+class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's protocol under `guard` (module docstring). Make one for a guard with `bound`."""
 
     guard: ConnectionGuard

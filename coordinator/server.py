@@ -76,8 +76,8 @@ def uvicorn_config(app: FastAPI) -> uvicorn.Config:
     """The server of `app` in this process: every connection bounded by a `ConnectionGuard` of its own
     (`app.state.connections`; `coordinator.connections`)."""
     # No access log and no proxy-header rewriting: per-request costs that nothing here uses (client addresses
-    # decide nothing; keys do). A response's head and body go out in one write (`coordinator.httpwrites`). No
-    # WebSocket upgrade: nothing here speaks it, and an upgraded connection would leave the guard's count.
+    # decide nothing; keys do). No WebSocket upgrade: nothing here speaks it, and an upgraded connection would leave
+    # the guard's count.
     svc = app.state.coordinator
     config: CoordinatorConfig = svc.config
     guard = app.state.connections = ConnectionGuard(config.connections, config.rate_limits)
