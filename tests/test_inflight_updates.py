@@ -1,6 +1,7 @@
 """In-flight weight updates (`SamplingSpec.in_flight_updates`): a node loads a newer version between decode chunks,
 its groups record the version of each span of tokens, the verifier replays each span with its version, staleness is
-judged by the oldest span, and a node that lies about a span's version is caught and banned.
+judged by the oldest span, and a node that lies about a span's version is caught and banned
+(`testing.byzantine.inflight`; bench/inflight_updates.py runs the same for >= 500 groups).
 
 The pool tests run a real coordinator on loopback and the real verifier; the node engine is the torch one (and vLLM
 on the CPU, marked `vllm`)."""
@@ -16,11 +17,10 @@ from swarmrl.node.inflight import generate_in_flight
 from swarmrl.protocol import messages as m
 from swarmrl.protocol.run import RunSpec
 from swarmrl.protocol.validation import group_problem, version_spans_problem
-from swarmrl.testing.byzantine.harness import ScriptedNode, make_checkpoint, open_pool, perturb_checkpoint
+from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint
+from swarmrl.testing.byzantine.inflight import SAMPLING, SpanLiar
 from swarmrl.testing.groups import pending_group
 from swarmrl.verifier.checks import CheckContext, check_versions
-
-SAMPLING = m.SamplingSpec(temperature=0.8, max_tokens=12, group_size=4, in_flight_updates=True, update_chunk_tokens=4)
 
 
 def _group(spans: list[tuple[int, int]], lengths: tuple[int, ...] = (12, 12, 5, 1)) -> m.RolloutGroup:
@@ -94,33 +94,12 @@ def test_chunked_generation_is_the_same_sample_as_one_go(tmp_path):
 
 # -- a pool ---------------------------------------------------------------------------------------------------------
 
-class SpanLiar(ScriptedNode):
-    """Generates honestly with in-flight updates, then misreports the version spans of every group: `hide` claims
-    one version for all of it, `late` claims the change a chunk later than it was, `early` one token earlier."""
-
-    def __init__(self, cfg, lie: str):
-        super().__init__(cfg)
-        self.lie = lie
-
-    def tamper(self, submission: m.RolloutSubmission, lease: m.Lease) -> m.RolloutSubmission:
-        groups = []
-        for g in submission.groups:
-            spans = list(g.version_spans)
-            if len(spans) == 2:
-                (a, v), (b, w) = spans
-                longest = max(len(r.completion_ids) for r in g.rollouts)
-                spans = {"hide": [], "late": [(a, v), (b + SAMPLING.update_chunk_tokens, w)] if
-                         b + SAMPLING.update_chunk_tokens < longest else [], "early": [(a, v), (b - 1, w)]}[self.lie]
-            groups.append(g.model_copy(update={"version_spans": spans}))
-        return submission.model_copy(update={"groups": groups})
-
-
 @pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_two_version_groups_pass_and_span_liars_are_banned(tmp_path, engine):
     if engine == "vllm":
         pytest.importorskip("vllm", exc_type=ImportError)
     v0 = make_checkpoint(tmp_path / "ckpt")
-    with open_pool(tmp_path, v0, sampling=SAMPLING, max_staleness=1) as pool:
+    with open_pool(tmp_path, v0, sampling=SAMPLING, max_staleness=1, verifier={"sample_rate": 1.0}) as pool:
         honest = pool.node(name="honest", engine=engine, max_prompts=2)
         liars = [pool.node(SpanLiar, name=f"liar-{lie}", max_prompts=2, lie=lie) for lie in ("hide", "late", "early")]
         nodes = [honest, *liars]
