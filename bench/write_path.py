@@ -56,8 +56,38 @@ def import_from(checkout: Path) -> None:
     sys.meta_path.insert(0, CheckoutFinder())
 
 
-def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
-    """Run the in-process coordinator and its nodes (imports from the checkout `import_from` named)."""
+def _backends_cpu_s(store: Any) -> float:
+    """PostgreSQL: the CPU seconds of the server processes serving `store`'s database (on this machine)."""
+    from sqlalchemy import text
+
+    with store.engine.connect() as conn:
+        pids = [r[0] for r in conn.execute(text(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"))]
+    total = 0.0
+    for pid in pids:
+        try:
+            parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone, or another machine's
+        total += (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def worker(nodes: int, warmup: int, submissions: int, pg_url: str | None = None) -> dict[str, Any]:
+    """Run the in-process coordinator and its nodes (imports from the checkout `import_from` named); on a fresh
+    PostgreSQL database of the server at `pg_url` when one is given, else on an SQLite file."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        store_url = None
+        if pg_url is not None:
+            from swarmrl.testing.postgres import fresh_database
+
+            store_url = stack.enter_context(fresh_database(pg_url))
+        return _worker(nodes, warmup, submissions, store_url)
+
+
+def _worker(nodes: int, warmup: int, submissions: int, store_url: str | None) -> dict[str, Any]:
     import orjson
 
     from swarmrl.coordinator.admission import AdmissionConfig
@@ -65,7 +95,7 @@ def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
     from swarmrl.coordinator.config import CoordinatorConfig
     from swarmrl.coordinator.db import groupcommit
     from swarmrl.coordinator.db.schema import CURRENT_VERSION
-    from swarmrl.coordinator.db.store import raise_counter
+    from swarmrl.coordinator.db.store import Store, raise_counter
     from swarmrl.coordinator.pipeline import SignedDispatch
     from swarmrl.coordinator.ratelimit import RateLimitConfig
     from swarmrl.protocol import messages as m
@@ -77,7 +107,8 @@ def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="write-path-"))
     config = CoordinatorConfig(
-        data_dir=work / "coord", store_url=f"sqlite:///{work / 'coordinator.sqlite'}", realtime_committer=False,
+        data_dir=work / "coord", store_url=store_url or f"sqlite:///{work / 'coordinator.sqlite'}",
+        realtime_committer=False,
         run=RunSpec(run_id="write-path", sampling=m.SamplingSpec(group_size=8, max_tokens=64)),
         operator_keys=[Identity.generate().public_key_hex], rate_limits=RateLimitConfig.off(),
         admission=AdmissionConfig(max_unproven_prompts=max(nodes, 1)))
@@ -86,19 +117,24 @@ def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
     dispatch = next(mw for mw in app.user_middleware if mw.cls is SignedDispatch)
     routes = dispatch.kwargs["routes"].routes
 
-    # The committer runs a write alone when nothing else is queued (always, here: one node at a time).
+    # SQLite: the committer runs a write alone when nothing else is queued (always, here: one node at a time).
+    # PostgreSQL: the request's own thread runs its transaction, the commit included.
     spent = {"cpu": 0.0, "writes": 0}
-    run_alone = groupcommit.GroupCommit._run_alone
+    postgres = svc.store.dialect == "postgresql"
+    run_alone = Store._write_pg if postgres else groupcommit.GroupCommit._run_alone
 
-    def timed(conn: Any, write: Any) -> None:
+    def timed(*args: Any) -> Any:
         start = time.thread_time()
         try:
-            run_alone(conn, write)
+            return run_alone(*args)
         finally:
             spent["cpu"] += time.thread_time() - start
             spent["writes"] += 1
 
-    groupcommit.GroupCommit._run_alone = staticmethod(timed)  # type: ignore[method-assign]
+    if postgres:
+        Store._write_pg = timed  # type: ignore[method-assign]
+    else:
+        groupcommit.GroupCommit._run_alone = staticmethod(timed)  # type: ignore[method-assign]
     sources: dict[str, str] = {}
 
     def post(identity: Identity, path: str, kind: str, body: bytes) -> Any:
@@ -132,13 +168,16 @@ def worker(nodes: int, warmup: int, submissions: int) -> dict[str, Any]:
     for i in range(warmup):
         submit(i)
     spent.update(cpu=0.0, writes=0)
+    server0 = _backends_cpu_s(svc.store) if postgres else 0.0
     cpu0 = time.process_time()
     for i in range(warmup, warmup + submissions):
         submit(i)
     cpu = time.process_time() - cpu0
+    server = _backends_cpu_s(svc.store) - server0 if postgres else 0.0
     svc.close()
     return {"write_cpu_us": round(spent["cpu"] / spent["writes"] * 1e6, 1),
-            "process_cpu_us": round(cpu / submissions * 1e6, 1), "writes": spent["writes"]}
+            "process_cpu_us": round(cpu / submissions * 1e6, 1), "writes": spent["writes"],
+            "server_cpu_us": round(server / submissions * 1e6, 1)}
 
 
 def _worktree(rev: str, into: Path) -> Path:
@@ -156,7 +195,8 @@ def _round(checkouts: dict[str, Path], args: argparse.Namespace) -> dict[str, di
     for name, root in checkouts.items():
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(root), "--nodes", str(args.nodes),
-               "--warmup", str(args.warmup), "--submissions", str(args.submissions)]
+               "--warmup", str(args.warmup), "--submissions", str(args.submissions),
+               *(["--pg-url", args.pg_url] if args.store == "postgresql" else [])]
         procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = {}
     try:
@@ -180,6 +220,10 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=50, help="simulated nodes, taking turns")
     p.add_argument("--warmup", type=int, default=200, help="submissions before measuring, per round")
     p.add_argument("--submissions", type=int, default=800, help="measured submissions per round and version")
+    p.add_argument("--store", choices=["sqlite", "postgresql"], default="sqlite", help="each version's store: an "
+                   "SQLite file of its own, or a fresh database on the PostgreSQL server at --pg-url")
+    p.add_argument("--pg-url", default=os.environ.get("SWARMRL_TEST_PG_URL"), help="PostgreSQL server URL (a role "
+                   "that may create databases)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker is not None:
@@ -187,11 +231,13 @@ def main() -> None:
         from swarmrl.runtime.lifetime import die_with_parent_if_asked
 
         die_with_parent_if_asked()
-        print(json.dumps(worker(args.nodes, args.warmup, args.submissions)))
+        print(json.dumps(worker(args.nodes, args.warmup, args.submissions, args.pg_url)))
         return
     from swarmrl.runtime.lifetime import interrupt_on_sigterm
 
     interrupt_on_sigterm()  # SIGTERM runs the cleanup below: the workers and the baseline's worktree go
+    if args.store == "postgresql" and not args.pg_url:
+        raise SystemExit("postgresql: give --pg-url or set SWARMRL_TEST_PG_URL")
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -210,7 +256,8 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False,
                            capture_output=True)
     result: dict[str, Any] = {"baseline": args.baseline, "rounds": len(rounds), "submissions": args.submissions}
-    for key in ("write_cpu_us", "process_cpu_us"):
+    result["store"] = args.store
+    for key in ("write_cpu_us", "process_cpu_us", *(["server_cpu_us"] if args.store == "postgresql" else [])):
         ratios = [r["this"][key] / r["baseline"][key] for r in rounds]
         name = key.removesuffix("_us")
         result[f"{name}_ratio"] = round(statistics.median(ratios), 3)
