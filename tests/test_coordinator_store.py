@@ -489,7 +489,8 @@ def test_a_database_at_0009_gets_the_liveness_counters(store_url: str) -> None: 
 
 def test_lease_numbers_continue_through_0014_both_ways(store_url: str) -> None:  # noqa: F811
     """Revision 0014 moves PostgreSQL's lease counter to a sequence that continues after the counter row's value
-    (SQLite keeps the row); a downgrade leaves the row at the last number handed out."""
+    (SQLite keeps the row), and compresses submitted groups with lz4 there; a downgrade leaves the row at the last
+    number handed out."""
     from swarmrl.coordinator.compose import lease_number
 
     with _database_at(store_url, "0013") as conn:
@@ -498,6 +499,10 @@ def test_lease_numbers_continue_through_0014_both_ways(store_url: str) -> None: 
     try:
         assert _revision(s) == HEAD
         assert [s.write(lease_number) for _ in range(3)] == [42, 43, 44]
+        if s.dialect == "postgresql":  # submitted groups compressed with lz4 (where the server has it: ours does)
+            assert s.read(lambda tx: tx.execute(text(
+                "SELECT attcompression FROM pg_attribute WHERE attrelid = 'rollout_groups'::regclass "
+                "AND attname = 'payload'")).scalar_one()) == "l"
     finally:
         s.close()
     with _database_at(store_url, "0013", down=True) as conn:
