@@ -18,7 +18,12 @@ pipeline fill (first rollouts, first verification) still counts. sync_s/async_s 
 clock; the comparison with TRL (equal_wall_s, trl_accuracy, swarmrl_accuracy) uses the training clock for
 both, and the JSON also gives TRL's accuracy at the swarm's launch-clock time (trl_accuracy_at_launch_s).
 
+With `--in-flight`, a third swarm run: k = 2 with in-flight updates (`sampling.in_flight_updates`: nodes load a new
+version between decode chunks instead of between leases), timed the same way: async_inflight_s, and
+speedup_inflight = sync_s / async_inflight_s.
+
     python bench/async_vs_sync.py                 # full run: 15-25 min on 2 CPU cores, k=0 the longest
+    python bench/async_vs_sync.py --in-flight --skip-trl   # the three swarm runs only
     python bench/async_vs_sync.py --quick         # smoke run: low target, short limits
 
 Writes `<out>/async_vs_sync.json` and `<out>/async_vs_sync.png`; the last line printed is one JSON
@@ -93,14 +98,18 @@ class EvalWatcher(threading.Thread):
                 self.done.wait(self.poll_s)
 
 
-def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One demo run from the shared checkpoint; returns its report and timestamped evaluation points."""
+def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Namespace,
+              in_flight: bool = False) -> dict[str, Any]:
+    """One demo run from the shared checkpoint (with `in_flight`, in-flight updates on); returns its report and
+    timestamped evaluation points."""
     from swarmrl.demo import DemoConfig, addition_run, run_demo
     from swarmrl.runtime.config import load_config
 
     run = addition_run().model_dump(mode="json", exclude={"run_id"})  # each run gets its own demo-<time> id
     run["max_staleness"] = max_staleness
     run["sampling"]["group_size"] = args.group_size
+    if in_flight:
+        run["sampling"].update(in_flight_updates=True, update_chunk_tokens=args.chunk_tokens)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     shutil.copytree(init, run_dir / "init")  # run_demo skips its warm start when init/config.json exists
@@ -113,7 +122,7 @@ def run_swarm(init: Path, run_dir: Path, max_staleness: int, args: argparse.Name
     )
     watcher = EvalWatcher(run_dir)
     watcher.start()
-    result: dict[str, Any] = {"max_staleness": max_staleness, "run_dir": str(run_dir)}
+    result: dict[str, Any] = {"max_staleness": max_staleness, "in_flight": in_flight, "run_dir": str(run_dir)}
     try:
         result["report"] = run_demo(cfg)
     except Exception as e:  # the demo may not run end to end yet: record why, go on with the others
@@ -228,6 +237,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--demo-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra DemoConfig setting for both swarm runs, e.g. roles.trainer.threads=4 (repeatable)")
     ap.add_argument("--skip-sync", action="store_true", help="only the asynchronous swarm run (and TRL)")
+    ap.add_argument("--in-flight", action="store_true", help="a third swarm run: k = 2 with in-flight updates")
+    ap.add_argument("--chunk-tokens", type=int, default=8, help="with --in-flight: tokens per decode chunk")
     ap.add_argument("--skip-trl", action="store_true", help="only the two swarm runs")
     ap.add_argument("--trl-threads", default="1", help="comma-separated torch thread counts to run TRL with; "
                     "on a machine with more cores than the swarm's processes, give TRL its best setting: the "
@@ -258,6 +269,8 @@ def main() -> None:
     swarm = {k: run_swarm(init, out / f"k{k}", k, args) for k in ((2,) if args.skip_sync else (0, 2))}
     sync_s, sync_seen = time_to_target(swarm[0]["points"], args.target) if 0 in swarm else (None, None)
     async_s, async_seen = time_to_target(swarm[2]["points"], args.target)
+    in_flight = run_swarm(init, out / "k2-inflight", 2, args, in_flight=True) if args.in_flight else None
+    async_if_s = time_to_target(in_flight["points"], args.target)[0] if in_flight else None
     speedup, lower_bound = None, False
     if sync_s and async_s:
         speedup = round(sync_s / async_s, 2)
@@ -288,7 +301,8 @@ def main() -> None:
     trl_accuracy = trl["accuracy_at_train_s"] if trl else None
     equal_wall_s = equal_train_s
 
-    labels = {"swarm k=0 (sync)": swarm.get(0), "swarm k=2 (async)": swarm[2]}
+    labels = {"swarm k=0 (sync)": swarm.get(0), "swarm k=2 (async)": swarm[2],
+              "swarm k=2 (async, in-flight updates)": in_flight}
     labels = {lb: r for lb, r in labels.items() if r is not None}
     curves = {f"{lb}, launch clock": r["points"] for lb, r in labels.items()}
     curves["swarm k=2 (async), training clock"] = [{**p, "wall_s": p["train_s"]} for p in async_pts if "train_s" in p]
@@ -299,6 +313,9 @@ def main() -> None:
         "sync_s": sync_s, "async_s": async_s, "speedup": speedup, "trl_accuracy": trl_accuracy,
         "swarmrl_accuracy": swarmrl_accuracy, "equal_wall_s": equal_wall_s,
     }
+    if args.in_flight:
+        summary.update(async_inflight_s=async_if_s,
+                       speedup_inflight=round(sync_s / async_if_s, 2) if sync_s and async_if_s else None)
     details = {
         **summary, "clock": "equal_wall_s and trl_accuracy: training clock (setup and evaluations excluded, as "
         "TRL's); sync_s/async_s: launch clock", "equal_launch_s": equal_launch_s,
@@ -309,7 +326,8 @@ def main() -> None:
         "speedup_is_lower_bound": lower_bound, "sync_first_eval_at_target_s": sync_seen,
         "async_first_eval_at_target_s": async_seen, "target": args.target, "initial_accuracy": initial,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "swarm": {f"k{k}": v for k, v in swarm.items()}, "trl": trl, "trl_runs": trl_runs,
+        "swarm": {f"k{k}": v for k, v in swarm.items()} | ({"k2_inflight": in_flight} if in_flight else {}),
+        "trl": trl, "trl_runs": trl_runs,
         "plot": str(out / "async_vs_sync.png"),
     }
     (out / "async_vs_sync.json").write_text(json.dumps(details, indent=1))

@@ -30,7 +30,12 @@ engine spent generating (`engine_busy`; `<arm>_engine_busy`, its median, changes
 internet from its pool; the coordinator here is on loopback). With `--swap`, after the arms a new version (the
 checkpoint perturbed by 1%) is published while the pipelined node works: `swap_gap_s` is the time its engine
 generated nothing between its last lease on the old version and its first on the new one (fetching, loading into
-vLLM), `lease_gap_s` the median gap between two leases of one version.
+vLLM), `lease_gap_s` the median gap between two leases of one version. With `--in-flight` the run has in-flight
+updates (`sampling.in_flight_updates`, `--chunk-tokens` per chunk; every arm of the node generates in chunks): the new
+version is loaded between two decode chunks of a lease, and `swap_gap_s` is the time the engine generated nothing
+between its last chunk on the old version and its first on the new one (the reload, in place, between two chunks).
+
+    python bench/node_throughput.py --model tiny --swap --in-flight --arms node --repeats 1
 """
 
 from __future__ import annotations
@@ -100,9 +105,21 @@ class RecordingNode(Node):
         super().__init__(*a, **kw)
         self.leases: list[m.Lease] = []
         self.calls: list[tuple[float, float, int]] = []  # each generation's start, end and the version it used
+        self.engine_calls: list[tuple[float, float, int]] = []  # the same for each call of the engine (a chunk)
 
     def generate(self, lease: m.Lease) -> m.RolloutSubmission:
         self.leases.append(lease)
+        engine = self.engine
+        if engine is not None and "generate" not in vars(engine):  # once: the engine is kept across reloads
+            inner = engine.generate
+
+            def generate(requests: list[GenerationRequest], max_tokens: int) -> list:
+                t0, version = time.perf_counter(), self.stats.held_version
+                out = inner(requests, max_tokens)
+                self.engine_calls.append((t0, time.perf_counter(), version))
+                return out
+
+            engine.generate = generate  # type: ignore[method-assign]
         t0 = time.perf_counter()
         submission = super().generate(lease)
         self.calls.append((t0, time.perf_counter(), submission.policy_version))
@@ -181,7 +198,7 @@ class Bench:
     def swap_gap(self, publish: Callable[[], int]) -> dict[str, float]:
         """A new version published while the node works: the time its engine generated nothing between the last
         lease of the old version and the first of the new one, and the gap between two leases of one version."""
-        start = len(self.node.calls)
+        start, chunk0 = len(self.node.calls), len(self.node.engine_calls)
         while len(self.node.calls) < start + 3:
             self.step()
         version = publish()
@@ -192,8 +209,17 @@ class Bench:
         first_new = next(i for i, (_, _, v) in enumerate(calls) if v == version)
         gaps = [b[0] - a[1] for a, b in zip(calls, calls[1:], strict=False)]
         same = [g for i, g in enumerate(gaps) if i + 1 != first_new]
-        return {"swap_gap_s": round(calls[first_new][0] - calls[first_new - 1][1], 3),
-                "lease_gap_s": round(statistics.median(same), 4)}
+        # By engine call (a lease's one call, or with in-flight updates each chunk): the idle time at the change.
+        chunks = self.node.engine_calls[chunk0:]
+        at = next(i for i, (_, _, v) in enumerate(chunks) if v == version)
+        out = {"swap_gap_s": round(chunks[at][0] - chunks[at - 1][1], 4),
+               "lease_gap_s": round(statistics.median(same), 4),
+               # Whether the last chunk of the old version and the first of the new one were of one lease.
+               "swapped_mid_lease": any(t0 <= chunks[at - 1][0] and chunks[at][1] <= t1 for t0, t1, _ in calls)}
+        if self.args.in_flight:  # the gap between two chunks of one version, for comparison
+            out["chunk_gap_s"] = round(statistics.median(
+                b[0] - a[1] for a, b in zip(chunks, chunks[1:], strict=False) if a[2] == b[2]), 4)
+        return out
 
     def close(self) -> None:
         self.node.stop()
@@ -205,7 +231,8 @@ class Bench:
 def serve(args: argparse.Namespace) -> None:
     """The pool (child process): its address and key on stdout, then up until stdin closes, publishing a new
     version for each line "publish" (its number on stdout)."""
-    sampling = m.SamplingSpec(temperature=1.0, max_tokens=args.max_tokens, group_size=args.group_size)
+    sampling = m.SamplingSpec(temperature=1.0, max_tokens=args.max_tokens, group_size=args.group_size,
+                              in_flight_updates=args.in_flight, update_chunk_tokens=args.chunk_tokens)
     admission = {"unproven_per_source": 10**6, "new_identity_prompts": 2 * args.max_prompts}
     with open_pool(args.out / "pool", args.serve, sampling=sampling, admission=admission) as pool:
         print(json.dumps({"url": pool.url, "key": pool.coordinator_key}), flush=True)
@@ -225,6 +252,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip added to each of the node's requests")
     ap.add_argument("--swap", action="store_true", help="then publish a new version mid-run: swap_gap_s")
+    ap.add_argument("--in-flight", action="store_true", help="in-flight updates (sampling.in_flight_updates)")
+    ap.add_argument("--chunk-tokens", type=int, default=8, help="with --in-flight: tokens per decode chunk")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the child: the pool
@@ -284,6 +313,7 @@ def main() -> None:
                   engine_busy={a: [round(x, 3) for x in v] for a, v in busy.items()},
                   setup={"window_s": args.window_s, "repeats": args.repeats, "max_prompts": args.max_prompts,
                          "group_size": args.group_size, "max_tokens": args.max_tokens, "rtt_ms": args.rtt_ms,
+                         "in_flight": args.in_flight, "chunk_tokens": args.chunk_tokens if args.in_flight else None,
                          "cpu_threads": 1, "load_avg_end": round(os.getloadavg()[0], 2)})
     print(json.dumps(result), flush=True)
 
