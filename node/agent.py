@@ -161,8 +161,8 @@ class Node:
         """`lease`'s groups, generated with the weights loaded (`Work.generate`)."""
         assert self.engine is not None and self.tokenizer is not None and self._run_info is not None
         run = self._run_info.spec  # in-flight updates: up to max_staleness versions past the one generation starts on
-        return self.work.generate(lease, self.engine, self.tokenizer, self.environment(), update=partial(
-            self.weights.load_in_flight, run.sampling.temperature, self.stats.held_version + run.max_staleness))
+        updates = self.weights.in_flight(run.sampling.temperature, self.stats.held_version + run.max_staleness)
+        return self.work.generate(lease, self.engine, self.tokenizer, self.environment(), updates=updates)
 
     def environment(self) -> Environment | None:
         """The run's environment (multi-turn runs), loaded once per run description; None for single-turn runs."""

@@ -12,7 +12,8 @@ Heavy imports (torch models, vLLM) stay inside the concrete engines so that impo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +54,9 @@ class Completion:
     states: object | None = None
     """With proofs on and `GenerationRequest.keep_states`: the states [n_tokens, hidden] (a CPU float tensor) that
     chose each token, for `node.proof.build_proofs`."""
+    interrupted: bool = False
+    """`generate_until` stopped it before it ended (`finish_reason` then means nothing): its tokens so far are what
+    `generate` would have sampled, and it may be continued from them."""
 
 
 class EngineConfig(BaseModel):
@@ -133,6 +137,41 @@ class InferenceEngine(ABC):
     def generate(self, requests: list[GenerationRequest], max_tokens: int) -> list[Completion]:
         """One completion per request, in request order. Stops at a stop token (included, "stop") or after
         `max_tokens` tokens / at `max_model_len` in total ("length")."""
+
+    def generate_until(self, requests: list[GenerationRequest], max_tokens: int, interrupt: Callable[[], bool],
+                       every: int = 1) -> list[Completion]:
+        """`generate`, asking `interrupt()` every `every` decode steps: once it answers True, the completions still
+        going stop there, `interrupted`. Here: `generate` in chunks of `every` tokens, each continued from the tokens
+        so far at their completion position (engines that can stop their decode loop do so instead)."""
+        done: list[Completion | None] = [None] * len(requests)
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        states: list[list] = [[] for _ in requests]
+        live = list(range(len(requests)))
+        at = 0
+        while live:
+            n = min(every, max_tokens - at)
+            chunk = [replace(requests[i], prompt_ids=list(requests[i].prompt_ids) + tokens[i],
+                             position=requests[i].position + at, keep_states=self.cfg.proofs) for i in live]
+            for i, c in zip(live, self.generate(chunk, max_tokens=n), strict=True):
+                tokens[i] += c.token_ids
+                logprobs[i] += c.logprobs
+                if c.states is not None:
+                    states[i].append(c.states)
+                if c.finish_reason == "stop" or len(tokens[i]) >= max_tokens or len(c.token_ids) < n:
+                    done[i] = Completion(tokens[i], logprobs[i], c.finish_reason)
+            at += n
+            live = [i for i in live if done[i] is None]
+            if live and interrupt():
+                for i in live:
+                    done[i] = Completion(tokens[i], logprobs[i], "length", interrupted=True)
+                break
+        out = [c for c in done if c is not None]
+        if self.cfg.proofs:
+            import torch
+
+            self._attach_proofs(requests, out, [torch.cat(s) if s else torch.zeros(0, 0) for s in states])
+        return out
 
     @abstractmethod
     def close(self) -> None:

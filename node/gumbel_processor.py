@@ -61,8 +61,10 @@ class _Row:
 # Worker-side state (one vLLM engine per process). The pre-hook stores the hidden states handed to the LM head;
 # `apply`, which runs right after in the same step, takes the seeded rows' states from it.
 _pending_hidden: torch.Tensor | None = None
-_step_logprobs: list[tuple[list[int], list[int], torch.Tensor]] = []
-"""Per step: (capture keys, positions, logprobs on the logits' device) of the recorded rows."""
+_step_logprobs: list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]] = []
+"""Per step: (capture keys, positions, logprobs and sampled tokens on the logits' device) of the recorded rows."""
+_tokens: dict[int, list[int] | None] = {}
+"""What the last `take_records` found of each key's sampled tokens (`taken_tokens`)."""
 _states: dict[int, dict[int, torch.Tensor]] = {}
 
 
@@ -90,18 +92,29 @@ def take_records(keys: list[int], _model: torch.nn.Module | None = None
     states [n, hidden] float32 (row i produced token i)); either is None when a position is missing or nothing was
     recorded. Forgets everything recorded."""
     logprobs: dict[int, dict[int, float]] = {}
+    tokens: dict[int, dict[int, int]] = {}
     # One device-to-host copy for the whole generation; then in step order (a later record of a position wins).
-    values = torch.cat([v for _, _, v in _step_logprobs]).cpu().tolist() if _step_logprobs else []
-    flat = ((k, p) for step_keys, positions, _ in _step_logprobs for k, p in zip(step_keys, positions, strict=True))
-    for (key, pos), value in zip(flat, values, strict=True):
+    values = torch.cat([v for _, _, v, _ in _step_logprobs]).cpu().tolist() if _step_logprobs else []
+    picked = torch.cat([w for _, _, _, w in _step_logprobs]).cpu().tolist() if _step_logprobs else []
+    flat = ((k, p) for step_keys, positions, _, _ in _step_logprobs for k, p in zip(step_keys, positions, strict=True))
+    for (key, pos), value, token in zip(flat, values, picked, strict=True):
         logprobs.setdefault(key, {})[pos] = value
+        tokens.setdefault(key, {})[pos] = int(token)
     out = {key: (_in_order(logprobs.get(key, {})), _stack(_states.get(key, {}))) for key in keys}
+    _tokens.clear()
+    _tokens.update({key: _in_order(tokens.get(key, {})) for key in keys})
     _step_logprobs.clear()
     _states.clear()
     return out
 
 
-def _in_order(by_pos: dict[int, float]) -> list[float] | None:
+def taken_tokens(keys: list[int], _model: torch.nn.Module | None = None) -> dict[int, list[int] | None]:
+    """Run through `LLM.apply_model` after `take_records`: per key, the tokens it sampled at positions 0..n-1 (for a
+    request stopped before it ended, whose output vLLM does not hand back)."""
+    return {key: _tokens.get(key) for key in keys}
+
+
+def _in_order(by_pos: dict) -> list | None:
     n = len(by_pos)
     return [by_pos[i] for i in range(n)] if n and all(i in by_pos for i in range(n)) else None
 
@@ -167,7 +180,7 @@ class GumbelSamplingProcessor(LogitsProcessor):
         winners, logprobs = sampling.sample_with_logprobs(logits if every_row else logits[idx], seeds,
                                                           torch.tensor([p + s.offset for p, s in zip(positions, state,
                                                                        strict=True)], device=dev), temps)
-        self._record(rows, state, positions, logprobs, hidden, logits.shape[0])
+        self._record(rows, state, positions, logprobs, winners, hidden, logits.shape[0])
         # Only the winner stays finite. The argmax was taken in float64, as the protocol does: rounding perturbed
         # scores back to the logits' dtype could otherwise flip near-ties.
         logits.index_fill_(0, idx, float("-inf"))
@@ -175,7 +188,7 @@ class GumbelSamplingProcessor(LogitsProcessor):
         return logits
 
     def _record(self, rows: list[int], state: list[_Row], positions: list[int], logprobs: torch.Tensor,
-                hidden: torch.Tensor | None, n_logits: int) -> None:
+                winners: torch.Tensor, hidden: torch.Tensor | None, n_logits: int) -> None:
         """Keep each keyed row's logprob (and, when asked, hidden state) at its completion position. A step whose
         hidden states do not line up with the logits rows records no state, so the affected proofs come out
         incomplete (None), not wrong."""
@@ -184,7 +197,7 @@ class GumbelSamplingProcessor(LogitsProcessor):
             return
         pick = torch.tensor(keyed, dtype=torch.long, device=logprobs.device)
         _step_logprobs.append(([state[i].key for i in keyed], [positions[i] for i in keyed],  # type: ignore[misc]
-                               logprobs[pick]))
+                               logprobs[pick], winners[pick]))
         with_states = [i for i in keyed if state[i].states]
         if not with_states or hidden is None or hidden.shape[0] != n_logits:
             return

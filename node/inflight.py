@@ -1,13 +1,15 @@
-"""In-flight weight updates (`SamplingSpec.in_flight_updates`): a lease's completions generated in chunks of
-`update_chunk_tokens` tokens, with a newer policy version loaded in place between two chunks, without draining.
+"""In-flight weight updates (`SamplingSpec.in_flight_updates`): a newer policy version loaded in place while a
+lease is generated, between two decode steps, without draining.
 
-After each chunk, the completions still going are continued from their prompt and their tokens so far, at the
-completion position where those end (`GenerationRequest.position`), so the sampling rule sees the very positions it
-would have seen in one go (`protocol.sampling`): a completion with no version change is the same sample as without
-chunks. When `update` loaded a newer version between two chunks, the continuation re-prefills prompt and tokens so
-far under the new weights, and every token from there on is that version's: the group records where its span starts
+The engine decodes as usual, asking every `update_chunk_tokens` steps whether a newer version is ready
+(`InferenceEngine.generate_until`: vLLM's own step loop, the torch engine's decode loop); when one is, it stops the
+completions still going, the version is loaded, and they are continued from their prompt and their tokens so far at
+the completion position where those end (`GenerationRequest.position`), so the sampling rule sees the very positions
+it would have seen in one go (`protocol.sampling`). The continuation re-prefills prompt and tokens so far under the
+new weights, and every token from there on is that version's: the group records where its span starts
 (`RolloutGroup.version_spans`), and the verifier replays each span by prefilling the whole sequence with its
-version. The activation proof is built once per completion over the states of all its tokens, in order.
+version. With no version ready, a lease is generated in one go, exactly as without in-flight updates. The activation
+proof is built once per completion over the states of all its tokens, in order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from swarmrl.node.engine import Completion, GenerationRequest, InferenceEngine
+
+
+@dataclass(frozen=True)
+class Updates:
+    """Where a newer version comes from while a lease is generated (`node.weights.Weights.in_flight`)."""
+
+    ready: Callable[[], bool]
+    """Whether a newer version is ready to load: asked between decode steps, so it must be cheap."""
+    load: Callable[[], int | None]
+    """Load it in place; its version, or None when nothing was loaded."""
 
 
 @dataclass
@@ -27,38 +39,47 @@ class _Going:
     finish: str | None = None
 
 
-def generate_in_flight(engine: InferenceEngine, requests: list[GenerationRequest], max_tokens: int, chunk_tokens: int,
-                       version: int, update: Callable[[], int | None]
-                       ) -> tuple[list[Completion], list[tuple[int, int]]]:
+def generate_in_flight(engine: InferenceEngine, requests: list[GenerationRequest], max_tokens: int, every: int,
+                       version: int, updates: Updates) -> tuple[list[Completion], list[tuple[int, int]]]:
     """(one completion per request, in order; the version spans: (first token index, version), the first (0,
-    `version`)). Between chunks, `update()` may load newer weights into `engine` in place and return their version
-    (None: nothing loaded); it is not called after the last chunk. Every request's tokens from a span's first index
-    on are that span's version's."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    `version`)). The engine asks `updates.ready()` every `every` decode steps (`InferenceEngine.generate_until`); when
+    it stops for a ready version, every completion still going is cut to the fewest tokens any of them has (so a
+    span starts at one token index in every rollout), the version is loaded in place, and they go on from there."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
     proofs = bool(engine.cfg.proofs)
     going = [_Going(r) for r in requests]
     spans = [(0, version)]
-    at = 0
+    interrupt = updates.ready
     while live := [g for g in going if g.finish is None]:
-        n = min(chunk_tokens, max_tokens - at)
-        chunk = [replace(g.request, prompt_ids=list(g.request.prompt_ids) + g.tokens, position=at, keep_states=proofs)
-                 for g in live]
-        for g, c in zip(live, engine.generate(chunk, max_tokens=n), strict=True):
-            g.tokens += c.token_ids
-            g.logprobs += c.logprobs
+        at = len(live[0].tokens)  # every completion going has as many tokens
+        chunk = [replace(g.request, prompt_ids=list(g.request.prompt_ids) + g.tokens,
+                         position=g.request.position + at, keep_states=proofs) for g in live]
+        done = engine.generate_until(chunk, max_tokens - at, interrupt, every)
+        cut = min((len(c.token_ids) for c in done if c.interrupted), default=None)
+        for g, c in zip(live, done, strict=True):
+            n = len(c.token_ids) if cut is None else min(len(c.token_ids), cut)
+            g.tokens += c.token_ids[:n]
+            g.logprobs += c.logprobs[:n]
             if c.states is not None:
-                g.states.append(c.states)
-            room = engine.max_model_len - len(g.request.prompt_ids) - len(g.tokens) if engine.max_model_len else 1
-            if c.finish_reason == "stop":
+                g.states.append(c.states[:n])
+            if n == len(c.token_ids) and not c.interrupted:
+                g.finish = c.finish_reason
+            elif g.tokens and g.tokens[-1] in engine.stop_ids:
                 g.finish = "stop"
-            elif len(g.tokens) >= max_tokens or room < 1 or len(c.token_ids) < n:
+            elif len(g.tokens) >= max_tokens or (engine.max_model_len and
+                                                 len(g.request.prompt_ids) + len(g.tokens) >= engine.max_model_len):
                 g.finish = "length"
-        at += n
-        if any(g.finish is None for g in going) and (new := update()) is not None:
-            if new <= spans[-1][1]:
-                raise RuntimeError(f"an in-flight update to version {new} after version {spans[-1][1]}")
-            spans.append((at, new))
+        if cut is not None and any(g.finish is None for g in going):
+            new = updates.load()
+            if new is None:  # what was ready is no longer (or not for this lease): stop asking
+                interrupt = _never
+            else:
+                if new <= spans[-1][1]:
+                    raise RuntimeError(f"an in-flight update to version {new} after version {spans[-1][1]}")
+                if spans[-1][0] == at + cut:  # no token came from the version before (a batch not yet started)
+                    spans.pop()
+                spans.append((at + cut, new))
     out = [Completion(token_ids=g.tokens, logprobs=g.logprobs, finish_reason=g.finish)  # type: ignore[arg-type]
            for g in going]
     if proofs:
@@ -66,9 +87,14 @@ def generate_in_flight(engine: InferenceEngine, requests: list[GenerationRequest
     return out, spans
 
 
+def _never() -> bool:
+    return False
+
+
 def _prove(engine: InferenceEngine, requests: list[GenerationRequest], out: list[Completion],
            going: list[_Going]) -> None:
-    """Each completion's proof over all its chunks' states (or the states, where its request keeps them)."""
+    """Each completion's proof over all its pieces' states (or the states, where its request keeps them)."""
     import torch
 
-    engine._attach_proofs(requests, out, [torch.cat(g.states) if g.states else None for g in going])
+    engine._attach_proofs(requests, out, [torch.cat([s for s in g.states if len(s)]) if g.tokens else None
+                                          for g in going])

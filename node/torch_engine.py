@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -82,13 +83,24 @@ class TorchEngine(InferenceEngine):
             torch.cuda.empty_cache()
 
     def generate(self, requests: list[GenerationRequest], max_tokens: int) -> list[Completion]:
+        return self.generate_until(requests, max_tokens, lambda: False, every=1 << 30)
+
+    def generate_until(self, requests: list[GenerationRequest], max_tokens: int, interrupt: Callable[[], bool],
+                       every: int = 1) -> list[Completion]:
+        """Stops the decode loop itself: requests of a batch not yet started when `interrupt()` said True come back
+        interrupted with no tokens."""
         if self.model is None:
             raise RuntimeError("no checkpoint loaded")
         budgets = [self._token_budget(r, max_tokens) for r in requests]
         out: list[Completion] = []
         bs = self.cfg.torch_batch_size
         for start in range(0, len(requests), bs):
-            out.extend(self._generate_batch(requests[start:start + bs], budgets[start:start + bs]))
+            batch = requests[start:start + bs]
+            if any(c.interrupted for c in out):
+                out.extend(Completion([], [], "length", states=torch.zeros(0, 0) if r.keep_states else None,
+                                      interrupted=True) for r in batch)
+                continue
+            out.extend(self._generate_batch(batch, budgets[start:start + bs], interrupt, every))
         return out
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -104,7 +116,8 @@ class TorchEngine(InferenceEngine):
         return res.logits[:, -1, :].float(), new_cache
 
     @torch.inference_mode()
-    def _generate_batch(self, requests: list[GenerationRequest], budgets: list[int]) -> list[Completion]:
+    def _generate_batch(self, requests: list[GenerationRequest], budgets: list[int], interrupt: Callable[[], bool],
+                        every: int) -> list[Completion]:
         dev = self.device
         n = len(requests)
         width = max(len(r.prompt_ids) for r in requests)
@@ -124,6 +137,7 @@ class TorchEngine(InferenceEngine):
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         finish: list[Literal["stop", "length"]] = ["length"] * n
+        stopped = [False] * n
         states: list[list[torch.Tensor]] = [[] for _ in range(n)]
         active = list(range(n))  # request index of each batch row
         logits, cache = self._forward(ids, mask, positions, None)
@@ -150,6 +164,10 @@ class TorchEngine(InferenceEngine):
             step += 1
             if not keep:
                 break
+            if step % every == 0 and interrupt():
+                for row in keep:
+                    stopped[active[row]] = True
+                break
             if len(keep) < len(active):
                 # Finished rows leave the batch (and the cache), so later steps cost only live rows.
                 idx = torch.tensor(keep, dtype=torch.long, device=dev)
@@ -160,7 +178,8 @@ class TorchEngine(InferenceEngine):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             logits, cache = self._forward(step_ids, mask, next_pos, cache)
             next_pos = next_pos + 1
-        out = [Completion(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i]) for i in range(n)]
+        out = [Completion(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i], interrupted=stopped[i])
+               for i in range(n)]
         if self.cfg.proofs:
             self._attach_proofs(requests, out, [torch.stack(rows) for rows in states])
         return out

@@ -20,6 +20,7 @@ import functools
 import gc
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -170,6 +171,56 @@ class VLLMEngine(InferenceEngine):
             raise RuntimeError("no checkpoint loaded")
         if not requests:
             return []
+        keys, prompts, params = self._requests(requests, max_tokens)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        from swarmrl.node.gumbel_processor import take_records
+
+        records = self.llm.apply_model(functools.partial(take_records, keys))[0]
+        completions = [self._completion(o.outputs[0], records[key][0]) for o, key in zip(outputs, keys, strict=True)]
+        if self.cfg.proofs:
+            self._attach_proofs(requests, completions, [records[key][1] for key in keys])
+        return completions
+
+    def generate_until(self, requests: list[GenerationRequest], max_tokens: int, interrupt: Callable[[], bool],
+                       every: int = 1) -> list[Completion]:
+        """vLLM's own step loop, asking `interrupt()` every `every` engine steps; once it says True the requests still
+        going are aborted, and their tokens so far are read from the sampling processor's records."""
+        if self.llm is None:
+            raise RuntimeError("no checkpoint loaded")
+        if not requests:
+            return []
+        from swarmrl.node.gumbel_processor import take_records, taken_tokens
+
+        keys, prompts, params = self._requests(requests, max_tokens)
+        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        engine = self.llm.llm_engine
+        finished: dict[str, object] = {}
+        steps, stopped = 0, False
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+            steps += 1
+            if not stopped and steps % every == 0 and len(finished) < len(ids) and interrupt():
+                engine.abort_request([i for i in ids if i not in finished])
+                stopped = True
+        records = self.llm.apply_model(functools.partial(take_records, keys))[0]
+        tokens = self.llm.apply_model(functools.partial(taken_tokens, keys))[0]
+        completions, states = [], []
+        for rid, key in zip(ids, keys, strict=True):
+            logprobs, st = records[key]
+            if rid in finished:
+                completions.append(self._completion(finished[rid].outputs[0], logprobs))  # type: ignore[attr-defined]
+                states.append(st)
+                continue
+            # Stopped: the positions recorded so far (the last one may be cut off with the request).
+            n = min(len(logprobs or []), len(tokens[key] or []), len(st) if st is not None else 1 << 30)
+            completions.append(Completion((tokens[key] or [])[:n], (logprobs or [])[:n], "length", interrupted=True))
+            states.append(st[:n] if st is not None else torch.zeros(0, 0))
+        if self.cfg.proofs:
+            self._attach_proofs(requests, completions, states)
+        return completions
+
+    def _requests(self, requests: list[GenerationRequest], max_tokens: int) -> tuple[list[int], list, list]:
+        """(capture keys, vLLM prompts, sampling params) of `requests`."""
         from vllm import SamplingParams, TokensPrompt
 
         from swarmrl.node.gumbel_processor import (
@@ -178,7 +229,6 @@ class VLLMEngine(InferenceEngine):
             SEED_KEY,
             STATES_KEY,
             TEMP_KEY,
-            take_records,
         )
 
         keys = [next(self._capture_keys) for _ in requests]
@@ -195,12 +245,7 @@ class VLLMEngine(InferenceEngine):
             )
             for r, key in zip(requests, keys, strict=True)
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        records = self.llm.apply_model(functools.partial(take_records, keys))[0]
-        completions = [self._completion(o.outputs[0], records[key][0]) for o, key in zip(outputs, keys, strict=True)]
-        if self.cfg.proofs:
-            self._attach_proofs(requests, completions, [records[key][1] for key in keys])
-        return completions
+        return keys, prompts, params
 
     def _completion(self, out, logprobs: list[float] | None) -> Completion:
         token_ids = list(out.token_ids)

@@ -27,6 +27,7 @@ from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import EngineConfig, InferenceEngine
 from swarmrl.node.engines import build_engine
 from swarmrl.node.handover import ReadyWeights
+from swarmrl.node.inflight import Updates
 from swarmrl.node.stats import Download, NodeStats
 from swarmrl.protocol.manifest import ManifestError, SignedManifest
 from swarmrl.protocol.messages import Lease, RunInfo
@@ -192,12 +193,18 @@ class Weights(ReadyWeights):
             self.stats.held_version = version
         log.info("now generating with policy version %d", version)
 
-    def load_in_flight(self, temperature: float, max_version: int) -> int | None:
-        """Between two decode chunks (in-flight updates): `load` what is ready up to `max_version`; the version now
-        held, or None when nothing was loaded."""
-        before = self.stats.held_version
-        self.load(temperature, max_version)
-        return self.stats.held_version if self.stats.held_version != before else None
+    def in_flight(self, temperature: float, max_version: int) -> Updates:
+        """In-flight updates (`node.inflight`) of a lease: versions ready up to `max_version`, loaded in place."""
+        def ready() -> bool:
+            ready = self.ready  # read once: the fetch thread may replace it
+            return ready is not None and self.stats.held_version < ready[0] <= max_version
+
+        def load() -> int | None:
+            before = self.stats.held_version
+            self.load(temperature, max_version)
+            return self.stats.held_version if self.stats.held_version != before else None
+
+        return Updates(ready, load)
 
     def wait_once(self, lease: Lease, max_staleness: int) -> bool:
         """Wait a moment for weights recent enough that `lease`'s groups will be accepted; False when there is no
