@@ -238,7 +238,7 @@ def parse_args() -> argparse.Namespace:
                     help="extra DemoConfig setting for both swarm runs, e.g. roles.trainer.threads=4 (repeatable)")
     ap.add_argument("--skip-sync", action="store_true", help="only the asynchronous swarm run (and TRL)")
     ap.add_argument("--in-flight", action="store_true", help="a third swarm run: k = 2 with in-flight updates")
-    ap.add_argument("--chunk-tokens", type=int, default=8, help="with --in-flight: tokens per decode chunk")
+    ap.add_argument("--chunk-tokens", type=int, default=1, help="with --in-flight: decode steps between looks")
     ap.add_argument("--skip-trl", action="store_true", help="only the two swarm runs")
     ap.add_argument("--trl-threads", default="1", help="comma-separated torch thread counts to run TRL with; "
                     "on a machine with more cores than the swarm's processes, give TRL its best setting: the "

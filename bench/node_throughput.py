@@ -31,9 +31,10 @@ internet from its pool; the coordinator here is on loopback). With `--swap`, aft
 checkpoint perturbed by 1%) is published while the pipelined node works: `swap_gap_s` is the time its engine
 generated nothing between its last lease on the old version and its first on the new one (fetching, loading into
 vLLM), `lease_gap_s` the median gap between two leases of one version. With `--in-flight` the run has in-flight
-updates (`sampling.in_flight_updates`, `--chunk-tokens` per chunk; every arm of the node generates in chunks): the new
+updates (`sampling.in_flight_updates`, `--chunk-tokens` decode steps between two looks for a new version): the new
 version is loaded between two decode chunks of a lease, and `swap_gap_s` is the time the engine generated nothing
-between its last chunk on the old version and its first on the new one (the reload, in place, between two chunks).
+between the engine call that stopped for the new version and the one that continued the lease's completions on it
+(the reload, in place, between two decode steps of one lease).
 
     python bench/node_throughput.py --model tiny --swap --in-flight --arms node --repeats 1
 """
@@ -111,19 +112,23 @@ class RecordingNode(Node):
         self.leases.append(lease)
         engine = self.engine
         if engine is not None and "generate" not in vars(engine):  # once: the engine is kept across reloads
-            inner = engine.generate
-
-            def generate(requests: list[GenerationRequest], max_tokens: int) -> list:
-                t0, version = time.perf_counter(), self.stats.held_version
-                out = inner(requests, max_tokens)
-                self.engine_calls.append((t0, time.perf_counter(), version))
-                return out
-
-            engine.generate = generate  # type: ignore[method-assign]
+            for name in ("generate", "generate_until"):
+                setattr(engine, name, self._recorded(getattr(engine, name)))
         t0 = time.perf_counter()
         submission = super().generate(lease)
         self.calls.append((t0, time.perf_counter(), submission.policy_version))
         return submission
+
+
+    def _recorded(self, call: Callable[..., list]) -> Callable[..., list]:
+        """`call` (an engine's generate or generate_until), its start, end and version kept in `engine_calls`."""
+        def recorded(*a: Any, **kw: Any) -> list:
+            t0, version = time.perf_counter(), self.stats.held_version
+            out = call(*a, **kw)
+            self.engine_calls.append((t0, time.perf_counter(), version))
+            return out
+
+        return recorded
 
 
 class DelayedTransport(httpx.HTTPTransport):
@@ -253,7 +258,7 @@ def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip added to each of the node's requests")
     ap.add_argument("--swap", action="store_true", help="then publish a new version mid-run: swap_gap_s")
     ap.add_argument("--in-flight", action="store_true", help="in-flight updates (sampling.in_flight_updates)")
-    ap.add_argument("--chunk-tokens", type=int, default=8, help="with --in-flight: tokens per decode chunk")
+    ap.add_argument("--chunk-tokens", type=int, default=1, help="with --in-flight: decode steps between looks")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the child: the pool

@@ -48,8 +48,8 @@ class SamplingSpec(Strict):
         "the verifier replays each span with its version, and staleness is judged by the oldest span. Needs "
         "max_staleness >= 1 and single-turn episodes.")
     update_chunk_tokens: int = Field(
-        16, ge=1, le=MAX_COMPLETION_TOKENS, description="With in_flight_updates: tokens decoded between two looks "
-        "for a newer version (a span starts at a multiple of it).")
+        1, ge=1, le=MAX_COMPLETION_TOKENS, description="With in_flight_updates: decode steps between two looks for a "
+        "newer version (a look costs a comparison; a span may start at any token).")
 
     @property
     def episode_tokens(self) -> int:
