@@ -11,6 +11,8 @@ not deliver is leased again to someone else. Deciding on groups is `coordinator.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from swarmrl.coordinator import admission, inflight
@@ -21,7 +23,7 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.asyncwriter import RemoteCall
 from swarmrl.coordinator.db.rows import LeasePromptRow, NodeRow
 from swarmrl.coordinator.db.store import Store, Tx
-from swarmrl.coordinator.db.writer import RemoteWriter
+from swarmrl.coordinator.db.writes import PlannedWrite, Writes
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import Answer, remember
 from swarmrl.coordinator.leasequeries import (
@@ -63,8 +65,8 @@ class Leases:
         self.store, self.config, self.clock, self.task = store, config, clock, task
         self.composer = LeaseComposer(config, task, identity, pool, secret)
         self.recent = RecentLeases()
-        self.writer: RemoteWriter | None = None
-        """Where prechecked submissions are written, when a writer process runs them (`coordinator.db.writer`)."""
+        self.writes = Writes(store)
+        """Where submissions are written (`coordinator.db.writes`; the server's, with the store's writer process)."""
         self._version_seen = -1  # the current version, as a transaction of this process last read it
         self._last_sweep = float("-inf")
 
@@ -217,18 +219,14 @@ class Leases:
         """Take the submission's valid groups for verification and say why each other group was refused. The
         submission settles its lease: every leased prompt it does not deliver is abandoned (queued for another
         identity, and counted against this one). When it asks for its next lease, the answer holds that lease (or
-        why there is none), granted after the settlement, in the same transaction. With a writer process
-        (`coordinator.db.writer`), a prechecked submission is written there and answered with the answer it
-        stored."""
-        planned = self.plan_submit(req)
-        if isinstance(planned, RemoteCall):
-            assert self.writer is not None
-            return planned.run(self.writer)
-        return planned()
+        why there is none), granted after the settlement, in the same transaction. Written as `plan_submit` plans
+        it, where `writes` runs it (`coordinator.db.writes`: the same transaction, `_take`, whatever the store)."""
+        return self.writes.run(self.plan_submit(req))
 
-    def plan_submit(self, req: Signed) -> RemoteCall | Callable[[], m.SubmitResult]:
-        """`submit` up to its write, worked out now without blocking: the write for the writer process (when one
-        runs and the submission was prechecked here), or the function that writes it here (which blocks)."""
+    def plan_submit(self, req: Signed) -> PlannedWrite:
+        """`submit` up to its write, worked out now without blocking: its transaction, and, when the store's writer
+        process runs and the submission was prechecked here, the same write as that process runs it (answered with
+        the answer it stored)."""
         sub: m.RolloutSubmission = req.payload
         now = self.clock()
         ids = [g.prompt_id for g in sub.groups]
@@ -237,14 +235,10 @@ class Leases:
             raise Refused(RefusalCode.DUPLICATE_PROMPT, f"prompt id {dup!r} appears twice in one submission")
         check_group_signatures(req)
         w = SubmissionWrite.of(req, now, self._precheck(req.signer, sub, now))
-        if self.writer is None or w.pre is None:
-            def write_here() -> m.SubmitResult:
-                try:
-                    return self.store.write(lambda tx: self._take(tx, w), notify=True)
-                except StaleSubmission as e:
-                    self._settle_stale(req, e)
-                    raise
-            return write_here
+        settle = partial(self._settle_stale, req)
+        planned = PlannedWrite(partial(self._take, w=w), notify=True, recover=settle)
+        if not self.writes.crosses or w.pre is None:
+            return planned
         draft = w.pre.draft
 
         def finish(result: list[Any]) -> Answer:
@@ -255,7 +249,7 @@ class Leases:
             self.store.notify()
             return Answer(200, body.encode())
 
-        return RemoteCall("submit", to_wire(w), True, finish, lambda e: self._settle_stale(req, e))
+        return replace(planned, remote=RemoteCall("submit", to_wire(w), True, finish, settle))
 
     def _settle_stale(self, req: Signed, error: BaseException) -> None:
         """After a `StaleSubmission`: none of the lease's groups can be accepted any more. Settle it so that it

@@ -4,11 +4,12 @@
     one hop to a worker thread -> `Gate.open` (the body's digest, the role, the payload) -> the endpoint's action
     (its transaction begins with `gate.admit`) -> the answer (or the stored answer of an earlier try)
 
-With the store's writer process (`coordinator.db.writer`), a node's submission or heartbeat, from a node this
-process knows, is served on the event loop from start to end: its endpoint plans the write without blocking
-(`plan`), and the write is awaited from the writer (`coordinator.db.asyncwriter`) instead of waited for on a worker
-thread. That saves two hand-offs between threads per request and the worker thread's turns at the GIL, which cost
-the two server processes about a fifth of their CPU under load (bench/RESULTS.md).
+A node's submission or heartbeat is planned without blocking (`plan`) and written where this process writes
+(`coordinator.db.writes`: one path, whatever the store). With the store's writer process, one from a node this
+process knows is served on the event loop from start to end: the write is awaited from the writer
+(`coordinator.db.asyncwriter`) instead of waited for on a worker thread. That saves two hand-offs between threads
+per request and the worker thread's turns at the GIL, which cost the two server processes about a fifth of their
+CPU under load (bench/RESULTS.md).
 
 Signed POST endpoints are served by `SignedDispatch`, an ASGI layer in front of the FastAPI router: nodes send
 most of the coordinator's requests, and for each the router, its request objects and exception layers cost about
@@ -41,7 +42,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swarmrl.coordinator.auth import Refused, Replayed, Signed
-from swarmrl.coordinator.db.asyncwriter import RemoteCall
+from swarmrl.coordinator.db.writes import PlannedWrite
 from swarmrl.coordinator.failures import refusal_of
 from swarmrl.coordinator.idempotency import KEY_PATTERN, Answer, Answered
 from swarmrl.coordinator.middleware import send_error
@@ -84,7 +85,7 @@ class _Route:
     operator: bool  # signed by an operator: served on the operator's threads, answers signed
     check: Callable[[str | None, bool, str], Signature]
     handle: Callable[[Signature, bytes, str | None, str], Answer]
-    plan: Callable[[Signed], RemoteCall | Callable[[], Any]] | None  # a node's request, served on the event loop
+    plan: Callable[[Signed], PlannedWrite] | None  # a node's request, served on the event loop
     idempotent: bool
     body: type[BaseModel]
     answer: type[BaseModel] | None
@@ -102,7 +103,7 @@ class SignedRoutes:
     def add(self, path: str, kind: str, payload: type[BaseModel], role: str | None,
             action: Callable[[Any], BaseModel | None], *, answer: type[BaseModel] | None = None,
             empty: str = "", idempotent: bool = True, summary: str = "",
-            plan: Callable[[Signed], RemoteCall | Callable[[], Any]] | None = None) -> None:
+            plan: Callable[[Signed], PlannedWrite] | None = None) -> None:
         """POST `path`: `action(request)` for a `kind` request signed by `role` ("node", "operator" or None);
         its result is the answer, an `answer` (None: 204, which `empty` describes when both can happen).
         `idempotent`: the answer is stored under the request's Idempotency-Key and a retry gets it again (the
@@ -188,7 +189,7 @@ class SignedDispatch:
                  limits: RateLimitConfig):
         self.app, self.routes, self.limits = app, routes.routes, limits
         self.offload, self.operator_offload = offload, operator_offload
-        self.gate, self.writer = routes.svc.gate, routes.svc.async_writer
+        self.gate, self.writes = routes.svc.gate, routes.svc.writes
         self.identity, self.pool = routes.svc.identity, routes.svc.pool
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -215,7 +216,7 @@ class SignedDispatch:
                 if not message.get("more_body", False):
                     break
             offload = self.operator_offload if route.operator else self.offload
-            if route.plan is not None and self.writer is not None and self.gate.knows_node(sig.signer_id):
+            if route.plan is not None and self.writes.on_the_loop and self.gate.knows_node(sig.signer_id):
                 answer = await self._on_the_loop(route.plan, sig, b"".join(chunks), key, source, route.body)
             else:
                 answer = await offload(route.handle, sig, b"".join(chunks), key, source)
@@ -232,19 +233,14 @@ class SignedDispatch:
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         await send({"type": "http.response.body", "body": answer.body})
 
-    async def _on_the_loop(self, plan: Callable[[Signed], RemoteCall | Callable[[], Any]], sig: Signature,
+    async def _on_the_loop(self, plan: Callable[[Signed], PlannedWrite], sig: Signature,
                            raw: bytes, key: str | None, source: str, body: type[BaseModel]) -> Answer:
         """What `SignedRoutes.add`'s `handle` does, on the event loop, for a request of a node this process knows:
         nothing of it blocks (its write is awaited from the writer process); what would block (a write here, a
         refused request's nonce) goes to a request thread."""
-        assert self.writer is not None
         req = self.gate.open(sig, raw, body, "node", key, source)
         try:
-            planned = plan(req)
-            if isinstance(planned, RemoteCall):
-                result = await planned.run_async(self.writer, self.offload)
-            else:
-                result = await self.offload(planned)
+            result = await self.writes.run_async(plan(req), self.offload)
         except Answered as e:
             return e.answer
         except Replayed:

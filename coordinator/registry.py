@@ -21,7 +21,7 @@ from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import nodes
 from swarmrl.coordinator.db.store import Store, Tx, insert, load
-from swarmrl.coordinator.db.writer import RemoteWriter
+from swarmrl.coordinator.db.writes import PlannedWrite, Writes
 from swarmrl.coordinator.gate import admit
 from swarmrl.coordinator.idempotency import remember
 from swarmrl.coordinator.nonces import record_nonce
@@ -200,8 +200,8 @@ class Registry:
 
     def __init__(self, store: Store, config: CoordinatorConfig, clock: Callable[[], float], secret: RunSecret):
         self.store, self.config, self.clock, self.secret = store, config, clock, secret
-        self.writer: RemoteWriter | None = None
-        """Where heartbeats are written, when a writer process runs them (`coordinator.db.writer`)."""
+        self.writes = Writes(store)
+        """Where heartbeats are written (`coordinator.db.writes`; the server's, with the store's writer process)."""
 
     def challenge(self, req: m.ChallengeRequest) -> m.Challenge:
         """A fresh challenge that only `req.public_key` can redeem, once, within challenge_ttl_s. Nothing is stored:
@@ -245,22 +245,16 @@ class Registry:
         restarted (its new values are the deltas); deltas that add up to more than the wall time since the
         node's previous heartbeat (plus slack) are scaled down to it, so a lying node skews only its own share.
         """
-        planned = self.plan_heartbeat(req)
-        if isinstance(planned, RemoteCall):
-            assert self.writer is not None
-            planned.run(self.writer)
-        else:
-            planned()
+        self.writes.run(self.plan_heartbeat(req))
 
-    def plan_heartbeat(self, req: Signed) -> RemoteCall | Callable[[], None]:
-        """`heartbeat` up to its write: the write for the writer process when one runs, or the function that writes
-        it here (which blocks)."""
+    def plan_heartbeat(self, req: Signed) -> PlannedWrite:
+        """`heartbeat` up to its write (`coordinator.db.writes`), with its plain form when the store's writer process
+        runs."""
         hb: m.Heartbeat = req.payload
         beat = [hb.idle_s, hb.busy_s, hb.held_version, self.clock()]
         # Not durable (coordinator.db.store): only metrics and liveness would be lost.
-        if self.writer is not None:
-            return RemoteCall("heartbeat", [req.to_wire(), *beat], False, lambda _: None)
-        return lambda: self.store.write(self._beat(req, *beat), durable=False)
+        remote = RemoteCall("heartbeat", [req.to_wire(), *beat], False, lambda _: None) if self.writes.crosses else None
+        return PlannedWrite(self._beat(req, *beat), durable=False, remote=remote)
 
     def write_heartbeat(self, req: list[Any], *beat: Any) -> Callable[[Tx], None]:
         """In the writer process: the write of a heartbeat `heartbeat` sent."""

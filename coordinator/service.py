@@ -26,9 +26,8 @@ from collections.abc import Callable
 from swarmrl.coordinator.auth import Signed
 from swarmrl.coordinator.checkpoints import Checkpoints
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.db.asyncwriter import AsyncRemoteWriter
 from swarmrl.coordinator.db.store import Store
-from swarmrl.coordinator.db.writer import RemoteWriter
+from swarmrl.coordinator.db.writes import Writes
 from swarmrl.coordinator.feed import Feed
 from swarmrl.coordinator.gate import Gate
 from swarmrl.coordinator.leases import Leases
@@ -66,8 +65,7 @@ class Coordinator:
                          lambda node_id: self.store.read(lambda tx: require_node(tx, node_id)))
         self.registry = Registry(self.store, config, clock, self.secret)
         self.leases = build_leases(self.store, config, identity, clock, self.secret, self.epoch)
-        self.leases.writer = self.registry.writer = RemoteWriter(writer) if writer is not None else None
-        self.async_writer = AsyncRemoteWriter(writer) if writer is not None else None  # the event loop's
+        self.writes = self.leases.writes = self.registry.writes = Writes(self.store, writer)
         self.verification = Verification(self.store, config, clock, long_polls)
         self.feed = Feed(self.store, long_polls, clock)
         self.checkpoints = Checkpoints(self.store, self.shards, config, identity, clock)
@@ -82,10 +80,7 @@ class Coordinator:
 
     def close(self) -> None:
         self.housekeeping.close()
-        if self.leases.writer is not None:
-            self.leases.writer.close()
-        if self.async_writer is not None:
-            self.async_writer.close()
+        self.writes.close()
         self.store.close()
 
     def register(self, req: Signed) -> m.Registered:
