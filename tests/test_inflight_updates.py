@@ -62,6 +62,22 @@ def test_spans_are_checked_against_the_run_and_the_published_versions():
     assert version_spans_problem(_group([]), 3, 1, newest_published=3) is None  # an old client's group
 
 
+def test_the_node_signature_covers_the_spans():
+    """A group's spans are signed with it: a coordinator that rewrote them would have the group refused."""
+    from swarmrl.protocol.groupsig import sign_group, verify_group
+    from swarmrl.protocol.identity import Identity
+    from swarmrl.protocol.signing import SignatureError
+
+    node = Identity.generate()
+    facts = {"lease_id": "l", "policy_version": 3, "pool": "p"}
+    signed = sign_group(node, _group([(0, 3), (4, 4)]), **facts)
+    verify_group(signed, node_key=node.public_key_hex, node_id=node.node_id, **facts)
+    for spans in ([], [(0, 3), (5, 4)], [(0, 3), (4, 5)]):
+        with pytest.raises(SignatureError):
+            verify_group(signed.model_copy(update={"version_spans": spans}), node_key=node.public_key_hex,
+                         node_id=node.node_id, **facts)
+
+
 @pytest.mark.parametrize(("oldest", "newest", "lease", "fine"), [
     (3, 4, 3, True),     # swapped to a version published after the lease
     (4, 5, 3, True),     # started on a version newer than the lease's (held when it was in hand): within k
