@@ -93,7 +93,10 @@ def _worker(nodes: int, warmup: int, submissions: int, store_url: str | None) ->
     from swarmrl.coordinator.admission import AdmissionConfig
     from swarmrl.coordinator.app import build_app
     from swarmrl.coordinator.config import CoordinatorConfig
-    from swarmrl.coordinator.db import groupcommit
+    try:
+        from swarmrl.coordinator.db.sqlite import groupcommit
+    except ImportError:  # a baseline from before the SQLite-only machinery had a folder of its own
+        from swarmrl.coordinator.db import groupcommit  # type: ignore[no-redef]
     from swarmrl.coordinator.db.schema import CURRENT_VERSION
     from swarmrl.coordinator.db.store import Store, raise_counter
     from swarmrl.coordinator.pipeline import SignedDispatch

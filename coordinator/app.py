@@ -69,7 +69,7 @@ _HTTP_CODES = {404: RefusalCode.NOT_FOUND, 405: RefusalCode.METHOD_NOT_ALLOWED}
 def build_app(config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time,
               writer: str | None = None) -> FastAPI:
     """The coordinator app over `config.data_dir` and `config.store_url`, signing manifests with `identity`;
-    `writer`: the socket of the store's writer process, when one runs (`coordinator.db.writer`).
+    `writer`: the socket of the store's writer process, when one runs (`coordinator.db.sqlite.writer`).
 
     The store opens now (so `app.state.coordinator` is usable at once) and closes on app shutdown.
     """

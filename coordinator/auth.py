@@ -78,7 +78,7 @@ class Signed:
         return self.sig.key
 
     def to_wire(self) -> list[Any]:
-        """What a write in another process reads of this request (`coordinator.db.writer`): its signature header,
+        """What a write in another process reads of this request (`coordinator.db.sqlite.writer`): its signature header,
         Idempotency-Key, digest and source, as plain data; not its payload."""
         return [self.sig.header(), self.idempotency_key, self.digest, self.source]
 

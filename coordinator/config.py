@@ -65,8 +65,8 @@ class CoordinatorConfig(BaseModel):
         "so), so that the write lock is never held by a thread waiting for a core (measured: bench/RESULTS.md).")
     store_writer_process: bool = Field(
         True, description="SQLite with workers > 1: one more process, the store's writer, commits every worker's "
-        "submissions and heartbeats together (`coordinator.db.writer`) instead of each worker committing its own in "
-        "turn; other writes stay in the worker that serves them (measured: bench/RESULTS.md).")
+        "submissions and heartbeats together (`coordinator.db.sqlite.writer`) instead of each worker committing its "
+        "own in turn; other writes stay in the worker that serves them (measured: bench/RESULTS.md).")
     store_writer_commit_interval_ms: float = Field(
         2.0, ge=0, le=100, description="The store's writer process (store_writer_process): under load, at most one "
         "commit this often, so a write waits at most this long and shares its commit with the ones that arrive "

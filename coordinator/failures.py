@@ -29,8 +29,8 @@ _PG_UNAVAILABLE_CLASSES = ("08", "53", "57")  # connection exceptions, insuffici
 
 
 class StorageUnavailable(Exception):
-    """A storage failure told by another process (`coordinator.db.writer`): `code` (UNAVAILABLE, 503, or DISK_FULL,
-    507) and `reason`, as `storage_failure` gave them there."""
+    """A storage failure told by another process (`coordinator.db.sqlite.writer`): `code` (UNAVAILABLE, 503, or
+    DISK_FULL, 507) and `reason`, as `storage_failure` gave them there."""
 
     def __init__(self, code: RefusalCode, reason: str):
         if not isinstance(code, RefusalCode):

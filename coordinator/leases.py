@@ -20,8 +20,8 @@ from swarmrl.coordinator.auth import Refused, Signed, StaleSubmission
 from swarmrl.coordinator.checkpoints import current_version
 from swarmrl.coordinator.compose import Composed, LeaseComposer, RecentLeases
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.db.asyncwriter import RemoteCall
 from swarmrl.coordinator.db.rows import LeasePromptRow, NodeRow
+from swarmrl.coordinator.db.sqlite.asyncwriter import RemoteCall
 from swarmrl.coordinator.db.store import Store, Tx
 from swarmrl.coordinator.db.writes import PlannedWrite, Writes
 from swarmrl.coordinator.gate import admit

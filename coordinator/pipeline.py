@@ -7,7 +7,7 @@
 A node's submission or heartbeat is planned without blocking (`plan`) and written where this process writes
 (`coordinator.db.writes`: one path, whatever the store). With the store's writer process, one from a node this
 process knows is served on the event loop from start to end: the write is awaited from the writer
-(`coordinator.db.asyncwriter`) instead of waited for on a worker thread. That saves two hand-offs between threads
+(`coordinator.db.sqlite.asyncwriter`) instead of waited for on a worker thread. That saves two hand-offs between threads
 per request and the worker thread's turns at the GIL, which cost the two server processes about a fifth of their
 CPU under load (bench/RESULTS.md).
 

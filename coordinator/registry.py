@@ -16,10 +16,10 @@ from sqlalchemy import BigInteger, Double, bindparam, func, select, update
 
 from swarmrl.coordinator.auth import Refused, Signed
 from swarmrl.coordinator.config import CoordinatorConfig
-from swarmrl.coordinator.db.asyncwriter import RemoteCall
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import nodes
+from swarmrl.coordinator.db.sqlite.asyncwriter import RemoteCall
 from swarmrl.coordinator.db.store import Store, Tx, insert, load
 from swarmrl.coordinator.db.writes import PlannedWrite, Writes
 from swarmrl.coordinator.gate import admit

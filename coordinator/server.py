@@ -5,7 +5,7 @@ With `workers` > 1 the first process binds the port with SO_REUSEPORT, brings th
 other workers before it opens anything else (no thread and no database connection exists yet to be copied). Each
 worker binds the same port (the kernel spreads new connections over the workers' sockets), builds its own app over
 the same store and data dir, and dies with the first process. On SQLite it forks the store's writer process first
-(`coordinator.db.writer`), which writes the submissions and heartbeats of every worker. A worker (or the writer)
+(`coordinator.db.sqlite.writer`), which writes the submissions and heartbeats of every worker. A worker (or the writer)
 that ends stops the whole coordinator, so that whatever supervises it (systemd, Docker) restarts it whole rather
 than running on at a fraction of its capacity.
 """
@@ -30,8 +30,8 @@ from fastapi import FastAPI
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.connections import ConnectionGuard, raise_open_file_limit
+from swarmrl.coordinator.db.sqlite.writer import WriterServer
 from swarmrl.coordinator.db.store import Store
-from swarmrl.coordinator.db.writer import WriterServer
 from swarmrl.coordinator.httpguard import GuardedHttpProtocol, RecordKeeper
 from swarmrl.coordinator.pool import attach_pool
 from swarmrl.coordinator.registry import Registry

@@ -53,7 +53,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, identity: Identity, clock: Callable[[], float] = time.time,
                  writer: str | None = None):
         """`writer`: the socket of the store's writer process, which then writes the prechecked submissions and the
-        heartbeats (`coordinator.db.writer`)."""
+        heartbeats (`coordinator.db.sqlite.writer`)."""
         self.config, self.identity, self.clock = config, identity, clock
         self.store = open_store(config)
         self.shards = ShardStore(config.data_dir / "shards", durable=True)  # a published manifest refers to them
@@ -90,7 +90,7 @@ class Coordinator:
 
 def open_store(config: CoordinatorConfig, writer: bool = False) -> Store:
     """The run's store, as `config` says (its data dir made first); `writer`: as the store's writer process opens
-    it (`coordinator.db.writer`): its commits paced by `store_writer_commit_interval_ms`, and made by the thread
+    it (`coordinator.db.sqlite.writer`): its commits paced by `store_writer_commit_interval_ms`, and made by the thread
     that serves the writes (`WriterServer`), not by a committer thread of their own."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     return Store(config.resolved_store_url, pool_size=config.store_pool_size, group_commit=config.store_group_commit,

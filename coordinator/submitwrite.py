@@ -1,5 +1,5 @@
 """A submission's write transaction as data: what it works out before the transaction, and the plain form in which
-it crosses to the store's writer process (`coordinator.db.writer`).
+it crosses to the store's writer process (`coordinator.db.sqlite.writer`).
 
 `Leases.submit` checks a submission's groups against their lease's terms before its transaction, from what the
 process keeps of the leases it granted (`Prechecked`, `coordinator.compose`). The transaction itself needs only

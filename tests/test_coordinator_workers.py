@@ -3,7 +3,7 @@ spreads connections over both, and one node's requests may land on either: a cha
 other (the run's secret is shared), a lease granted by one is submitted to the other. And processes that share
 the SQLite file take turns at writing, and hear of each other's commits (long polls wake on them). A third process,
 the store's writer, writes the heartbeats and the submissions whose lease the serving process granted
-(`coordinator.db.writer`); when it ends, the coordinator stops."""
+(`coordinator.db.sqlite.writer`); when it ends, the coordinator stops."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_processes_take_turns_at_writing(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'shared.sqlite'}"
     store = Store(url, processes=2)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from swarmrl.coordinator.db.shared import "
+        [sys.executable, "-c", "import sys; from pathlib import Path; from swarmrl.coordinator.db.sqlite.shared import "
          f"WriterLock; lock = WriterLock(Path({str(tmp_path / 'shared.sqlite')!r} + '-writer.lock')); "
          "lock.__enter__(); print('held', flush=True); sys.stdin.readline(); lock.__exit__(None, None, None)"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -1,5 +1,5 @@
-"""Group commit on SQLite (`coordinator.db.groupcommit`): writes that queue behind a commit share the next one; each
-write still behaves as if alone (a failing one is rolled back by itself, later ones see earlier ones), and no
+"""Group commit on SQLite (`coordinator.db.sqlite.groupcommit`): writes that queue behind a commit share the next one;
+each write still behaves as if alone (a failing one is rolled back by itself, later ones see earlier ones), and no
 write returns before the commit holding it succeeded: when that commit fails, every write of the batch fails and
 none of it is stored. Batches are made deterministic by holding the first write until the others have queued."""
 
@@ -16,8 +16,8 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from swarmrl.coordinator.auth import Refused
-from swarmrl.coordinator.db.groupcommit import GroupCommit, make_realtime
 from swarmrl.coordinator.db.schema import kv, leases
+from swarmrl.coordinator.db.sqlite.groupcommit import GroupCommit, make_realtime
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter
 from swarmrl.coordinator.server import lower_request_priority
 from swarmrl.protocol.refusals import RefusalCode

@@ -1,4 +1,4 @@
-"""The store's writer process (`coordinator.db.writer`), its socket protocol tested in one process: a named write
+"""The store's writer process (`coordinator.db.sqlite.writer`), its socket protocol tested in one process: a named write
 runs in the writer's group commit and its caller returns once that commit is done; refusals, stored answers and
 storage failures reach the caller as the same exceptions, and the write is rolled back; writes sent over several
 connections (several server processes) share commits; and when the writer goes away, every caller waiting on it
@@ -19,10 +19,10 @@ import orjson
 import pytest
 
 from swarmrl.coordinator.auth import Refused, Replayed, StaleSubmission
-from swarmrl.coordinator.db.asyncwriter import AsyncRemoteWriter
 from swarmrl.coordinator.db.schema import kv
+from swarmrl.coordinator.db.sqlite.asyncwriter import AsyncRemoteWriter
+from swarmrl.coordinator.db.sqlite.writer import GONE, RemoteWriter, WriterServer
 from swarmrl.coordinator.db.store import Store, Tx
-from swarmrl.coordinator.db.writer import GONE, RemoteWriter, WriterServer
 from swarmrl.coordinator.failures import DISK_FULL, StorageUnavailable, refusal_of
 from swarmrl.coordinator.idempotency import Answer, Answered
 from swarmrl.protocol.refusals import RefusalCode

@@ -8,7 +8,7 @@ import sqlite3
 from pathlib import Path
 
 from swarmrl.coordinator.db.schema import LEASE_COUNTER
-from swarmrl.coordinator.db.shared import WalCheckpointer
+from swarmrl.coordinator.db.sqlite.shared import WalCheckpointer
 from swarmrl.coordinator.db.store import Store, add_to_counter
 from swarmrl.testing.waiting import wait_for
 

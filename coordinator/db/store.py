@@ -14,8 +14,8 @@ power cut, which could take back commits already answered: an accepted submissio
 handed out again for another group that the trainer skips. Accepted work must be neither lost nor counted twice,
 so such commits are fsynced; on SQLite the writes that queue up during one fsync share the next one (group
 commit, below), which is what lets one disk serve a thousand submissions a second. The log is copied back into the
-database file (and that file fsynced) by a thread of its own (`coordinator.db.shared.WalCheckpointer`), not inside
-the commit of whichever writer takes it past SQLite's threshold. A request's nonce and, with an
+database file (and that file fsynced) by a thread of its own (`coordinator.db.sqlite.shared.WalCheckpointer`), not
+inside the commit of whichever writer takes it past SQLite's threshold. A request's nonce and, with an
 Idempotency-Key, its stored answer are written in the transaction of its effect: the three are durable together
 or not at all, so a retry after a crash finds the answer exactly when the effect survived.
 
@@ -34,8 +34,8 @@ it into place and its step log after each line (`trainer.state`). A full disk fa
 transaction rolls back, a shard's temporary file is removed) and is answered 507 (`coordinator.failures`).
 
 Transactions. `write` runs its function in one transaction: on SQLite one writer at a time (BEGIN IMMEDIATE), and
-the writes that queue up while a commit is being fsynced are committed together (`coordinator.db.groupcommit`: each
-in a savepoint of its own, one fsync for all, each answered only after that commit); READ COMMITTED on PostgreSQL,
+the writes that queue up while a commit is being fsynced are committed together (`coordinator.db.sqlite.groupcommit`:
+each in a savepoint of its own, one fsync for all, each answered only after that commit); READ COMMITTED on PostgreSQL,
 where the queries take the row locks they need (SELECT ... FOR UPDATE, conditional UPDATE ... RETURNING) and a
 deadlock or serialization failure re-runs the whole function (it must have no effects outside the transaction). Any
 exception rolls back everything the function did, so a refused request changes nothing.
@@ -61,9 +61,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Select
 
 from swarmrl.coordinator.db.fast import Prepared
-from swarmrl.coordinator.db.groupcommit import BEGIN_KEY, GroupCommit
 from swarmrl.coordinator.db.schema import kv
-from swarmrl.coordinator.db.shared import ChangeWatcher, WalCheckpointer, WriterLock
+from swarmrl.coordinator.db.sqlite.groupcommit import BEGIN_KEY, GroupCommit
+from swarmrl.coordinator.db.sqlite.shared import ChangeWatcher, WalCheckpointer, WriterLock
 
 T = TypeVar("T")
 Tx = Connection
@@ -160,11 +160,11 @@ def _json_dumps(obj: Any) -> str:
 class Store:
     """One engine over `url`; see the module docstring for what `write` and `read` promise. `group_commit`: on
     SQLite, writes committed together at most (1: one commit per write). `processes`: how many processes of this
-    machine open the same SQLite database (`coordinator.db.shared`: they take turns at writing, and see each other's
-    changes). `realtime_committer`: on SQLite, the thread that commits every write runs under real-time scheduling
-    where the process may (`coordinator.db.groupcommit.make_realtime`). `commit_interval_s`: on SQLite, under
-    load, at most one commit that often (`GroupCommit`'s `min_interval_s`). `committer_thread=False`: on SQLite,
-    the thread that owns the store commits its writes (`GroupCommit`'s `threaded`; the writer process's)."""
+    machine open the same SQLite database (`coordinator.db.sqlite.shared`: they take turns at writing, and see each
+    other's changes). `realtime_committer`: on SQLite, the thread that commits every write runs under real-time
+    scheduling where the process may (`coordinator.db.sqlite.groupcommit.make_realtime`). `commit_interval_s`: on
+    SQLite, under load, at most one commit that often (`GroupCommit`'s `min_interval_s`). `committer_thread=False`: on
+    SQLite, the thread that owns the store commits its writes (`GroupCommit`'s `threaded`; the writer process's)."""
 
     def __init__(self, url: str, pool_size: int = 40, group_commit: int = 64, processes: int = 1,
                  realtime_committer: bool = False, commit_interval_s: float = 0.0, committer_thread: bool = True):
@@ -292,7 +292,7 @@ class Store:
 
     def notify(self) -> None:
         """Wake this process's long polls, as a notifying write does: for a write committed elsewhere on its behalf
-        (`coordinator.db.writer`; other processes hear of it from the database)."""
+        (`coordinator.db.sqlite.writer`; other processes hear of it from the database)."""
         self._bump()
 
     def _bump(self) -> None:

@@ -4,10 +4,10 @@ An endpoint works its request out up to the write (`Leases.plan_submit`, `Regist
 checks against what the process knows, the transaction function. `Writes` then runs that write where this process
 writes, from a request thread (`run`) or from the event loop (`run_async`):
 
-- SQLite with the store's writer process (several server processes on one file: `coordinator.db.writer`): the
+- SQLite with the store's writer process (several server processes on one file: `coordinator.db.sqlite.writer`): the
   write's plain form (`remote`, when the request crosses: a prechecked submission, a heartbeat) is committed there,
-  awaited from the event loop (`coordinator.db.asyncwriter`) with no hand-off to a request thread; one that does not
-  cross is written here.
+  awaited from the event loop (`coordinator.db.sqlite.asyncwriter`) with no hand-off to a request thread; one that
+  does not cross is written here.
 - Otherwise (PostgreSQL, and SQLite in one process): `Store.write` on a request thread. On PostgreSQL the
   transaction awaited on the event loop instead (SQLAlchemy's asyncio layer over psycopg's asynchronous connection)
   was measured and not kept: 40-50% more coordinator CPU per request, and fewer submissions a second (bench/RESULTS.md).
@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from swarmrl.coordinator.db.asyncwriter import AsyncRemoteWriter, RemoteCall
+from swarmrl.coordinator.db.sqlite.asyncwriter import AsyncRemoteWriter, RemoteCall
+from swarmrl.coordinator.db.sqlite.writer import RemoteWriter
 from swarmrl.coordinator.db.store import Store, Tx
-from swarmrl.coordinator.db.writer import RemoteWriter
 
 __all__ = ["PlannedWrite", "Writes"]
 

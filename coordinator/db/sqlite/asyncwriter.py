@@ -1,4 +1,4 @@
-"""The store's writer process, called from a server process's event loop (`coordinator.db.writer`).
+"""The store's writer process, called from a server process's event loop (`coordinator.db.sqlite.writer`).
 
 A request that the writer will write (a prechecked submission, a heartbeat) needs nothing else of the server process
 that could block: served on the event loop from start to end, with its write awaited instead of waited for on a
@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from swarmrl.coordinator.db.writer import GONE, RemoteWriter, frame, raise_outcome, take_frames
+from swarmrl.coordinator.db.sqlite.writer import GONE, RemoteWriter, frame, raise_outcome, take_frames
 from swarmrl.coordinator.failures import StorageUnavailable
 from swarmrl.protocol.refusals import RefusalCode
 

@@ -1,7 +1,7 @@
 """One writer process for an SQLite store that several coordinator processes share (`workers` > 1).
 
 On SQLite every write of every process is serialized. With each process committing its own writes in turn
-(`coordinator.db.shared.WriterLock`), the lock was held 90-95% of the time under load (bench/RESULTS.md): batches
+(`coordinator.db.sqlite.shared.WriterLock`), the lock was held 90-95% of the time under load (bench/RESULTS.md): batches
 of about 3.5 writes per process, the lock handed from process to process at every commit, and the holder's
 statements waiting for the GIL of its own process, which its request threads hold. Here a process of its own runs
 the coordinator's hottest writes, the submissions' and the heartbeats', in one group commit (`GroupCommit`), its
@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 
 from swarmrl.coordinator.auth import Refused, Replayed, StaleSubmission
-from swarmrl.coordinator.db.groupcommit import GroupCommit
+from swarmrl.coordinator.db.sqlite.groupcommit import GroupCommit
 from swarmrl.coordinator.failures import StorageUnavailable, storage_failure
 from swarmrl.coordinator.idempotency import Answer, Answered
 from swarmrl.protocol.refusals import RefusalCode

@@ -65,12 +65,12 @@ class GroupCommit:
                  realtime: bool = False, min_interval_s: float = 0.0, sleep: Callable[[float], None] = time.sleep,
                  threaded: bool = True):
         """`across`: held around each commit's transaction, when other processes write to the same database
-        (`coordinator.db.shared.WriterLock`). `realtime`: run the committer under the real-time FIFO policy where
+        (`coordinator.db.sqlite.shared.WriterLock`). `realtime`: run the committer under the real-time FIFO policy where
         the process may (`make_realtime`); `self.realtime` says whether it does. `min_interval_s`: under load, at
         most one commit that often: a write queued sooner after the end of the previous commit waits for the rest
         of the interval, and the writes queued meanwhile join its commit (an idle store commits at once). Fewer,
         larger commits cost less CPU per write (each commit has its own BEGIN, log pages and fsync), for at most
-        that much more latency; the writer process uses it (`coordinator.db.writer`), where nothing else makes a
+        that much more latency; the writer process uses it (`coordinator.db.sqlite.writer`), where nothing else makes a
         batch wait. `threaded=False`: no committer thread; the thread that owns this object commits what is queued
         when it is due (`due_in`, `commit_due`), the writer process's one thread, which reads the writes too."""
         self.engine, self.max_batch = engine, max(1, max_batch)

@@ -1,0 +1,15 @@
+"""What makes SQLite fast for a coordinator on one machine, all of it behind `Store.write` and
+`coordinator.db.writes.Writes` (nothing else of the coordinator calls into this folder), and none of it used on
+PostgreSQL:
+
+- `groupcommit`: the writes that queue up during one commit's fsync are committed together, each in a savepoint
+  of its own (`store_group_commit`, default 64);
+- `shared`: several processes of one machine on one database file take turns at writing (a file lock) and see
+  each other's changes; the write-ahead log is checkpointed by a thread of its own;
+- `writer` and `asyncwriter`: with `workers` > 1, one more process, the store's writer, commits every server
+  process's submissions and heartbeats (`store_writer_process`, default on; `store_writer_commit_interval_ms`,
+  default 2), called from each server process's event loop.
+
+Their settings are defaulted to what bench/coordinator_load.py measured best (bench/RESULTS.md); a deployment need
+not touch them.
+"""
