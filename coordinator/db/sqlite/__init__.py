@@ -1,6 +1,6 @@
-"""What makes SQLite fast for a coordinator on one machine, all of it behind `Store.write` and
-`coordinator.db.writes.Writes` (nothing else of the coordinator calls into this folder), and none of it used on
-PostgreSQL:
+"""What makes SQLite fast for a coordinator on one machine, none of it used on PostgreSQL. The coordinator writes
+through `Store.write` and `coordinator.db.writes.Writes` whatever the store; beyond those, only the server (which
+starts the writer process) and the endpoints that plan a write's plain form for it (`RemoteCall`) name this folder.
 
 - `groupcommit`: the writes that queue up during one commit's fsync are committed together, each in a savepoint
   of its own (`store_group_commit`, default 64);
