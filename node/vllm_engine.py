@@ -192,15 +192,22 @@ class VLLMEngine(InferenceEngine):
         from swarmrl.node.gumbel_processor import take_records, taken_tokens
 
         keys, prompts, params = self._requests(requests, max_tokens)
-        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        internal = self.llm.enqueue(prompts, params, use_tqdm=False)
+        # vLLM 0.32 hands back internal ids ("<id>-<suffix>"); outputs carry the request's own id.
+        ids = [i.rsplit("-", 1)[0] for i in internal]
         engine = self.llm.llm_engine
         finished: dict[str, object] = {}
         steps, stopped = 0, False
         while engine.has_unfinished_requests():
-            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+            for o in engine.step():
+                if o.finished:
+                    if o.request_id not in ids:
+                        raise RuntimeError(f"vLLM output for request {o.request_id!r}, not one of {ids[:4]}...")
+                    finished[o.request_id] = o
             steps += 1
             if not stopped and steps % every == 0 and len(finished) < len(ids) and interrupt():
-                engine.abort_request([i for i in ids if i not in finished])
+                engine.abort_request([i for i, e in zip(internal, ids, strict=True) if e not in finished],
+                                     internal=True)
                 stopped = True
         records = self.llm.apply_model(functools.partial(take_records, keys))[0]
         tokens = self.llm.apply_model(functools.partial(taken_tokens, keys))[0]

@@ -108,11 +108,20 @@ def test_a_stopped_and_continued_generation_is_the_same_sample_as_one_go(tmp_pat
         whole = eng.generate(reqs, max_tokens=12)
         asked = []
         ready = lambda: asked.append(1) or len(asked) <= 2  # noqa: E731 - ready twice, then never
+        calls = []
+        until = eng.generate_until
+        eng.generate_until = lambda *a, **kw: calls.append(until(*a, **kw)) or calls[-1]  # type: ignore[method-assign]
         out, spans = generate_in_flight(eng, reqs, 12, 3, version=7, updates=Updates(ready, lambda: None))
+        in_flight = calls[:]  # the calls of the in-flight generation
+        never = eng.generate_until(reqs, 12, lambda: False, every=1)
         chunked = InferenceEngine.generate_until(eng, reqs, 12, lambda: False, every=5)
     finally:
         eng.close()
     assert spans == [(0, 7)] and asked
+    # Stopped once (the first look), then went on in one call: nothing ready, nothing stopped.
+    assert len(in_flight) == 2 and any(c.interrupted for c in in_flight[0])
+    assert not any(c.interrupted for c in in_flight[1])
+    assert not any(c.interrupted for c in never + chunked)
     for got in (out, chunked):
         assert [c.token_ids for c in got] == [c.token_ids for c in whole]
         assert [c.finish_reason for c in got] == [c.finish_reason for c in whole]
