@@ -172,21 +172,12 @@ _CLOSE = Prepared(update(leases).where(_l.id == bindparam("b_lease"), _l.state =
 _SETTLED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
     prompts_abandoned=_n.prompts_abandoned + bindparam("b_abandoned", type_=BigInteger),
     in_flight=_n.in_flight - bindparam("b_flight", type_=BigInteger)))
-_LEASED = Prepared(update(nodes).where(_n.id == bindparam("b_node")).values(
-    prompts_leased=_n.prompts_leased + bindparam("b_n", type_=BigInteger),
-    in_flight=_n.in_flight + bindparam("b_n", type_=BigInteger)))
 _QUEUED = Prepared(select(_q.id, _q.text, _q.answer, _q.seeds).where(
     _q.abandoned_by != bindparam("b_node"),
     (_q.abandoned_source != bindparam("b_source")) | (_q.queued_at <= bindparam("b_before", type_=Double)))
     .order_by(_q.id).limit(bindparam("b_limit")).with_for_update(skip_locked=True))
 Queued = tuple[str, str, list[int] | None]
 """A prompt leased again: (text, answer, its seeds; None: fresh ones)."""
-
-
-def count_leased(tx: Tx, node_id: str, n: int) -> None:
-    """`n` prompts leased to `node_id`: in its record, and in its own count in flight (`inflight.add_to` counts the
-    lease in the shared counters)."""
-    _LEASED.rowcount(tx, b_node=node_id, b_n=n)
 
 
 @dataclass

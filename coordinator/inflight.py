@@ -5,7 +5,7 @@ flight: leased, in a lease still open, not submitted. It is kept as counters, mo
 change that moves it:
 
 - a lease granted adds its prompts (`leasequeries.insert_lease` records what it counts as, `add_to` and `apply` move the
-  counter rows, `admission.count_leased` the node's own `in_flight`);
+  counter rows, with `count_node` the node's own `in_flight`);
 - a lease closed takes them back (`admission.settle_leases`): a submission settling it (the prompts it delivered
   and those it left out alike), a stale submission, the expiry sweep, the node's own next lease request after the
   lease expired, or the liveness sweep marking its node gone. A lease is closed exactly once (a conditional update

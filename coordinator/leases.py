@@ -30,10 +30,9 @@ from swarmrl.coordinator.leasequeries import (
     buffered_groups,
     count_open_leases,
     get_prompts,
-    insert_group,
     insert_lease,
     lock_lease,
-    mark_submitted,
+    take_group,
     until_a_lease_expires,
 )
 from swarmrl.coordinator.registry import require_node, touch_settled
@@ -168,8 +167,8 @@ class Leases:
         signed = draft.lease
         counted = insert_lease(tx, signed.lease_id, node.id, version, now, signed.expires_at, draft.sampling,
                                draft.prompts, draft.signature, draft.digests,
-                               inflight.counted_as(admission.is_proven(node, self.config.admission), node.source))
-        admission.count_leased(tx, node.id, n)
+                               inflight.counted_as(admission.is_proven(node, self.config.admission), node.source),
+                               count_node=True)
         for key, d in counted.items():
             deltas[key] = deltas.get(key, 0) + d
         self.recent.add(draft)
@@ -317,12 +316,12 @@ class Leases:
                 reason = m.ALREADY_SUBMITTED
             else:
                 reason = checked.problems[prompt_id]
-            if reason is None and not mark_submitted(tx, w.lease_id, prompt_id):
+            if reason is None and not take_group(tx, req.signer, w.lease_id, prompt_id, w.policy_version,
+                                                 checked.payloads[prompt_id], now):
                 reason = m.ALREADY_SUBMITTED
             if reason is not None:
                 rejected[prompt_id] = reason
                 continue
-            insert_group(tx, req.signer, w.lease_id, prompt_id, w.policy_version, checked.payloads[prompt_id], now)
             accepted.append(prompt_id)
         delivered = set(accepted)
         # The lease is settled, the node's row moved by it and touched in one statement, and the counter rows
