@@ -218,8 +218,10 @@ class VLLMEngine(InferenceEngine):
                 completions.append(self._completion(finished[rid].outputs[0], logprobs))  # type: ignore[attr-defined]
                 states.append(st)
                 continue
-            # Stopped: the positions recorded so far (the last one may be cut off with the request).
-            n = min(len(logprobs or []), len(tokens[key] or []), len(st) if st is not None else 1 << 30)
+            # Stopped: the positions recorded so far (the last one may be cut off with the request); without all of
+            # their states (proofs on) none of them, and the completion starts again.
+            whole = st is not None or not self.cfg.proofs
+            n = min(len(logprobs or []), len(tokens[key] or []), len(st) if st is not None else 1 << 30) if whole else 0
             completions.append(Completion((tokens[key] or [])[:n], (logprobs or [])[:n], "length", interrupted=True))
             states.append(st[:n] if st is not None else torch.zeros(0, 0))
         if self.cfg.proofs:
