@@ -18,17 +18,20 @@ transport error, of any request kind), and, after the coordinator is killed with
 submissions: groups a 200 answer said were taken that its database does not hold. The CPU is sampled too: the
 whole machine's busy share, and the coordinator's and the load processes' CPU seconds.
 
-Each store runs at every `--nodes` count (the scaling curve), and the baselines beside it at the largest count
-(`--baselines`): nodes that send a lease request before each submission instead, one coordinator process, and on
-SQLite group commit off (`store_group_commit=1`: one commit, one fsync, per write) and no writer process (each
-worker commits its own submissions, in turn: `store_writer_process=false`).
+Each store runs at every `--nodes` count (the scaling curve in nodes), at the largest count with every number of
+coordinator processes in `--scaling` (the scaling curve in processes, e.g. `--scaling 1,2,4`), and the baselines
+beside it at the largest count (`--baselines`): nodes that send a lease request before each submission instead,
+one coordinator process, and on SQLite group commit off (`store_group_commit=1`: one commit, one fsync, per write)
+and no writer process (each worker commits its own submissions, in turn: `store_writer_process=false`).
 
     python bench/coordinator_load.py                                   # the recorded run: both stores, 100..10,000
     python bench/coordinator_load.py --stores sqlite --nodes 100 --duration 5 --warmup 2   # a smoke run
+    python bench/coordinator_load.py --nodes 1000 --scaling 1,2,4 --no-baseline   # 1, 2 and 4 processes, both stores
 
 PostgreSQL needs `--pg-url` or SWARMRL_TEST_PG_URL (scripts/test-postgres.sh prints one): each run gets a fresh
 database on it. The last line printed is one JSON object: `submissions_per_s`, `p99_ms`, `errors`, `lost`, `nodes`,
-`store` of the headline run (SQLite at the largest node count), with every run under `runs`.
+`store` of the headline run (SQLite at the largest node count), with every run under `runs`, and with `--scaling`
+the submissions/s per store and number of coordinator processes under `scaling`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=1, help="prompts per lease (= groups per submission)")
     p.add_argument("--tokens", type=int, default=32, help="completion tokens per rollout")
     p.add_argument("--heartbeat-s", type=float, default=30.0, help="seconds between a node's heartbeats")
+    p.add_argument("--scaling", default="", help="comma-separated numbers of coordinator processes, each run at the "
+                   "largest node count beside the headline (e.g. 1,2,4); a run already planned is not repeated")
     p.add_argument("--baselines", default="separate-leases,one-worker,no-group-commit,no-writer-process",
                    help="comma-separated baselines, each run beside the headline at the largest node count: "
                         "separate-leases (a lease request before each submission instead of the next lease asked "
@@ -243,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     counts = [int(n) for n in args.nodes.split(",")]
     baselines = set() if args.no_baseline else {b.strip() for b in args.baselines.split(",") if b.strip()}
+    scaling = [int(k) for k in args.scaling.split(",") if k.strip()]
     unknown = baselines - {"separate-leases", "one-worker", "no-group-commit", "no-writer-process"}
     if unknown:
         raise SystemExit(f"unknown baselines: {', '.join(sorted(unknown))}")
@@ -252,11 +258,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # (PostgreSQL commits each transaction itself, and groups concurrent commits' WAL flushes on its own).
         many, top = args.coordinator_workers, max(counts)
         plans = [(n, True, many, True, True) for n in counts]
+        plans += [(top, True, k, True, True) for k in scaling]
         plans += [(top, True, many, False, True)] if "separate-leases" in baselines else []
         plans += [(top, True, 1, True, True)] if "one-worker" in baselines and many > 1 else []
         plans += [(top, False, many, True, True)] if "no-group-commit" in baselines and store == "sqlite" else []
         sqlite_workers = store == "sqlite" and many > 1
         plans += [(top, True, many, True, False)] if "no-writer-process" in baselines and sqlite_workers else []
+        plans = list(dict.fromkeys(plans))  # each run once, in the order planned
         for nodes, group_commit, workers, next_lease, writer_process in plans:
             with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
                 result = run_one(args, store, nodes, group_commit, workers, next_lease, writer_process, Path(tmp))
@@ -268,6 +276,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      and r["coordinator_workers"] == args.coordinator_workers and r["next_lease"]
                      and r["writer_process"] == (args.coordinator_workers > 1)), runs[0])
     summary = {k: headline[k] for k in ("submissions_per_s", "p99_ms", "errors", "lost", "nodes", "store")}
+    # The scaling curve in processes: submissions/s by store and number of coordinator processes (largest count).
+    summary["scaling"] = {store: {str(r["coordinator_workers"]): r["submissions_per_s"] for r in runs
+                                  if r["store"] == store and r["nodes"] == max(counts) and r["group_commit"]
+                                  and r["next_lease"] and r["writer_process"] == (store == "sqlite"
+                                                                                  and r["coordinator_workers"] > 1)}
+                          for store in stores} if scaling else {}
     summary["runs"] = runs
     if args.out is not None:
         args.out.write_text(json.dumps(summary, indent=1))

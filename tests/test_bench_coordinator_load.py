@@ -34,3 +34,18 @@ def test_the_load_bench_runs_and_loses_nothing(tmp_path: Path) -> None:
                                (20, False, 2, True, True), (20, True, 2, True, False)]
     assert all(r["lost"] == 0 and r["accepted_total"] > 0 for r in runs), runs
     assert json.loads(out.read_text()) == last
+
+
+@pytest.mark.timeout(600)
+def test_the_load_bench_records_its_scaling_curve_in_processes(tmp_path: Path) -> None:
+    """--scaling runs the largest node count with each number of coordinator processes (the headline's not twice)
+    and sums them up as submissions/s per store and number of processes."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "coordinator_load.py"), "--stores", "sqlite",
+                           "--nodes", "20", "--duration", "2", "--warmup", "1", "--workers", "1", "--concurrency", "4",
+                           "--no-baseline", "--scaling", "1,2"], capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["nodes"], r["coordinator_workers"], r["writer_process"]) for r in last["runs"]] == [
+        (20, 2, True), (20, 1, False)]
+    assert set(last["scaling"]) == {"sqlite"} and set(last["scaling"]["sqlite"]) == {"1", "2"}
+    assert all(r["lost"] == 0 and r["accepted_total"] > 0 for r in last["runs"]), last["runs"]
