@@ -291,6 +291,28 @@ def test_concurrent_accepts_give_every_group_one_position(store: Store) -> None:
 
 
 @needs_pg
+def test_connections_the_server_closed_are_replaced_without_a_ping() -> None:
+    """No ping before a pooled connection is used: a write or read on a connection the server closed (a restart,
+    an operator's kill) runs again on a new one, and a write's effect is applied once."""
+    from sqlalchemy import create_engine
+
+    with fresh_database() as url:
+        s = Store(url, pool_size=2)
+        try:
+            assert s.write(lambda tx: add_to_counter(tx, LEASE_COUNTER)) == 1
+            killer = create_engine(url)
+            with killer.begin() as conn:
+                killed = conn.execute(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE "
+                                           "datname = current_database() AND pid <> pg_backend_pid()")).scalar()
+            killer.dispose()
+            assert killed >= 1  # the pooled connection, and the change listener's
+            assert s.write(lambda tx: add_to_counter(tx, LEASE_COUNTER)) == 2
+            assert s.read(lambda tx: counter(tx, LEASE_COUNTER)) == 2
+        finally:
+            s.close()
+
+
+@needs_pg
 def test_a_notifying_write_wakes_long_polls_of_another_process() -> None:
     """Two stores on one PostgreSQL database, as two coordinator processes have: a notifying write through one
     moves the other's change generation (LISTEN/NOTIFY), which its long polls wait on. (SQLite: one process.)"""
