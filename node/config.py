@@ -40,7 +40,9 @@ class NodeConfig(BaseModel):
                                  "unreachable (exponential backoff with full jitter up to this).")
     request_timeout_s: float = Field(30.0, gt=0, description="An HTTP request without an answer in this time is "
                                      "tried again.")
-    max_prompts: int = Field(8, ge=1, description="Prompts asked for per lease.")
+    max_prompts: int = Field(8, ge=1, description="Most prompts asked for per lease. The node asks for what its "
+                             "engine generates in a third of a lease's time to live, as measured on its last leases "
+                             "(node.leasesize), up to this: raise it on a fast GPU.")
     poll_interval_s: float = Field(0.5, gt=0, description="Wait between polls when there is no work or no new weights.")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="Send a heartbeat (held version, idle and busy "
                                         "seconds) at most this often, between leases.")

@@ -35,6 +35,7 @@ from swarmrl.node.config import NodeConfig
 from swarmrl.node.engine import GenerationRequest, InferenceEngine
 from swarmrl.node.episodes import play_episodes
 from swarmrl.node.inflight import Updates, generate_in_flight
+from swarmrl.node.leasesize import LeaseSizer
 from swarmrl.node.refusal import is_about_the_node
 from swarmrl.node.stats import NodeStats
 from swarmrl.protocol.episodes import Environment
@@ -81,6 +82,8 @@ class Work:
     def __init__(self, cfg: WorkConfig, client: WorkClient, stats: NodeStats, stop: threading.Event):
         self.cfg, self.client, self.stats, self._stop = cfg, client, stats, stop
         self.next_lease: Lease | None = None
+        self.sizer = LeaseSizer(cfg.max_prompts)
+        """How many prompts to ask for: what fits a share of a lease's time to live (`node.leasesize`)."""
         self._after_next: Lease | None = None  # a lease that came while `next_lease` was still in hand
         self._courier: ThreadPoolExecutor | None = None
         self._in_flight: Future[Lease | None] | None = None
@@ -115,9 +118,11 @@ class Work:
 
     def ask(self) -> Lease | None:
         """A new lease, or None when the coordinator has none right now (it is then asked why, for the panel)."""
-        lease = self.client.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
+        lease = self.client.lease(self.sizer.ask(), held_version=self.stats.held_version)
         if lease is None:
             self.stats.ask_why_no_work(self.client, time.monotonic())
+        else:
+            self.sizer.saw_lease(lease.expires_at - time.time())
         return lease
 
     def generate(self, lease: Lease, engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase,
@@ -145,6 +150,7 @@ class Work:
             completions = engine.generate(requests, max_tokens=lease.sampling.max_tokens)
         gen_s = time.perf_counter() - t0
         self.stats.gen_seconds += gen_s
+        self.sizer.observe(len(lease.prompts), gen_s)
         by_prompt: dict[str, list[Rollout]] = {p.prompt_id: [] for p in lease.prompts}
         for req, owner, c in zip(requests, owners, completions, strict=True):
             self.stats.tokens += len(c.token_ids)
@@ -162,6 +168,7 @@ class Work:
         played = play_episodes(engine, tokenizer, env, lease.sampling, prompts)
         gen_s = time.perf_counter() - t0
         self.stats.gen_seconds += gen_s
+        self.sizer.observe(len(lease.prompts), gen_s)
         self.stats.tokens += sum(len(r.completion_ids) for rs in played for r in rs)
         groups = [RolloutGroup(prompt_id=p.prompt_id, prompt_ids=ids, rollouts=rs)
                   for p, (_, ids, _), rs in zip(lease.prompts, prompts, played, strict=True)]
@@ -177,7 +184,7 @@ class Work:
         """Submit (with `ask_next`, asking for the next lease in the same answer: one round trip fewer) and count the
         outcome; the lease that came with the answer."""
         if ask_next:
-            submission.next_lease = LeaseRequest(max_prompts=self.cfg.max_prompts, held_version=self.stats.held_version)
+            submission.next_lease = LeaseRequest(max_prompts=self.sizer.ask(), held_version=self.stats.held_version)
         try:
             result = self.client.submit(submission)
         except CoordinatorError as e:
@@ -216,7 +223,7 @@ class Work:
         if hasattr(once, "retry"):
             once.retry = RetryPolicy(attempts=0)
         try:
-            lease = once.lease(self.cfg.max_prompts, held_version=self.stats.held_version)
+            lease = once.lease(self.sizer.ask(), held_version=self.stats.held_version)
         except CoordinatorError as e:
             if is_about_the_node(e):
                 raise
@@ -241,6 +248,7 @@ class Work:
     def _keep(self, lease: Lease | None) -> None:
         """Keep a lease granted: as `next_lease`, or after it when one is in hand already."""
         if lease is not None:
+            self.sizer.saw_lease(lease.expires_at - time.time())
             if self.next_lease is None:
                 self.next_lease = lease
             else:
