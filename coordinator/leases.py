@@ -49,7 +49,7 @@ from swarmrl.protocol import messages as m
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.refusals import RefusalCode
 from swarmrl.protocol.tasks import Task
-from swarmrl.protocol.validation import staleness_problem
+from swarmrl.protocol.validation import spans_problem, staleness_problem
 
 SWEEP_EVERY_S = 1.0
 
@@ -275,6 +275,13 @@ class Leases:
 
         return write
 
+    def _spans_problem(self, w: SubmissionWrite, prompt_id: str, version: int) -> str | None:
+        """Why the version spans of `w`'s group for `prompt_id` cannot be, `version` being the newest published
+        (`protocol.validation.spans_problem`), or None (as for a group without spans)."""
+        spans = w.spans.get(prompt_id)
+        return None if spans is None else spans_problem(spans, w.policy_version, self.config.run.max_staleness,
+                                                        version)
+
     def _take(self, tx: Tx, w: SubmissionWrite) -> m.SubmitResult:
         """A submission's transaction (`submit`)."""
         req, now, held = w.req, w.now, w.held
@@ -315,7 +322,7 @@ class Leases:
             elif leased.submitted:
                 reason = m.ALREADY_SUBMITTED
             else:
-                reason = checked.problems[prompt_id]
+                reason = checked.problems[prompt_id] or self._spans_problem(w, prompt_id, version)
             if reason is None and not take_group(tx, req.signer, w.lease_id, prompt_id, w.policy_version,
                                                  checked.payloads[prompt_id], now):
                 reason = m.ALREADY_SUBMITTED

@@ -81,12 +81,15 @@ class SubmissionWrite:
     now: float
     pre: Prechecked | None
     groups: list[m.RolloutGroup]
+    spans: dict[str, list[tuple[int, int]]]
+    """Per group that records version spans (in-flight updates), its spans: the transaction holds them against the
+    newest version published (`Leases._take`)."""
 
     @classmethod
     def of(cls, req: Signed, now: float, pre: Prechecked | None) -> SubmissionWrite:
         sub: m.RolloutSubmission = req.payload
         return cls(req, sub.lease_id, [g.prompt_id for g in sub.groups], sub.policy_version, sub.next_lease, now,
-                   pre, sub.groups)
+                   pre, sub.groups, {g.prompt_id: list(g.version_spans) for g in sub.groups if g.version_spans})
 
     @property
     def held(self) -> int | None:
@@ -103,12 +106,12 @@ def to_wire(w: SubmissionWrite) -> list[Any]:
             [[r.prompt_id, r.position, r.text, r.answer, r.seeds, r.submitted] for r in pre.prompts.values()],
             pre.problems, pre.payloads,
             None if draft is None else [draft.lease.model_dump_json(), draft.prompts, draft.sampling,
-                                        draft.signature, draft.digests]]
+                                        draft.signature, draft.digests], w.spans]
 
 
 def from_wire(a: list[Any]) -> SubmissionWrite:
     """The write `to_wire` sent."""
-    req, lease_id, prompt_ids, version, ask, now, rows, problems, payloads, draft = a
+    req, lease_id, prompt_ids, version, ask, now, rows, problems, payloads, draft, spans = a
     req = Signed.from_wire(req)
     composed = None if draft is None else Composed(
         m.Lease.model_validate_json(draft[0]), [(p, t, ans, s) for p, t, ans, s in draft[1]], EncodedJSON(draft[2]),
@@ -116,4 +119,5 @@ def from_wire(a: list[Any]) -> SubmissionWrite:
     pre = Prechecked({r[0]: LeasePromptRow(lease_id, *r) for r in rows}, problems,
                      {k: EncodedJSON(v) for k, v in payloads.items()}, composed)
     return SubmissionWrite(req, lease_id, prompt_ids, version,
-                           None if ask is None else m.LeaseRequest.model_validate(ask), now, pre, [])
+                           None if ask is None else m.LeaseRequest.model_validate(ask), now, pre, [],
+                           {k: [(a, b) for a, b in v] for k, v in spans.items()})

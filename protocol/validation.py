@@ -45,7 +45,12 @@ def version_spans_problem(group: RolloutGroup, policy_version: int, max_stalenes
                           newest_published: int | None = None) -> str | None:
     """Why the version spans of `group`, of a submission at `policy_version`, cannot be, or None. With
     `newest_published` (the coordinator's current version), a span of a later version is a problem too."""
-    spans = group.span_versions(policy_version)
+    return spans_problem(group.span_versions(policy_version), policy_version, max_staleness, newest_published)
+
+
+def spans_problem(spans: Sequence[tuple[int, int]], policy_version: int, max_staleness: int,
+                  newest_published: int | None = None) -> str | None:
+    """`version_spans_problem` of a group whose spans (`RolloutGroup.span_versions`) are `spans`."""
     oldest, newest = spans[0][1], spans[-1][1]
     if oldest != policy_version:
         return f"the first version span is of version {oldest}, the submission's policy_version is {policy_version}"

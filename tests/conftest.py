@@ -100,7 +100,7 @@ def run_factory(tmp_path: Path, store_url_for: Callable[[Path], str | None]) -> 
     def start(data_dir: Path | None = None, clock: Clock | None = None, **overrides) -> Run:
         op_key = overrides.pop("op_key", None) or Identity.generate()
         run = dict(run_id="test-run", sampling=m.SamplingSpec(group_size=GROUP, max_tokens=MAX_TOKENS))
-        run.update({k: overrides.pop(k) for k in ("max_staleness", "task", "proofs") if k in overrides})
+        run.update({k: overrides.pop(k) for k in ("max_staleness", "task", "proofs", "sampling") if k in overrides})
         settings = dict(data_dir=data_dir or tmp_path / "coord", run=RunSpec(**run),
                         operator_keys=[op_key.public_key_hex],
                         max_body_bytes=256 * 1024, max_shard_bytes=64 * 1024, claim_ttl_s=30.0,

@@ -21,6 +21,7 @@ from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, pertur
 from swarmrl.testing.byzantine.inflight import SAMPLING, SpanLiar
 from swarmrl.testing.groups import pending_group
 from swarmrl.verifier.checks import CheckContext, check_versions
+from tests.support.coordinator import GROUP, MAX_TOKENS, submission
 
 
 def _group(spans: list[tuple[int, int]], lengths: tuple[int, ...] = (12, 12, 5, 1)) -> m.RolloutGroup:
@@ -167,3 +168,36 @@ def test_two_version_groups_pass_and_span_liars_are_banned(tmp_path, engine):
             assert pool.node_row(liar.node_id).banned, liar.lie
         # The trainer's feed: the oldest span is the group's version.
         assert {g.policy_version for g in pool.op.training_batch(0, 100).groups} == {0}
+
+
+# -- the coordinator's door ---------------------------------------------------------------------------------------
+
+@pytest.mark.both_stores
+def test_the_coordinator_refuses_spans_of_versions_not_published_or_too_far_apart(run_factory):
+    """A group whose spans claim a version the coordinator has not published, or that lie more than max_staleness
+    apart, is refused at submission with its reason; the other groups of the submission are taken, and once the
+    version is published the same spans are taken too."""
+    run = run_factory(max_staleness=1, sampling=m.SamplingSpec(group_size=GROUP, max_tokens=MAX_TOKENS,
+                                                                 in_flight_updates=True))
+    run.publish(0)
+    run.publish(1)
+    node = run.node()
+
+    def spanned(lease: m.Lease, spans: list[list[tuple[int, int]]]) -> m.RolloutSubmission:
+        sub = submission(lease)
+        groups = [g.model_copy(update={"version_spans": s}) for g, s in zip(sub.groups, spans, strict=True)]
+        return sub.model_copy(update={"groups": groups})
+
+    later = run.node("later")
+    held = later.lease(1, held_version=1)  # a lease of version 1, in hand while version 2 comes out
+    lease = node.lease(3, held_version=1)
+    assert held is not None and lease is not None and lease.policy_version == held.policy_version == 1
+    ahead, apart, plain = (p.prompt_id for p in lease.prompts)
+    result = node.submit(spanned(lease, [[(0, 1), (1, 2)], [(0, 1), (1, 3)], []]))
+    assert result.accepted == [plain]
+    assert "newer than the newest published 1" in result.rejected[ahead]
+    assert "more than max_staleness 1 versions apart" in result.rejected[apart]
+
+    run.publish(2)
+    result = later.submit(spanned(held, [[(0, 1), (1, 2)]]))
+    assert result.accepted == [held.prompts[0].prompt_id] and not result.rejected
