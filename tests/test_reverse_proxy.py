@@ -193,6 +193,10 @@ def test_a_client_that_names_an_address_straight_to_the_coordinator_is_not_belie
     assert challenge(pool.direct, "127.0.0.20", claimed="127.0.0.22") == 429  # a fresh name does not help
 
 
+NGINX_CLOCK_S = 0.05
+"""How far before its deadline nginx may close a connection, as another process's clock sees it (its cached time)."""
+
+
 @needs_nginx
 def test_honest_requests_are_served_while_slowloris_holds_connections_to_the_proxy(pool: Pool) -> None:
     attacker = Attacker(pool.proxy, "127.0.0.40", slots=300, trickle_s=0.2)
@@ -202,7 +206,9 @@ def test_honest_requests_are_served_while_slowloris_holds_connections_to_the_pro
         assert probe(pool.proxy, 51, source="127.0.0.41", timeout_s=30) == 51
         wait_for(lambda: attacker.tally.closed > 0, "a held connection to reach nginx's header deadline", timeout=60)
         closed_after_s = attacker.stop().closed_after_s
-        assert closed_after_s is not None and closed_after_s >= pool.cfg.connections.header_timeout_s
+        # Closed by nginx's head deadline, not sooner. nginx times it from the accept, on a clock it caches per
+        # event-loop turn (millisecond resolution), before the attacker's own clock starts: allow that much early.
+        assert closed_after_s is not None and closed_after_s >= pool.cfg.connections.header_timeout_s - NGINX_CLOCK_S
     finally:
         if attacker.proc.poll() is None:
             attacker.stop()
