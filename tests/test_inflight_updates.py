@@ -139,7 +139,9 @@ def test_two_version_groups_pass_and_span_liars_are_banned(tmp_path, engine):
     v0 = make_checkpoint(tmp_path / "ckpt")
     with open_pool(tmp_path, v0, sampling=SAMPLING, max_staleness=1, verifier={"sample_rate": 1.0}) as pool:
         honest = pool.node(name="honest", engine=engine, max_prompts=2)
-        liars = [pool.node(SpanLiar, name=f"liar-{lie}", max_prompts=2, lie=lie) for lie in ("hide", "late", "early")]
+        # Four prompts each: a liar has a group that spans two versions to lie about but for all of its rollouts
+        # ending before the version change in every group (about 1e-7).
+        liars = [pool.node(SpanLiar, name=f"liar-{lie}", max_prompts=4, lie=lie) for lie in ("hide", "late", "early")]
         nodes = [honest, *liars]
         try:
             for n in nodes:
@@ -154,15 +156,22 @@ def test_two_version_groups_pass_and_span_liars_are_banned(tmp_path, engine):
                 n.engine.close()
         sub = honest.last_submission
         assert sub.policy_version == 0
-        assert all(len(g.version_spans) == 2 and g.version_spans[1][1] == 1 for g in sub.groups), sub.groups
-        assert pool.verify_all() == 4 * 4
+        # Every completion going was cut at one token index and continued with version 1: a group spans both
+        # versions unless all its rollouts ended before that index (the coordinator's seeds decide; it is rare).
+        swaps = {tuple(g.version_spans[1]) for g in sub.groups if g.version_spans}
+        assert len(swaps) == 1 and next(iter(swaps))[1] == 1, sub.groups
+        (at, _), = swaps
+        for g in sub.groups:
+            longest = max(len(r.completion_ids) for r in g.rollouts)
+            assert g.version_spans == ([(0, 0), (at, 1)] if longest > at else []), (longest, g.version_spans)
+        assert pool.verify_all() == sum(n.stats.groups_accepted for n in nodes) >= 4 + 3 * 2
         assert [g["status"] for g in pool.groups(honest.node_id)] == ["accepted"] * 4
         assert not pool.node_row(honest.node_id).banned
         for liar in liars:
             assert any(g.version_spans != t.version_spans for g, t in zip(
                 liar.last_submission.groups, sub.groups, strict=False)) or liar.lie == "hide"
             rows = pool.groups(liar.node_id)
-            assert rows[-1]["status"] == "rejected", (liar.lie, rows)
+            assert any(r["status"] == "rejected" for r in rows), (liar.lie, rows)
             # Caught by the replay of a span with the version it claims (or, first, the probe of the first span).
             assert any(r["reason"].startswith("version ") for r in rows), [r["reason"] for r in rows]
             assert pool.node_row(liar.node_id).banned, liar.lie
