@@ -1,18 +1,20 @@
-"""Benchmark: a full node's tokens per second against bare vLLM on the same model, machine and prompts.
+"""Benchmark: a full node's tokens per second against its bare engine (vLLM, or the torch engine with `--engine
+torch`) on the same model, machine and prompts.
 
 A child process holds a real pool on loopback (`testing.byzantine.harness.open_pool`: uvicorn, SQLite, Ed25519; no
 verifier and no trainer: backpressure is off, so the node is never held back for want of a trainer), as a pool's
-coordinator is another machine's process; this one runs one real `node.agent.Node` with the vLLM engine (proofs
-on), driven by the same steps as its `run` loop: lease, generate (with proofs), sign and submit, heartbeats.
+coordinator is another machine's process; this one runs one real `node.agent.Node` with the vLLM engine (or
+the torch engine: `--engine torch`; proofs on), driven by the same steps as its `run` loop: lease, generate (with
+proofs), sign and submit, heartbeats.
 The arms, each a wall window of `--window-s`, alternate `--repeats` times (each repeat in another order), so that
 the load of other work on the machine hits each alike:
 
 - `node`: the node pipelined (`NodeConfig.pipeline`, the default): submissions on the wire while the next lease is
   generated, a lease asked for ahead;
 - `node_unpipelined`: the same node with pipelining off (lease, generate, submit in turn);
-- `bare_vllm`: the node's own engine (the same `VLLMEngine`, its seeded Gumbel sampling processor and proofs) given
-  the prompts and seeds of leases the node was granted, one lease's requests per call, back to back: what the
-  machine generates with no coordinator, no network and no signing.
+- `bare`: the node's own engine (the same `VLLMEngine` with its seeded sampling processor, or `TorchEngine`, and
+  proofs) given the prompts and seeds of leases the node was granted, one lease's requests per call, back to back:
+  what the machine generates with no coordinator, no network and no signing.
 
 Each arm's rate is the completion tokens generated in its window over the window's wall time (a node arm's window
 ends once its last submission is answered). The arms share the engine, so the model, its sampling and the prompts
@@ -22,7 +24,8 @@ allowance; a new identity's default of 8 prompts would allow one), so that pipel
     python bench/node_throughput.py --model tiny                 # the record (bench/RESULTS.md)
     python bench/node_throughput.py --model small30m --max-tokens 64 --repeats 1
 
-The last line printed is one JSON object: `node_tok_s`, `node_unpipelined_tok_s`, `bare_vllm_tok_s` (medians over
+The last line printed is one JSON object: `node_tok_s`, `node_unpipelined_tok_s`, `bare_vllm_tok_s` (or
+`bare_torch_tok_s`; medians over
 the repeats); `ratio` (node / bare: the median over repeats of each repeat's ratio, as other work's load changes
 more between repeats than within one) and `ratio_unpipelined`; each run's rates; the share of each window the
 engine spent generating (`engine_busy`; `<arm>_engine_busy`, its median, changes little with other load);
@@ -77,7 +80,7 @@ from swarmrl.runtime.client import CoordinatorClient  # noqa: E402
 from swarmrl.runtime.retry import RetryPolicy  # noqa: E402
 from swarmrl.testing.byzantine.harness import make_checkpoint, open_pool, perturb_checkpoint  # noqa: E402
 
-ARMS = ("node", "node_unpipelined", "bare_vllm")
+ARMS = ("node", "node_unpipelined", "bare")
 
 
 def log(msg: str) -> None:
@@ -148,7 +151,7 @@ class Bench:
         self.args = args
         cfg = NodeConfig(coordinator_url=url, coordinator_key=coordinator_key, key_path=work_dir / "node.key",
                          name="bench", work_dir=work_dir, max_prompts=args.max_prompts, progress=False,
-                         poll_interval_s=0.05, engine=EngineConfig(kind="vllm"), p2p={"enabled": False})
+                         poll_interval_s=0.05, engine=EngineConfig(kind=args.engine), p2p={"enabled": False})
         self.node = RecordingNode(cfg)
         if args.rtt_ms:  # a node across the internet: every request of its client waits one round trip first
             self.node.client = CoordinatorClient(url, self.node.identity, retry=RetryPolicy(attempts=None),
@@ -250,6 +253,7 @@ def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", choices=["tiny", "mini", "small30m"])
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "torch"], help="the node's (and the bare arm's)")
     ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-prompts", type=int, default=8, help="prompts per lease")
@@ -266,7 +270,7 @@ def main() -> None:
     if args.serve is not None:
         serve(args)
         return
-    arms = args.arms.split(",")
+    arms = ["bare" if a == "bare_vllm" else a for a in args.arms.split(",")]
     out = args.out or Path(tempfile.mkdtemp(prefix="node-throughput-"))
     ckpt = checkpoint(out / f"ckpt-{args.model}", args.model)
     params = model_params(ckpt)
@@ -283,7 +287,7 @@ def main() -> None:
             bench.warm_up()
             for r in range(args.repeats):
                 for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
-                    tokens, wall, share = bench.bare_arm() if arm == "bare_vllm" else bench.node_arm(arm == "node")
+                    tokens, wall, share = bench.bare_arm() if arm == "bare" else bench.node_arm(arm == "node")
                     rates[arm].append(tokens / wall)
                     busy[arm].append(share)
                     log(f"run {r}: {arm}: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s, engine busy "
@@ -304,17 +308,22 @@ def main() -> None:
     finally:
         child.stdin.close()  # the pool's process ends
         child.wait(timeout=60)
+    named = {"bare": f"bare_{args.engine}"}  # bare_vllm_tok_s, bare_torch_tok_s
+    rates = {named.get(a, a): v for a, v in rates.items()}
+    busy = {named.get(a, a): v for a, v in busy.items()}
     med = {a: statistics.median(v) for a, v in rates.items()}
     result: dict[str, Any] = {f"{a}_tok_s": round(v, 1) for a, v in med.items()}
-    if "bare_vllm" in med:  # each repeat's ratio (its arms ran back to back), the median of those
+    bare = named["bare"]
+    if bare in med:  # each repeat's ratio (its arms ran back to back), the median of those
         for a, key in (("node", "ratio"), ("node_unpipelined", "ratio_unpipelined")):
             if a in med:
-                per_run = [x / b for x, b in zip(rates[a], rates["bare_vllm"], strict=True)]
+                per_run = [x / b for x, b in zip(rates[a], rates[bare], strict=True)]
                 result[key] = round(statistics.median(per_run), 3)
                 result[f"{key}_runs"] = [round(x, 3) for x in per_run]
     result.update({f"{a}_engine_busy": round(statistics.median(v), 3) for a, v in busy.items()})
     result.update(swap)
-    result.update(model=args.model, model_params=params, runs={a: [round(x, 1) for x in v] for a, v in rates.items()},
+    result.update(model=args.model, engine=args.engine, model_params=params,
+                  runs={a: [round(x, 1) for x in v] for a, v in rates.items()},
                   engine_busy={a: [round(x, 3) for x in v] for a, v in busy.items()},
                   setup={"window_s": args.window_s, "repeats": args.repeats, "max_prompts": args.max_prompts,
                          "group_size": args.group_size, "max_tokens": args.max_tokens, "rtt_ms": args.rtt_ms,
