@@ -21,8 +21,8 @@ whole machine's busy share, and the coordinator's and the load processes' CPU se
 Each store runs at every `--nodes` count (the scaling curve in nodes), at the largest count with every number of
 coordinator processes in `--scaling` (the scaling curve in processes, e.g. `--scaling 1,2,4`), and the baselines
 beside it at the largest count (`--baselines`): nodes that send a lease request before each submission instead,
-one coordinator process, and on SQLite group commit off (`store_group_commit=1`: one commit, one fsync, per write)
-and no writer process (each worker commits its own submissions, in turn: `store_writer_process=false`).
+one coordinator process, and on SQLite group commit off (`sqlite.group_commit=1`: one commit, one fsync, per write)
+and no writer process (each worker commits its own submissions, in turn: `sqlite.writer_process=false`).
 
     python bench/coordinator_load.py                                   # the recorded run: both stores, 100..10,000
     python bench/coordinator_load.py --stores sqlite --nodes 100 --duration 5 --warmup 2   # a smoke run
@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "instead of the store's writer process); empty: none")
     p.add_argument("--no-baseline", action="store_true", help="run no baseline (as --baselines '')")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a top-level coordinator setting (TOML value), e.g. --set worker_threads=4; repeatable")
+                   help="a coordinator setting (TOML value; a table's as a dotted key), e.g. --set worker_threads=4 "
+                   "or --set sqlite.request_nice=0; repeatable")
     p.add_argument("--pg-url", default=os.environ.get("SWARMRL_TEST_PG_URL"), help="PostgreSQL server URL (a "
                    "role that may create databases)")
     p.add_argument("--out", type=Path, default=None, help="write every run's figures here as JSON")
@@ -162,8 +163,8 @@ def run_one(args: argparse.Namespace, store: str, nodes: int, group_commit: bool
         config.write_text(
             f'host = "127.0.0.1"\nport = 0\ndata_dir = "{work / "data"}"\nstore_url = "{store_url}"\n'
             f'operator_keys = ["{operator.public_key_hex}"]\nlease_ttl_s = 3600.0\nclock_skew_s = 600.0\n'
-            f"store_group_commit = {64 if group_commit else 1}\nworkers = {workers}\n"
-            f"store_writer_process = {'true' if writer_process else 'false'}\n"
+            f"sqlite.group_commit = {64 if group_commit else 1}\nworkers = {workers}\n"
+            f"sqlite.writer_process = {'true' if writer_process else 'false'}\n"
             + "".join(f"{setting}\n" for setting in args.set) +
             f"node_gone_after_s = {max(120.0, 4 * args.heartbeat_s)}\n"
             f"{coordinator_settings(nodes, args.prompts)}"

@@ -109,9 +109,11 @@ def _worker(nodes: int, warmup: int, submissions: int, store_url: str | None) ->
     from swarmrl.testing.load import SubmissionEncoder
 
     work = Path(tempfile.mkdtemp(prefix="write-path-"))
+    # A baseline from before the SQLite settings had a table of their own has the setting at the top level.
+    no_realtime: dict[str, Any] = ({"sqlite": {"realtime_committer": False}}
+                                   if "sqlite" in CoordinatorConfig.model_fields else {"realtime_committer": False})
     config = CoordinatorConfig(
-        data_dir=work / "coord", store_url=store_url or f"sqlite:///{work / 'coordinator.sqlite'}",
-        realtime_committer=False,
+        data_dir=work / "coord", store_url=store_url or f"sqlite:///{work / 'coordinator.sqlite'}", **no_realtime,
         run=RunSpec(run_id="write-path", sampling=m.SamplingSpec(group_size=8, max_tokens=64)),
         operator_keys=[Identity.generate().public_key_hex], rate_limits=RateLimitConfig.off(),
         admission=AdmissionConfig(max_unproven_prompts=max(nodes, 1)))

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from swarmrl.coordinator.admission import AdmissionConfig
 from swarmrl.coordinator.connections import ConnectionConfig
+from swarmrl.coordinator.db.sqlite.config import SqliteConfig
 from swarmrl.coordinator.ratelimit import RateLimitConfig
 from swarmrl.coordinator.watchdog import WatchdogConfig
 from swarmrl.pools.config import PoolConfig
@@ -24,6 +27,10 @@ from swarmrl.transfer.p2p.config import P2PConfig
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MIB = 1024 * 1024
+# Top-level keys of earlier versions that now live in [sqlite], with their names there.
+_MOVED_TO_SQLITE = {"store_group_commit": "group_commit", "realtime_committer": "realtime_committer",
+                    "request_nice": "request_nice", "store_writer_process": "writer_process",
+                    "store_writer_commit_interval_ms": "writer_commit_interval_ms"}
 
 
 class CoordinatorConfig(BaseModel):
@@ -52,30 +59,11 @@ class CoordinatorConfig(BaseModel):
     workers: int = Field(
         1, ge=1, le=64, description="Server processes, one core each, sharing the port (SO_REUSEPORT: the kernel "
         "spreads connections over them) and the store. On SQLite one more process, the store's writer, commits the "
-        "submissions and heartbeats of all of them together (store_writer_process), and their other writes take "
+        "submissions and heartbeats of all of them together (sqlite.writer_process), and their other writes take "
         "turns; on PostgreSQL they are as separate coordinators. Rate limits, HTTP request "
         "metrics and long-poll slots are per process. With [p2p], the first process runs the DHT seed.")
-    request_nice: int = Field(
-        5, ge=0, le=19, description="SQLite: how many nice steps below the store's committer thread (which holds the "
-        "write lock every write waits for) the process's other threads run; 0: the same. No privilege needed "
-        "(measured: bench/RESULTS.md).")
-    realtime_committer: bool = Field(
-        True, description="SQLite: run the store's committer thread under the real-time FIFO policy at its lowest "
-        "priority where the process may (Linux with CAP_SYS_NICE; elsewhere it runs as any thread, and the log says "
-        "so), so that the write lock is never held by a thread waiting for a core (measured: bench/RESULTS.md).")
-    store_writer_process: bool = Field(
-        True, description="SQLite with workers > 1: one more process, the store's writer, commits every worker's "
-        "submissions and heartbeats together (`coordinator.db.sqlite.writer`) instead of each worker committing its "
-        "own in turn; other writes stay in the worker that serves them (measured: bench/RESULTS.md).")
-    store_writer_commit_interval_ms: float = Field(
-        2.0, ge=0, le=100, description="The store's writer process (store_writer_process): under load, at most one "
-        "commit this often, so a write waits at most this long and shares its commit with the ones that arrive "
-        "meanwhile; an idle coordinator commits at once; 0: commit what is queued as soon as the previous commit "
-        "ends (measured: bench/RESULTS.md).")
-    store_group_commit: int = Field(
-        64, ge=1, le=4096, description="SQLite: writes committed together at most, in one transaction with one fsync "
-        "(each is answered only after that commit); 1: one commit per write. Batches form only while a commit is "
-        "in progress, so a quiet coordinator never waits for one to fill.")
+    sqlite: SqliteConfig = Field(default_factory=SqliteConfig, description="SQLite only: group commit, the "
+                                 "committer's priority and the writer process (coordinator.db.sqlite).")
     run: RunSpec = Field(default_factory=RunSpec, description="The run description (task, sampling, staleness "
                          "bound, proofs): the one source of these facts; every role reads it from /v1/info.")
     lease_ttl_s: float = Field(60.0, gt=0, description="Seconds a node has to submit a lease's groups (then its "
@@ -149,6 +137,16 @@ class CoordinatorConfig(BaseModel):
         "slots and the backpressure buffer); its next request brings it back. Nodes heartbeat every few seconds.")
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="When the pool counts as stalled "
                                      "(no new version) and the trainer or the verifiers as absent.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """A key that moved to [sqlite] is refused with its new place, not as an unknown key."""
+        if isinstance(data, dict):
+            moved = [f"{old} moved: write it as [sqlite] {new}" for old, new in _MOVED_TO_SQLITE.items() if old in data]
+            if moved:
+                raise PydanticCustomError("moved_key", "; ".join(moved))
+        return data
 
     @field_validator("operator_keys")
     @classmethod

@@ -225,14 +225,14 @@ def _serve_worker(config: CoordinatorConfig, identity: Identity, port: int, firs
     first.close()  # the first worker's socket: it accepts its own connections
     sock = _listen(config.host, port, shared=True, first=False)
     app = build_app(config, identity, writer=writer)
-    lower_request_priority(app.state.coordinator.store, config.request_nice)
+    lower_request_priority(app.state.coordinator.store, config.sqlite.request_nice)
     uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
 
 
 def lower_request_priority(store: Store, nice: int) -> None:
     """On SQLite, run this thread (the server's event loop) and every thread it starts from now on (the request
     threads) `nice` steps below the threads started before it, `store`'s committer among them
-    (`CoordinatorConfig.request_nice`). Only in a server process of its own: it changes the calling thread."""
+    (`SqliteConfig.request_nice`). Only in a server process of its own: it changes the calling thread."""
     if nice and store.dialect == "sqlite":
         me = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + nice)
@@ -251,7 +251,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     if config.workers > 1:
         store = Store(config.resolved_store_url, pool_size=1)  # migrations run once, before the workers open it
         store.close()
-        workers = Workers(config, identity, sock, writer=store.dialect == "sqlite" and config.store_writer_process)
+        workers = Workers(config, identity, sock, writer=store.dialect == "sqlite" and config.sqlite.writer_process)
     app = build_app(config, identity, writer=workers.writer if workers is not None else None)
     seed = attach_seed(app, config)
     follower = VersionFollower(app, seed) if seed is not None and workers is not None else None
@@ -271,7 +271,7 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
         server = uvicorn.Server(uvicorn_config(app))
         if workers is not None:
             workers.watch(lambda: setattr(server, "should_exit", True))
-        lower_request_priority(app.state.coordinator.store, config.request_nice)
+        lower_request_priority(app.state.coordinator.store, config.sqlite.request_nice)
         server.run(sockets=[sock])
     finally:
         if workers is not None:

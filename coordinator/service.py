@@ -90,12 +90,13 @@ class Coordinator:
 
 def open_store(config: CoordinatorConfig, writer: bool = False) -> Store:
     """The run's store, as `config` says (its data dir made first); `writer`: as the store's writer process opens
-    it (`coordinator.db.sqlite.writer`): its commits paced by `store_writer_commit_interval_ms`, and made by the thread
+    it (`coordinator.db.sqlite.writer`): its commits paced by `sqlite.writer_commit_interval_ms`, and made by the thread
     that serves the writes (`WriterServer`), not by a committer thread of their own."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    return Store(config.resolved_store_url, pool_size=config.store_pool_size, group_commit=config.store_group_commit,
-                 processes=config.workers, realtime_committer=config.realtime_committer,
-                 commit_interval_s=config.store_writer_commit_interval_ms / 1000 if writer else 0.0,
+    sqlite = config.sqlite
+    return Store(config.resolved_store_url, pool_size=config.store_pool_size, group_commit=sqlite.group_commit,
+                 processes=config.workers, realtime_committer=sqlite.realtime_committer,
+                 commit_interval_s=sqlite.writer_commit_interval_ms / 1000 if writer else 0.0,
                  committer_thread=not writer)
 
 

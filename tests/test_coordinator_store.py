@@ -22,10 +22,11 @@ from swarmrl.coordinator.checkpoints import current_version, get_manifest, lates
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import CURRENT_VERSION, LEASE_COUNTER, manifests, metadata
+from swarmrl.coordinator.db.sqlite.config import SqliteConfig
 from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, raise_counter
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
-from swarmrl.runtime.config import load_config
+from swarmrl.runtime.config import ConfigError, load_config
 from tests.support.postgres import fresh_database, needs_pg
 
 HEAD = "0014"
@@ -603,6 +604,32 @@ def test_config_from_toml_with_overrides(tmp_path: Path) -> None:
     pg = load_config(CoordinatorConfig, None, ["store_url=postgresql+psycopg://u:p@db:5432/pool"])
     assert pg.resolved_store_url == "postgresql+psycopg://u:p@db:5432/pool"
     assert all(f.description for f in CoordinatorConfig.model_fields.values())
+    assert all(f.description for f in SqliteConfig.model_fields.values())
+
+
+def test_sqlite_settings_are_read_from_their_table(tmp_path: Path) -> None:
+    toml = tmp_path / "coordinator.toml"
+    toml.write_text("[sqlite]\ngroup_commit = 8\nwriter_process = false\n")
+    cfg = load_config(CoordinatorConfig, toml, ["sqlite.request_nice=0"])
+    assert (cfg.sqlite.group_commit, cfg.sqlite.writer_process, cfg.sqlite.request_nice) == (8, False, 0)
+    assert cfg.sqlite.realtime_committer and cfg.sqlite.writer_commit_interval_ms == 2.0  # the rest: defaults
+    with pytest.raises(ConfigError, match="sqlite.group_comit: unknown key; did you mean group_commit"):
+        load_config(CoordinatorConfig, None, ["sqlite.group_comit=8"])
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("store_group_commit", "group_commit"), ("realtime_committer", "realtime_committer"),
+    ("request_nice", "request_nice"), ("store_writer_process", "writer_process"),
+    ("store_writer_commit_interval_ms", "writer_commit_interval_ms"),
+])
+def test_a_sqlite_setting_at_its_old_place_is_refused_with_its_new_one(tmp_path: Path, old: str, new: str) -> None:
+    toml = tmp_path / "coordinator.toml"
+    toml.write_text(f"port = 9000\n{old} = 1\n")
+    for path, overrides in ((toml, []), (None, [f"{old}=1"])):
+        with pytest.raises(ConfigError) as refused:
+            load_config(CoordinatorConfig, path, overrides)
+        line = str(refused.value).splitlines()[-1]
+        assert line == f"  (top level): {old} moved: write it as [sqlite] {new}", str(refused.value)
 
 
 @pytest.mark.parametrize("overrides", [

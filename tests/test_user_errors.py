@@ -76,6 +76,13 @@ def test_a_config_that_is_not_toml_is_named_with_its_line(tmp_path: Path) -> Non
     one_line_error(proc, str(bad), "not valid TOML", "line 2", "fix that line")
 
 
+def test_a_setting_that_moved_names_its_new_place(tmp_path: Path) -> None:
+    old = tmp_path / "coordinator.toml"
+    old.write_text("store_group_commit = 8\n")
+    proc = swarmrl("coordinator", "--config", str(old), cwd=tmp_path)
+    one_line_error(proc, "store_group_commit moved: write it as [sqlite] group_commit")
+
+
 def test_a_bad_override_is_one_line(tmp_path: Path) -> None:
     proc = swarmrl("verifier", "--set", "batch", cwd=tmp_path)
     one_line_error(proc, "--set", "'batch'", "key=value")

@@ -62,6 +62,7 @@ from sqlalchemy.sql import Select
 
 from swarmrl.coordinator.db.fast import Prepared
 from swarmrl.coordinator.db.schema import kv
+from swarmrl.coordinator.db.sqlite.config import SqliteConfig
 from swarmrl.coordinator.db.sqlite.groupcommit import BEGIN_KEY, GroupCommit
 from swarmrl.coordinator.db.sqlite.shared import ChangeWatcher, WalCheckpointer, WriterLock
 
@@ -79,6 +80,7 @@ RETRIES = 5
 _BEGIN = BEGIN_KEY
 _NOTIFY = select(func.pg_notify(CHANNEL, ""))
 _TRANSIENT_SQLSTATES = {"40001", "40P01"}  # serialization failure, deadlock detected
+_SQLITE = SqliteConfig()  # the SQLite settings' defaults
 
 
 def load(cls: type[T], row: Row[Any]) -> T:
@@ -166,7 +168,7 @@ class Store:
     SQLite, under load, at most one commit that often (`GroupCommit`'s `min_interval_s`). `committer_thread=False`: on
     SQLite, the thread that owns the store commits its writes (`GroupCommit`'s `threaded`; the writer process's)."""
 
-    def __init__(self, url: str, pool_size: int = 40, group_commit: int = 64, processes: int = 1,
+    def __init__(self, url: str, pool_size: int = 40, group_commit: int = _SQLITE.group_commit, processes: int = 1,
                  realtime_committer: bool = False, commit_interval_s: float = 0.0, committer_thread: bool = True):
         parsed = make_url(url)
         self.dialect = parsed.get_backend_name()

@@ -3,13 +3,13 @@ through `Store.write` and `coordinator.db.writes.Writes` whatever the store; bey
 starts the writer process) and the endpoints that plan a write's plain form for it (`RemoteCall`) name this folder.
 
 - `groupcommit`: the writes that queue up during one commit's fsync are committed together, each in a savepoint
-  of its own (`store_group_commit`, default 64);
+  of its own (`[sqlite] group_commit`);
 - `shared`: several processes of one machine on one database file take turns at writing (a file lock) and see
   each other's changes; the write-ahead log is checkpointed by a thread of its own;
 - `writer` and `asyncwriter`: with `workers` > 1, one more process, the store's writer, commits every server
-  process's submissions and heartbeats (`store_writer_process`, default on; `store_writer_commit_interval_ms`,
-  default 2), called from each server process's event loop.
+  process's submissions and heartbeats (`writer_process`, `writer_commit_interval_ms`), called from each server
+  process's event loop.
 
-Their settings are defaulted to what bench/coordinator_load.py measured best (bench/RESULTS.md); a deployment need
-not touch them.
+Their settings, `config.SqliteConfig` (`[sqlite]` in the coordinator's config), are defaulted to what
+bench/coordinator_load.py measured best (bench/RESULTS.md); a deployment need not touch them.
 """
