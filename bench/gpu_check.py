@@ -12,7 +12,7 @@ Parts:
    values seen (5x margins; 3x for the boundary), for bench/RESULTS.md and `BF16_ESTIMATES`.
 2. noise across devices: `protocol.sampling.gumbel_noise` on the CPU and on the GPU for the same (seed, position,
    token): elements that differ and the largest difference (the float64 logs may differ in the last bit); and the
-   GPU's sampled tokens against the argmax of CPU-computed perturbed scores of the same logits.
+   GPU's sampled tokens against the CPU's samples of the same logits.
 3. sampler speed on the GPU: `sample_with_logprobs` on [64 x 151936] float32 logits against plain sampling as
    vLLM does it (softmax, exponential race, log_softmax for the logprob), ms per step; and that no op makes a
    CPU tensor of the vocabulary's size (the noise is built on the GPU).
@@ -127,16 +127,15 @@ def state_rel_error(policy, groups, states: list[torch.Tensor], topk: int = 4) -
 
 @torch.no_grad()
 def top2_gaps(policy, groups) -> float:
-    """The smallest top-2 gap of the verifier's perturbed scores over every token (how close honest sampling
-    comes to ties: the tie margin must cover the logit error there)."""
+    """The smallest decision margin (`protocol.sampling.decision_margins`) of the verifier's logits over every
+    token (how close honest sampling comes to ties: the tie margin must cover the logit error there)."""
     smallest = float("inf")
     seqs = [(g.group.prompt_ids, r.completion_ids) for g in groups for r in g.group.rollouts]
     meta = [(r.seed, g.sampling.temperature) for g in groups for r in g.group.rollouts]
     for rc, (seed, temperature) in zip(recompute(policy.model, seqs, policy.pad_id), meta, strict=True):
         n = rc.logits.shape[0]
-        scores = sampling.perturbed_scores(rc.logits, torch.full((n,), seed), torch.arange(n), temperature)
-        top = scores.topk(2, dim=-1).values
-        smallest = min(smallest, float((top[:, 0] - top[:, 1]).min()))
+        margins = sampling.decision_margins(rc.logits, torch.full((n,), seed), torch.arange(n), temperature)
+        smallest = min(smallest, float(margins.min()))
     return smallest
 
 
@@ -211,10 +210,10 @@ def noise_part(args: argparse.Namespace) -> dict[str, Any]:
     differ = cpu != dev
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
     tokens, _ = sampling.sample_with_logprobs(logits.to(args.device), seeds, positions, 0.7)
-    want = sampling.perturbed_scores(logits, seeds, positions, 0.7).argmax(-1)
+    want, _ = sampling.sample_with_logprobs(logits, seeds, positions, 0.7)
     out = {"noise_elements": cpu.numel(), "noise_elements_differing": int(differ.sum()),
            "noise_max_abs_diff": float((cpu - dev).abs().max()),
-           "tokens_equal_to_cpu_argmax": int((tokens.cpu() == want).sum()), "tokens": rows}
+           "tokens_equal_to_cpu_sample": int((tokens.cpu() == want).sum()), "tokens": rows}
     log(f"noise, cpu vs {args.device}: {json.dumps(out)}")
     return {"noise_across_devices": out}
 

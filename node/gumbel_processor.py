@@ -2,11 +2,11 @@
 
 Requests run at temperature 0 (greedy); for every row whose SamplingParams carry a seed in `extra_args[SEED_KEY]`
 (and their temperature in `extra_args[TEMP_KEY]`), `apply` computes the protocol's sample (`protocol.sampling.
-sample_with_logprobs`: argmax of z / T + gumbel_noise(seed, i), with i = the number of tokens generated so far) on
-the device of the logits, and leaves only that token selectable. vLLM's greedy pick is then exactly the protocol's
-sample. The temperature is applied here, not by the model: some vLLM model classes ignore a `logit_scale`
-override (Qwen2 and Qwen3 build their logits processor without a scale), and doing it here lets every request of
-one engine have its own temperature.
+sample_with_logprobs`: the two-level Gumbel-max of z / T with the noise of (seed, i), i = the number of tokens
+generated so far) on the device of the logits, and leaves only that token selectable. vLLM's greedy pick is then
+exactly the protocol's sample. The temperature is applied here, not by the model: some vLLM model classes ignore
+a `logit_scale` override (Qwen2 and Qwen3 build their logits processor without a scale), and doing it here lets
+every request of one engine have its own temperature.
 
 Per request (`extra_args[CAPTURE_KEY]`, an id the engine picks) `apply` also records, at each completion position:
 - the policy logprob of the sampled token, log_softmax(z / T)[token], taken before the noise: the engine returns

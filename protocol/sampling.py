@@ -1,45 +1,48 @@
-"""Replayable sampling: Gumbel-max with counter-based noise fixed by (seed, position, token id).
+"""Replayable sampling: a two-level Gumbel-max with counter-based noise fixed by (seed, position, index).
 
-A node samples token `t` at completion position `i` as
+The vocabulary is cut into blocks of `SAMPLING_BLOCK` token ids (the last one shorter). A node samples token `t`
+at completion position `i` in two steps:
 
-    t = argmax_v ( z_v / T + g(seed, i, v) )
+    b* = argmax_b ( logsumexp_{v in block b}(z_v / T) + G(seed, i, b) )        the block
+    t  = argmax_{v in block b*} ( z_v / T + g(seed, i, v) )                    the token in it
 
-where `z` are the model's logits and `g` is Gumbel noise computed from a hash of its three integer arguments,
-with no generator state. That is an exact sample from softmax(z / T), and it makes the sampled token a function
-of the logits and the coordinator's seed: a verifier that recomputes the logits in one prefill pass can check
-every token, allowing a margin only where the top two perturbed scores nearly tie. The temperature is applied
-here, by the rule itself, never by an engine's model (some model classes ignore a logit-scale override).
+where `z` are the model's logits and `G`, `g` are Gumbel noise computed from hashes of their integer arguments
+(two domains, so the two levels are independent), with no generator state. The first step picks block b with
+probability sum_{v in b} softmax(z / T)_v, the second picks v within it with probability proportional to
+softmax(z / T)_v: together an exact sample from softmax(z / T). The sampled token is a function of the logits and
+the coordinator's seed, so a verifier that recomputes the logits in one prefill pass checks every token, allowing
+a margin only where the top two scores of either step nearly tie (`replay_tokens`). The temperature is applied here,
+by the rule itself, never by an engine's model (some model classes ignore a logit-scale override).
 
-The noise, per row (seed, position) and token v:
+Why two levels: the one-level rule (argmax over the whole vocabulary of z / T + g) needs a hash and two float64
+logs per token of the vocabulary, 9.7M per step at 64 rows x 152k, which cost the node ~14% of its tokens/s on
+a CPU against vLLM's own sampler. Here a step costs one float32 exp per token (the block logsumexps, which the
+logprob needs anyway) and noise for ~n/256 + 256 entries per row: less per element than vLLM's plain sampler, on
+the node and on the verifier.
 
-    key  = mix(mix(seed * C_SEED + C_0) ^ position * C_POS)        one per row
-    x    = mix(key ^ v * C_TOK)                                    one mix per token
+The noise, per row (seed, position) and index j (a token id, or a block number in the block domain):
+
+    key  = mix(mix(seed * C_SEED + C_0) ^ position * C_POS)        one per row (block domain: mix(key ^ C_BLOCK))
+    x    = mix(key ^ j * C_TOK)                                    one mix per index
     u    = (2 * (x >>> 12) + 1) / 2**53                            exact in float64, in (0, 1)
     g    = -log(-log(u))                                           float64
 
 `mix` is splitmix64's finaliser. Every engine (vLLM's logits processor, the torch engine) and the verifier call
-`gumbel_noise` (directly or through `perturbed_scores` / `sample_with_logprobs`), on the device of the logits.
+this module on the device of the logits.
 
 What is bit-identical, and what is not:
 - the integer hash and u are exact on every device (integer arithmetic, an exact int -> float64 conversion and a
-  multiplication by a power of two), and so is z / T + g given z (IEEE division and addition are correctly
-  rounded everywhere);
-- the two float64 logs are bit-identical wherever the same log kernel runs: on the CPU, ATen's vectorised log
-  gives the same bits for an element whatever the tensor's shape, its offset in the tensor and the thread count
-  (tests/test_sampling.py checks this for the torch engine's, vLLM's and the verifier's call patterns). CUDA's
-  float64 log (within 1 ulp) can differ from the CPU's in the last bit, so g on a GPU node and a CPU verifier
-  may differ by ~1e-16 relative (~4e-15 absolute at most). That matters only where two perturbed scores tie to
-  within that, while the verifier's tie margin (1e-3 in fp32, more in bf16) is 10^11 times wider, and the
-  logits themselves differ between engine and verifier by 1e-7..1e-2 anyway.
-
-Cost: the noise is built block by block (`_BLOCK_ELEMENTS` on the CPU, whole batches on GPUs) with in-place
-operations, so a step over [rows x 152k vocab] does not allocate [rows x vocab] float64 tensors; the per-row key
-is computed once and each token costs one mix and two logs.
+  multiplication by a power of two); the float64 logs are bit-identical wherever the same log kernel runs
+  (tests/test_sampling.py checks the CPU's for the engines' and the verifier's call patterns); CUDA's may differ
+  in the last bit (~4e-15 absolute);
+- the block logsumexps are float32 sums: node and verifier differ there by ~1e-6, as their logits differ by
+  1e-7..1e-2 anyway. Only a near-tie within the verifier's margin (1e-3 in fp32, more in bf16) can be affected.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -107,9 +110,9 @@ def _token_term(device: torch.device, stop: int) -> torch.Tensor:
     return terms[:stop]
 
 
-def _uniform_block(keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Uniforms in (0, 1), float64 [B, stop - start], for tokens start..stop-1 of rows with these keys."""
-    x = torch.bitwise_xor(keys.reshape(-1, 1), _token_term(keys.device, stop)[start:].reshape(1, -1))
+def _uniforms(keys: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float64 [B, n], for rows with these keys and indices j given as j * C_TOK ([1 or B, n])."""
+    x = torch.bitwise_xor(keys.reshape(-1, 1), terms)
     tmp = torch.empty_like(x)
     _mix_(x, tmp)
     torch.bitwise_right_shift(x, 11, out=tmp)
@@ -119,23 +122,45 @@ def _uniform_block(keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return u.mul_(2.0 ** -53)
 
 
+def _uniform_block(keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Uniforms for indices start..stop-1 of every row."""
+    return _uniforms(keys, _token_term(keys.device, stop)[start:].reshape(1, -1))
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return u.log_().neg_().log_().neg_()
+
+
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniforms in (0, 1), float64, shape [B, vocab], on the seeds' device: one per (seed_b, position_b, token)."""
     return _uniform_block(row_keys(seeds, positions), 0, vocab_size)
 
 
-def _gumbel_block(keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    return _uniform_block(keys, start, stop).log_().neg_().log_().neg_()
-
-
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, start: int = 0,
                  stop: int | None = None) -> torch.Tensor:
-    """Standard Gumbel noise, float64 [B, stop - start] (tokens start..stop-1, default the whole vocabulary), on
-    the seeds' device: a pure function of (seed_b, position_b, token id)."""
+    """The token-level Gumbel noise g, float64 [B, stop - start] (tokens start..stop-1, default the whole
+    vocabulary), on the seeds' device: a pure function of (seed_b, position_b, token id)."""
     stop = vocab_size if stop is None else stop
     if not 0 <= start <= stop <= vocab_size:
         raise ValueError(f"token range {start}..{stop} outside a vocabulary of {vocab_size}")
-    return _gumbel_block(row_keys(seeds, positions), start, stop)
+    return _gumbel(_uniform_block(row_keys(seeds, positions), start, stop))
+
+
+SAMPLING_BLOCK = 256
+"""Token ids per block of the two-level rule (a protocol constant: nodes and verifiers must agree). About the square
+root of a large vocabulary, which minimises the noise a step needs (blocks + one block's tokens per row)."""
+_C_BLOCK = 0xE7037ED1A0B428DB
+
+
+def _block_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The block domain's row keys: independent of the token domain's."""
+    return _mix(keys ^ _i64(_C_BLOCK))
+
+
+def block_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The block-level Gumbel noise G, float64 [B, blocks of the vocabulary], on the seeds' device."""
+    keys = _block_keys(row_keys(seeds, positions))
+    return _gumbel(_uniform_block(keys, 0, -(-vocab_size // SAMPLING_BLOCK)))
 
 
 def _row_temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -149,66 +174,119 @@ def _row_temperatures(temperature: float | torch.Tensor, rows: int, device: torc
     return t.expand(rows, 1)
 
 
-def perturbed_scores(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                     temperature: float | torch.Tensor) -> torch.Tensor:
-    """z / T + Gumbel noise, float64 [B, vocab] on the logits' device. Its argmax over the last dim is the sampled
-    token. `temperature` is one number, or one per row ([B]) when rows of several requests are scored together."""
-    device = logits.device
+def block_logsumexp(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """logsumexp(z / T) over each block of each row, float64 [B, blocks], summed in float32 (or the logits' dtype
+    where wider) in row chunks, so that no [B, vocab] temporary is made. `temps` float64 [B, 1]."""
     rows, vocab = logits.shape
-    temps = _row_temperatures(temperature, rows, device)
-    keys = row_keys(seeds.to(device), positions.to(device))
-    out = torch.empty(rows, vocab, dtype=torch.float64, device=device)
-    # Row blocks: the temporaries stay small (4x faster than whole-tensor temporaries at 4096 x 8192 on a CPU).
-    step = max(1, _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS["cuda"]) // max(vocab, 1))
+    k = SAMPLING_BLOCK
+    full, blocks = vocab // k, -(-vocab // k)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    out = torch.empty(rows, blocks, dtype=torch.float64, device=logits.device)
+    step = max(1, _BLOCK_ELEMENTS.get(logits.device.type, _BLOCK_ELEMENTS["cuda"]) // max(vocab, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        out[r0:r1] = _gumbel_block(keys[r0:r1], 0, vocab).add_(logits[r0:r1].to(torch.float64) / temps[r0:r1])
+        scaled = logits[r0:r1].to(dtype).div(temps[r0:r1].to(dtype))
+        if full:
+            out[r0:r1, :full] = torch.logsumexp(scaled[:, :full * k].reshape(r1 - r0, full, k), dim=-1)
+        if full < blocks:
+            out[r0:r1, full] = torch.logsumexp(scaled[:, full * k:], dim=-1)
     return out
+
+
+def _block_scores(lse: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The first step's scores: each block's logsumexp plus its noise G, float64 [B, blocks]."""
+    return _gumbel(_uniform_block(_block_keys(keys), 0, lse.shape[1])).add_(lse)
+
+
+def _token_scores(logits: torch.Tensor, keys: torch.Tensor, temps: torch.Tensor,
+                  blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second step's scores z_v / T + g_v over the tokens of each row's block, float64 [B, SAMPLING_BLOCK]
+    (-inf past the vocabulary's end), and their token ids."""
+    vocab = logits.shape[1]
+    ids = blocks.reshape(-1, 1) * SAMPLING_BLOCK + torch.arange(SAMPLING_BLOCK, device=logits.device)
+    inside = ids < vocab
+    ids = ids.clamp_(max=vocab - 1)
+    z = logits.gather(-1, ids).to(torch.float64).div_(temps)
+    scores = _gumbel(_uniforms(keys, ids * _i64(_C_TOK))).add_(z).masked_fill_(~inside, float("-inf"))
+    return scores, ids
 
 
 @torch.no_grad()
 def sample_with_logprobs(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                          temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The replayable sample of each row of `logits` [B, vocab] and its policy logprob log_softmax(z / T)[token]
-    (float64), both [B] on the logits' device.
-
-    The token is `perturbed_scores(...).argmax(-1)` exactly (same bits, first index on an exact tie), computed in
-    blocks so that no [B, vocab] float64 tensor is allocated; the logprob is taken before the noise."""
-    rows, vocab = logits.shape
+    (float64), both [B] on the logits' device. `temperature` is one number, or one per row ([B]) when rows of
+    several requests are sampled together. An exact tie keeps the lower index, as argmax does."""
+    rows, _vocab = logits.shape
     device = logits.device
     temps = _row_temperatures(temperature, rows, device)
     keys = row_keys(seeds.to(device), positions.to(device))
-    block = _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS["cuda"])
-    cols = min(vocab, block)
-    row_step = max(1, block // cols)
-    tokens = torch.empty(rows, dtype=torch.long, device=device)
-    logprobs = torch.empty(rows, dtype=torch.float64, device=device)
-    for r0 in range(0, rows, row_step):
-        r1 = min(rows, r0 + row_step)
-        t = temps[r0:r1]
-        best = arg = lse = None
-        for c0 in range(0, vocab, cols):
-            c1 = min(vocab, c0 + cols)
-            scaled = logits[r0:r1, c0:c1].to(torch.float64).div_(t)
-            part = torch.logsumexp(scaled, dim=-1)
-            value, index = _gumbel_block(keys[r0:r1], c0, c1).add_(scaled).max(dim=-1)
-            if best is None:
-                best, arg, lse = value, index, part
-            else:
-                later = value > best  # strictly: an exact tie keeps the earlier (lower) token id, like argmax
-                best = torch.where(later, value, best)
-                arg = torch.where(later, index + c0, arg)
-                lse = torch.logaddexp(lse, part)
-        tokens[r0:r1] = arg
-        picked = logits[r0:r1].gather(-1, arg.reshape(-1, 1)).to(torch.float64) / t
-        logprobs[r0:r1] = picked.reshape(-1) - lse
-    return tokens, logprobs
+    lse = block_logsumexp(logits, temps)
+    block = _block_scores(lse, keys).argmax(dim=-1)
+    scores, ids = _token_scores(logits, keys, temps, block)
+    tokens = ids.gather(-1, scores.argmax(dim=-1, keepdim=True))
+    picked = logits.gather(-1, tokens).to(torch.float64) / temps
+    return tokens.reshape(-1), (picked - torch.logsumexp(lse, dim=-1, keepdim=True)).reshape(-1)
 
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
            temperature: float | torch.Tensor) -> torch.Tensor:
     """The replayable sample for each row of `logits` [B, vocab]."""
     return sample_with_logprobs(logits, seeds, positions, temperature)[0]
+
+
+class Replayed(NamedTuple):
+    gaps: torch.Tensor
+    """float64 [B]: how far each token is from being the rule's sample (0 when it is; inf outside the vocabulary)."""
+    logprobs: torch.Tensor
+    """float64 [B]: log_softmax(z / T) of each token (-inf outside the vocabulary)."""
+
+
+@torch.no_grad()
+def replay_tokens(logits: torch.Tensor, tokens: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  temperature: float | torch.Tensor) -> Replayed:
+    """A verifier's check of each row's `tokens` [B] against `logits` [B, vocab] it recomputed. The gap is the larger
+    of (best block score - its block's score) and (best token score in its block - its score): 0 when the token is
+    the sample; a verifier whose logits differ from the engine's by floating-point error sees small gaps at
+    near-ties only. The logprob is computed as the node's is, from the same block sums."""
+    rows, vocab = logits.shape
+    device = logits.device
+    tokens = tokens.to(device=device, dtype=torch.long).reshape(-1, 1)
+    outside = ((tokens < 0) | (tokens >= vocab))[:, 0]
+    tokens = tokens.clamp(0, vocab - 1)
+    temps = _row_temperatures(temperature, rows, device)
+    keys = row_keys(seeds.to(device), positions.to(device))
+    lse = block_logsumexp(logits, temps)
+    block_scores = _block_scores(lse, keys)
+    blocks = tokens // SAMPLING_BLOCK
+    block_gap = block_scores.max(dim=-1).values - block_scores.gather(-1, blocks)[:, 0]
+    scores, _ = _token_scores(logits, keys, temps, blocks)
+    token_gap = scores.max(dim=-1).values - scores.gather(-1, tokens - blocks * SAMPLING_BLOCK)[:, 0]
+    logprobs = logits.gather(-1, tokens).to(torch.float64) / temps - torch.logsumexp(lse, dim=-1, keepdim=True)
+    return Replayed(gaps=torch.maximum(block_gap, token_gap).masked_fill_(outside, float("inf")),
+                    logprobs=logprobs[:, 0].masked_fill_(outside, float("-inf")))
+
+
+@torch.no_grad()
+def decision_margins(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                     temperature: float | torch.Tensor) -> torch.Tensor:
+    """How near each row's sample came to another outcome, float64 [B]: the smaller of the top-two gaps of the
+    block step and of the token step (inf where a step had one candidate). Calibration reads it: a verifier's
+    `tie_margin` must exceed the engine/verifier score error, and honest margins below it are rare."""
+    rows, _vocab = logits.shape
+    device = logits.device
+    temps = _row_temperatures(temperature, rows, device)
+    keys = row_keys(seeds.to(device), positions.to(device))
+
+    def top2_gap(scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[1] < 2:
+            return torch.full((rows,), float("inf"), dtype=torch.float64, device=device)
+        top = scores.topk(2, dim=-1).values
+        return top[:, 0] - top[:, 1]
+
+    block_scores = _block_scores(block_logsumexp(logits, temps), keys)
+    scores, _ = _token_scores(logits, keys, temps, block_scores.argmax(dim=-1))
+    return torch.minimum(top2_gap(block_scores), top2_gap(scores))
 
 
 _C_TURN = 0xA0761D6478BD642F

@@ -26,7 +26,7 @@ from swarmrl.verifier.models import load_policy
 
 T = 0.7  # not 1, so that the engines' temperature handling is exercised
 MAX_TOKENS = 24
-TIE_MARGIN = 1e-4  # a replay mismatch is excused only where the top two perturbed scores are this close
+TIE_MARGIN = 1e-4  # a replay mismatch is excused only where its replay gap is below this (a near-tie)
 LOGPROB_TOL = 1e-4
 
 # Prompts of several lengths: a group of rollouts per prompt (as nodes run them, sharing a prefix-cached
@@ -41,7 +41,7 @@ class Replay:
     tokens: int = 0
     mismatches: int = 0
     unexplained: int = 0
-    """Mismatches where the verifier's top-2 perturbed gap is >= TIE_MARGIN (must be 0)."""
+    """Tokens whose replay gap under the reference is >= TIE_MARGIN (must be 0)."""
     max_logprob_diff: float = 0.0
     min_gap: float = float("inf")
 
@@ -95,34 +95,31 @@ def engine(request) -> InferenceEngine:
 
 
 @torch.no_grad()
-def reference_scores(model, req: GenerationRequest, comp: Completion) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perturbed scores [n, vocab] float64, logprobs of the completion's tokens) from one prefill."""
+def reference_replay(model, req: GenerationRequest,
+                     comp: Completion) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From one prefill, per completion token (float64 [n] each): its replay gap (0 when it is the rule's sample of
+    the reference logits), the decision's margin (how near another outcome was), and its reference logprob."""
     ids = torch.tensor([req.prompt_ids + comp.token_ids])
     n = len(comp.token_ids)
     logits = model(ids).logits[0, len(req.prompt_ids) - 1:-1].float()
-    scores = sampling.perturbed_scores(logits, torch.full((n,), req.seed), torch.arange(n), T)
+    seeds, positions, tokens = torch.full((n,), req.seed), torch.arange(n), torch.tensor(comp.token_ids)
+    gaps = sampling.replay_tokens(logits, tokens, seeds, positions, T).gaps
+    margins = sampling.decision_margins(logits, seeds, positions, T)
     logp = torch.log_softmax(logits.double() / T, dim=-1)
-    return scores, logp.gather(-1, torch.tensor(comp.token_ids)[:, None])[:, 0]
-
-
-def top2_gap(scores: torch.Tensor) -> torch.Tensor:
-    top = scores.topk(2, dim=-1).values
-    return top[..., 0] - top[..., 1]
+    return gaps, margins, logp.gather(-1, tokens[:, None])[:, 0]
 
 
 def replay(model, reqs: list[GenerationRequest], comps: list[Completion]) -> Replay:
-    """Check every token the way a verifier does: argmax of the perturbed reference scores."""
+    """Check every token the way a verifier does: its replay gap under the reference logits."""
     r = Replay()
     for req, comp in zip(reqs, comps, strict=True):
-        scores, ref_lp = reference_scores(model, req, comp)
-        gap = top2_gap(scores)
-        bad = scores.argmax(-1) != torch.tensor(comp.token_ids)
+        gaps, margins, ref_lp = reference_replay(model, req, comp)
         r.tokens += len(comp.token_ids)
-        r.mismatches += int(bad.sum())
-        r.unexplained += int((bad & (gap >= TIE_MARGIN)).sum())
+        r.mismatches += int((gaps > 0).sum())
+        r.unexplained += int((gaps >= TIE_MARGIN).sum())
         r.max_logprob_diff = max(r.max_logprob_diff,
                                  float((ref_lp - torch.tensor(comp.logprobs, dtype=torch.float64)).abs().max()))
-        r.min_gap = min(r.min_gap, float(gap.min()))
+        r.min_gap = min(r.min_gap, float(margins.min()))
     return r
 
 
@@ -179,8 +176,8 @@ def test_vllm_and_torch_agree(vllm_engine, torch_engine, requests_, reference):
         # After the first divergence the two continuations are unrelated; the divergence itself must be a
         # near-tie under the reference.
         i = next(k for k, (x, y) in enumerate(zip(ca.token_ids, cb.token_ids, strict=False)) if x != y)
-        scores, _ = reference_scores(reference["a"], req, ca)
-        unexplained += int(top2_gap(scores[i]) >= TIE_MARGIN)
+        _, margins, _ = reference_replay(reference["a"], req, ca)
+        unexplained += int(margins[i] >= TIE_MARGIN)
     assert unexplained == 0
 
 

@@ -6,7 +6,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swarmrl.protocol import sampling
-from swarmrl.protocol.sampling import gumbel_noise, perturbed_scores, sample, sample_with_logprobs, uniform_noise
+from swarmrl.protocol.sampling import (
+    SAMPLING_BLOCK,
+    block_noise,
+    decision_margins,
+    gumbel_noise,
+    replay_tokens,
+    sample,
+    sample_with_logprobs,
+    uniform_noise,
+)
 
 
 def test_noise_is_a_pure_function_of_its_arguments():
@@ -38,6 +47,66 @@ def test_gumbel_max_samples_from_the_softmax():
         freq = torch.bincount(tokens, minlength=4).double() / n
         expected = torch.softmax(logits[0].double() / temperature, dim=0)
         assert torch.all((freq - expected).abs() < 0.01), (freq, expected)
+
+
+def test_the_two_levels_sample_from_the_softmax_over_many_blocks():
+    """A vocabulary of 2.5 blocks whose mass sits in tokens of all three (the last one short): the block step and
+    the token step together draw each token with its softmax probability."""
+    n, vocab = 40000, 2 * SAMPLING_BLOCK + SAMPLING_BLOCK // 2
+    base = torch.full((vocab,), -30.0)
+    hot = {3: 1.0, SAMPLING_BLOCK - 1: 0.5, SAMPLING_BLOCK + 7: 1.5, 2 * SAMPLING_BLOCK + 1: 0.0, vocab - 1: 1.2}
+    for v, z in hot.items():
+        base[v] = z
+    tokens = sample(base.repeat(n, 1), torch.arange(n) * 7 + 1, torch.full((n,), 2), 1.0)
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    expected = torch.softmax(base.double(), dim=0)
+    for v in hot:
+        assert abs(float(freq[v] - expected[v])) < 0.01, (v, float(freq[v]), float(expected[v]))
+    assert float(freq[list(hot)].sum()) > 0.999
+
+
+def test_replay_gaps_are_zero_for_the_sample_and_positive_for_any_other_token():
+    vocab = 3 * SAMPLING_BLOCK + 5
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    seeds, pos = torch.arange(8) * 13 + 5, torch.arange(8)
+    tokens, _ = sample_with_logprobs(logits, seeds, pos, 0.8)
+    assert torch.equal(replay_tokens(logits, tokens, seeds, pos, 0.8).gaps, torch.zeros(8, dtype=torch.float64))
+    # Another token of the same block fails the token step, a token of another block the block step.
+    same_block = tokens // SAMPLING_BLOCK * SAMPLING_BLOCK + (tokens + 1) % SAMPLING_BLOCK
+    other_block = (tokens + SAMPLING_BLOCK) % vocab
+    for other in (same_block, other_block):
+        assert bool((replay_tokens(logits, other, seeds, pos, 0.8).gaps > 0).all())
+    margins = decision_margins(logits, seeds, pos, 0.8)
+    assert bool((margins > 0).all()) and bool(margins.isfinite().all())
+    replayed = replay_tokens(logits, torch.tensor([vocab, -1] + tokens[2:].tolist()), seeds, pos, 0.8)
+    outside = replayed.gaps
+    assert outside[:2].isinf().all() and bool((outside[2:] == 0).all())
+    assert replayed.logprobs[:2].isneginf().all()
+    want = torch.log_softmax(logits[2:].double() / 0.8, -1).gather(-1, tokens[2:, None])[:, 0]
+    assert torch.allclose(replayed.logprobs[2:], want, rtol=0, atol=1e-5)
+
+
+def test_the_rule_is_its_definition():
+    """The block chosen is the argmax of each block's logsumexp(z / T) plus the block noise, the token the argmax
+    of z / T plus the token noise within that block: written out here from the noise functions alone."""
+    vocab = 2 * SAMPLING_BLOCK + 77
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    seeds, pos = _engine_rows()
+    temps = torch.tensor([0.7, 1.0, 0.3, 1.7, 0.7, 1.0], dtype=torch.float64)
+    scaled = logits.double() / temps[:, None]
+    padded = torch.full((6, 3 * SAMPLING_BLOCK), float("-inf"), dtype=torch.float64)
+    padded[:, :vocab] = scaled
+    lse = torch.logsumexp(padded.reshape(6, 3, SAMPLING_BLOCK), dim=-1)
+    block = (lse + block_noise(seeds, pos, vocab)).argmax(-1)
+    token_scores = (scaled + gumbel_noise(seeds, pos, vocab)).reshape(6, -1)
+    want = []
+    for r in range(6):
+        lo, hi = int(block[r]) * SAMPLING_BLOCK, min(vocab, (int(block[r]) + 1) * SAMPLING_BLOCK)
+        want.append(lo + int(token_scores[r, lo:hi].argmax()))
+    tokens, logprobs = sample_with_logprobs(logits, seeds, pos, temps)
+    assert tokens.tolist() == want
+    ref = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
+    assert torch.allclose(logprobs, ref, rtol=0, atol=1e-5)
 
 
 # -- one noise function, the same bits on every call pattern ---------------------------------------------------
@@ -76,17 +145,19 @@ def test_noise_is_bit_identical_across_call_patterns():
 
 
 @pytest.mark.parametrize("block", [1 << 16, 1000, 7])
-def test_blocked_sampling_is_the_argmax_of_the_perturbed_scores(monkeypatch, block):
-    """sample_with_logprobs, whatever its block size, picks exactly argmax(perturbed_scores) (the verifier's replay)
-    and returns log_softmax(z / T) of that token; temperatures may differ per row."""
-    monkeypatch.setitem(sampling._BLOCK_ELEMENTS, "cpu", block)
+def test_row_chunks_do_not_change_the_sample(monkeypatch, block):
+    """sample_with_logprobs, whatever its row chunking, picks the same tokens (the verifier's replay gaps are 0) and
+    returns log_softmax(z / T) of that token; temperatures may differ per row."""
     seeds, pos = _engine_rows()
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)) * 4
     temps = torch.tensor([0.7, 1.0, 0.3, 1.7, 0.7, 1.0])
+    want, _ = sample_with_logprobs(logits, seeds, pos, temps)
+    monkeypatch.setitem(sampling._BLOCK_ELEMENTS, "cpu", block)
     tokens, logprobs = sample_with_logprobs(logits, seeds, pos, temps)
-    assert torch.equal(tokens, perturbed_scores(logits, seeds, pos, temps).argmax(-1))
+    assert torch.equal(tokens, want)
+    assert torch.equal(replay_tokens(logits, tokens, seeds, pos, temps).gaps, torch.zeros(6, dtype=torch.float64))
     ref = torch.log_softmax(logits.double() / temps.double()[:, None], -1).gather(-1, tokens[:, None])[:, 0]
-    assert torch.allclose(logprobs, ref, rtol=0, atol=1e-12)
+    assert torch.allclose(logprobs, ref, rtol=0, atol=1e-5)
     # Per-row temperatures equal one call per temperature.
     for t in (0.7, 1.0):
         rows = (temps == t).nonzero()[:, 0]
@@ -118,8 +189,8 @@ def test_noise_is_computed_on_the_device_of_the_logits():
     logits = torch.empty(6, vocab, device="meta")
     with _LargeCpuTensors(vocab) as mode:
         tokens, logprobs = sample_with_logprobs(logits, seeds, pos, torch.full((6,), 0.7))
-        scores = perturbed_scores(logits, seeds, pos, 0.7)
-    assert tokens.device.type == logprobs.device.type == scores.device.type == "meta"
+        gaps = replay_tokens(logits, torch.zeros(6, dtype=torch.long, device="meta"), seeds, pos, 0.7).gaps
+    assert tokens.device.type == logprobs.device.type == gaps.device.type == "meta"
     assert mode.seen == []
     # The recorder does see a CPU computation of that size.
     with _LargeCpuTensors(vocab) as mode:

@@ -94,13 +94,13 @@ def test_a_nodes_other_groups_are_not_checked_after_it_failed(setup):
 def test_logits_are_scored_a_bounded_number_of_positions_at_a_time(setup, monkeypatch):
     policy, groups = setup
     seen = []
-    real = fc.replay_gaps
+    real = fc.replay_tokens
 
     def spy(logits, *a):
         seen.append(logits.shape[0])
         return real(logits, *a)
 
-    monkeypatch.setattr(fc, "replay_gaps", spy)
+    monkeypatch.setattr(fc, "replay_tokens", spy)
     vocab = policy.model.get_output_embeddings().weight.shape[0]
     reports = full_check(groups, policy, TOL, staging=Staging(logit_memory_mb=1))
     assert all(r.reason is None for r in reports)
@@ -151,8 +151,8 @@ def test_a_long_completion_of_a_large_vocabulary_is_scored_in_pieces(tmp_path, m
                       sampling=m.SamplingSpec(max_tokens=n, group_size=2), seeds=[1, 2],
                       group=m.RolloutGroup(prompt_id="p", prompt_ids=[1, 5, 14, 5, 15], rollouts=[rollout]))
     seen = []
-    real = fc.replay_gaps
-    monkeypatch.setattr(fc, "replay_gaps", lambda logits, *a: seen.append(logits.shape) or real(logits, *a))
+    real = fc.replay_tokens
+    monkeypatch.setattr(fc, "replay_tokens", lambda logits, *a: seen.append(logits.shape) or real(logits, *a))
     (rep,) = full_check([g], policy, TOL, staging=Staging(early_exit=False))
     assert rep.reason is not None and rep.tokens == n  # everything scored (no early exit here)
     rows = (256 << 20) // (vocab * 8 * fc._TEMPORARIES)

@@ -26,8 +26,9 @@ class Tolerances(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     logprob_abs: float = Field(5e-4, gt=0, description="Largest |claimed - recomputed| logprob per token.")
-    tie_margin: float = Field(1e-3, ge=0, description="A token whose perturbed score is within this of the best "
-                                                      "one is excused (near-tie); any other non-argmax token fails.")
+    tie_margin: float = Field(1e-3, ge=0, description="A token whose replay gap (protocol.sampling."
+                                                      "replay_tokens) is within this is excused (near-tie); any "
+                                                      "other token that is not the rule's sample fails.")
     proof_boundary_rel: float = Field(1e-3, ge=0, description="Proof entries within this relative margin of the "
                                                               "top-k boundary are not compared.")
     proof_max_ulp: float = Field(1.0, gt=0, description="Largest error of one compared proof entry, fp16 ulps.")

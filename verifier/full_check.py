@@ -43,12 +43,11 @@ from swarmrl.models.head import head_of
 from swarmrl.protocol import proofs as wire
 from swarmrl.protocol.episodes import model_spans
 from swarmrl.protocol.messages import PendingGroup
-from swarmrl.protocol.sampling import turn_seed
+from swarmrl.protocol.sampling import replay_tokens, turn_seed
 from swarmrl.verifier.config import Tolerances
 from swarmrl.verifier.models import PolicyModel
 from swarmrl.verifier.prefill import ChunkedPrefill, length_batches
 from swarmrl.verifier.proofs import proof_errors_many
-from swarmrl.verifier.replay import replay_gaps
 
 _TEMPORARIES = 6
 """float64 / int64 [positions, vocab] tensors alive at once while scoring (noise hashing, scores, log-softmax)."""
@@ -310,12 +309,10 @@ class _Run:
         for i in range(0, len(tokens), step):
             sl = slice(i, i + step)
             logits = head(states[sl]).float()
-            dev = logits.device
-            gaps[sl] = replay_gaps(logits, tokens[sl], seeds[sl], positions[sl], temps[sl]).cpu()
-            logp = torch.log_softmax(logits.double() / temps[sl].to(dev)[:, None], dim=-1)
-            own = logp.gather(-1, tokens[sl].to(dev)[:, None])[:, 0].cpu()
-            diffs[sl] = torch.nan_to_num((claimed[sl] - own).abs(), nan=float("inf"))
-            del logits, logp
+            replayed = replay_tokens(logits, tokens[sl], seeds[sl], positions[sl], temps[sl])
+            gaps[sl] = replayed.gaps.cpu()
+            diffs[sl] = torch.nan_to_num((claimed[sl] - replayed.logprobs.cpu()).abs(), nan=float("inf"))
+            del logits, replayed
         with_proof = [k for k, p in enumerate(pieces) if p.r.proof is not None]
         stats = proof_errors_many([pieces[k].r.proof for k in with_proof],  # type: ignore[misc]
                                   [pieces[k].states for k in with_proof], self.tol.proof_boundary_rel,

@@ -102,13 +102,9 @@ def measure(kind: str, gen_ckpt: Path, policy, texts: list[str], group: int, tem
             dlogit = max(float((head(s) - r.logits).abs().max()) for s, r in zip(states, rc, strict=True))
             from swarmrl.protocol import sampling
 
-            gaps = []
-            for q, c, r in zip(reqs, comps, rc, strict=True):
-                n = len(c.token_ids)
-                sc = sampling.perturbed_scores(r.logits, torch.full((n,), q.seed), torch.arange(n), temperature)
-                top = sc.topk(2, dim=-1).values
-                gaps.append(top[:, 0] - top[:, 1])
-            gaps_t = torch.cat(gaps)
+            gaps_t = torch.cat([sampling.decision_margins(r.logits, torch.full((len(c.token_ids),), q.seed),
+                                                          torch.arange(len(c.token_ids)), temperature)
+                                for q, c, r in zip(reqs, comps, rc, strict=True)])
         rel = 0.0
         for st, r in zip(states, rc, strict=True):
             idx = r.states.abs().topk(4, dim=-1).indices
