@@ -100,11 +100,23 @@ def machine_ticks() -> tuple[int, int]:
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process and its live children (a coordinator's other workers)."""
-    parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User + system CPU seconds of a live process and its live children (a coordinator's other workers). A process
+    or thread that ends while it is read counts 0 (its threads come and go: a coordinator's pool threads do)."""
+    try:
+        parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
     own = (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-    children = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                for c in (task / "children").read_text().split()}
+    children: set[int] = set()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except (FileNotFoundError, ProcessLookupError):
+        tasks = []
+    for task in tasks:
+        try:
+            children.update(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended between the listing and the read
     return own + sum(process_cpu_s(c) for c in children)
 
 
