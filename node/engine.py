@@ -99,6 +99,13 @@ class EngineConfig(BaseModel):
     proofs: bool = Field(
         True, description="Build an activation proof per completion (protocol.proofs) from the final hidden states "
                           "of generation itself; verifiers may reject groups without one.")
+    staged_reload: bool = Field(
+        True, description="vLLM on the CPU: prepare each new version in a second copy of the model while the engine "
+                          "generates with the old one, then swap it in between two decode steps (about a "
+                          "millisecond; vLLM's in-place reload stops the engine for tens). Costs one more copy of "
+                          "the weights (two while a version is prepared). Used where it is exact: unquantized "
+                          "models whose layers it handles, in this process; elsewhere, and on GPUs, vLLM's "
+                          "in-place reload (logged).")
     num_threads: int | None = Field(
         None, gt=0, description="torch intra-op threads for this process; None leaves the current setting.")
 

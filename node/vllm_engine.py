@@ -12,6 +12,9 @@ How the protocol's rule maps onto vLLM (measured on vLLM 0.32, see the field not
 - activation proofs (`cfg.proofs`): the processor also records the final hidden state of every sampling step
   (from a pre-hook on the model's `logits_processor`, installed with `apply_model`), collected the same way; the
   proof is built here. This is option (a) of the design notes: the states of the generation itself.
+- new weights (`load`): on the CPU, staged (`node.vllm_staging`, `EngineConfig.staged_reload`): `prepare` readies a
+  version in a shadow model while the engine generates, `load` swaps it in between two steps; elsewhere vLLM's
+  in-place reload (`_reload`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +32,8 @@ import torch
 
 from swarmrl.models.weights import architecture_config, model_facts
 from swarmrl.node.engine import Completion, EngineConfig, GenerationRequest, InferenceEngine, resolve_device
+
+log = logging.getLogger("swarmrl.node")
 
 _GIB = 1 << 30
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -51,17 +58,23 @@ def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def _lm_head_error(model: torch.nn.Module) -> float:
-    """Relative error of the lm_head's actual GEMM against its weight Parameter, on random inputs: ~0 when the
+def _lm_head_error(model: torch.nn.Module, rows: int = 4) -> float:
+    """Relative error of the lm_head's actual GEMM against its weight Parameter, on `rows` random inputs: ~0 when the
     head computes with its current weights, ~1 when it uses a stale copy."""
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None or not hasattr(lm_head, "quant_method"):
         return 0.0
     w = lm_head.weight
-    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
     got = lm_head.quant_method.apply(lm_head, x).float()
     want = (x @ w.t()).float()
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def _model_and_config(worker: object) -> tuple[object, object]:
+    """(the model, its vLLM config) of a worker (through `collective_rpc`; objects only in this process)."""
+    worker = getattr(worker, "worker", worker)  # vLLM's wrapper around the worker
+    return worker.get_model(), worker.vllm_config  # type: ignore[attr-defined]
 
 
 class VLLMEngine(InferenceEngine):
@@ -77,17 +90,93 @@ class VLLMEngine(InferenceEngine):
         self._tied = False
         self._arch: dict | None = None
         self._capture_keys = itertools.count(1)
+        self._staged = None  # node.vllm_staging.StagedWeights, when new versions are prepared before they load
+        self._prepare_failed: Path | None = None
+        self.last_prepare_s: float | None = None
+        """Wall time of the last preparation of a version (`prepare`), and of the last commit (its swap, between two
+        decode steps): for benchmarks."""
+        self.last_commit_s: float | None = None
+        self.last_check_s: float | None = None  # the check of the lm_head and the prefix cache's reset after it
 
     # -- loading ---------------------------------------------------------------------------------------------
 
     def load(self, ckpt_dir: Path) -> None:
-        """First call starts vLLM on `ckpt_dir`; later calls reload new weights in place (same architecture)."""
-        ckpt_dir = Path(ckpt_dir).resolve()
+        """First call starts vLLM on `ckpt_dir`; later calls load new weights in place (same architecture): with
+        `cfg.staged_reload` (where the model allows) by committing the version `prepare` prepared (preparing it
+        first if it was not), else by vLLM's in-place reload."""
+        key = Path(ckpt_dir)
+        ckpt_dir = key.resolve()
         if self.llm is None:
             self._start(ckpt_dir)
+        elif self._staged is not None:
+            self._commit(key)
         else:
             self._reload(ckpt_dir)
         self._ckpt = ckpt_dir
+
+    def prepare(self, ckpt_dir: Path) -> None:
+        """Prepare `ckpt_dir` for a quick `load` (`node.vllm_staging`), on any thread, while the engine generates
+        with the weights it has; nothing to do where versions are not staged. Raises where the checkpoint cannot
+        be loaded (the engine's `load` then raises too)."""
+        staged, key = self._staged, Path(ckpt_dir)
+        if staged is None:
+            return
+        try:
+            resolved = key.resolve()
+            if architecture_config(resolved) != self._arch:
+                raise ValueError(f"{resolved} has a different architecture than the loaded model; build a new engine")
+            t0 = time.perf_counter()
+            staged.prepare(resolved, key)
+            self.last_prepare_s = time.perf_counter() - t0
+            self._prepare_failed = None
+        except Exception:
+            self._prepare_failed = key
+            raise
+
+    def prepared(self, ckpt_dir: Path) -> bool:
+        """Whether `load(ckpt_dir)` would be quick: the version is prepared, or versions are not staged (or its
+        preparation failed: `load` raises at once then). Cheap: asked between decode steps."""
+        staged, key = self._staged, Path(ckpt_dir)
+        return staged is None or staged.is_prepared(key) or key == self._prepare_failed
+
+    def _commit(self, key: Path) -> None:
+        """The staged load: the prepared version swapped in (prepared here first if it was not), and the prefix
+        cache reset (its KV blocks were computed with the old weights). A tied lm_head gets its own packed GEMM of
+        the new weights, checked here (`_lm_head_error`): no stale head as with `_reload`."""
+        assert self._staged is not None
+        t0 = time.perf_counter()
+        if not self._staged.commit(key):
+            self.prepare(key)
+            t0 = time.perf_counter()
+            if not self._staged.commit(key):
+                raise RuntimeError(f"{key} was prepared but another version replaced it before the commit")
+        self.last_commit_s = time.perf_counter() - t0
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        # One row: the cost of one sequence's logits, on this thread (the only one that may run the packed GEMMs).
+        error = _lm_head_error(self._staged.live, rows=1)
+        if error > 1e-2:
+            raise RuntimeError(f"lm_head does not compute with its weights after the update (rel. error {error})")
+        self.last_check_s = time.perf_counter() - t0 - self.last_commit_s
+
+    def _stage(self) -> None:
+        """Set up staged updates (`cfg.staged_reload`) where they are correct: in this process, on the CPU, for a
+        model whose every layer `node.vllm_staging` handles; otherwise log why and reload in place."""
+        if not self.cfg.staged_reload:
+            return
+        if self.device != "cpu":  # CUDA: vLLM's in-place reload writes the captured tensors in place (graph-safe)
+            log.info("staged weight updates are for the CPU; vLLM on %s reloads in place", self.device)
+            return
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            log.warning("vLLM's model is in another process: staged weight updates are off (in-place reload)")
+            return
+        from swarmrl.node.vllm_staging import StagedWeights, StagingUnsupported
+
+        model, vllm_config = self.llm.collective_rpc(_model_and_config)[0]
+        try:
+            self._staged = StagedWeights(model, vllm_config)
+        except StagingUnsupported as e:
+            log.warning("staged weight updates are off for this model, vLLM reloads in place: %s", e)
 
     def _start(self, ckpt_dir: Path) -> None:
         _prepare_env()
@@ -134,6 +223,7 @@ class VLLMEngine(InferenceEngine):
             from swarmrl.node.gumbel_processor import install_hidden_capture
 
             self.llm.apply_model(install_hidden_capture)
+        self._stage()
 
     def _reload(self, ckpt_dir: Path) -> None:
         """New weights into the running engine. Two things vLLM 0.32 leaves stale, both fixed here (and tested):
@@ -154,6 +244,9 @@ class VLLMEngine(InferenceEngine):
             raise RuntimeError(f"lm_head does not compute with its weights after reload (rel. error {errors})")
 
     def close(self) -> None:
+        if self._staged is not None:
+            self._staged.close()
+            self._staged = None
         if self.llm is None:
             return
         engine = getattr(self.llm, "llm_engine", None)

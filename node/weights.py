@@ -97,6 +97,8 @@ class Weights(ReadyWeights):
         self.fetcher: CheckpointFetcher | None = None
         self.swarm: SwarmPeer | None = None
         self.download: Download | None = None  # the checkpoint being fetched, if any
+        self.preparing = False
+        """Whether the fetch thread (`start`) prepares ready checkpoints for the engine (`prepare_ready`)."""
         # Full jitter over poll_interval_s * 2^failures, capped at max_backoff_s.
         self.backoff = RetryPolicy(attempts=None, base_s=cfg.poll_interval_s, cap_s=cfg.max_backoff_s)
 
@@ -137,6 +139,19 @@ class Weights(ReadyWeights):
             self.download = None
         self.offer(manifest.version, path)
 
+    def prepare_ready(self) -> None:
+        """Have the engine prepare the ready checkpoint, if it stages its updates (the vLLM engine on the CPU) and has
+        not yet: here, off the generating thread, so that loading it stops generation only for a swap. A failure is
+        logged; loading it then raises on the generating thread, as without preparation."""
+        engine, ready = self.engine, self.ready  # read once: the other thread may replace them
+        prepare = getattr(engine, "prepare", None)
+        if ready is None or prepare is None or self._prepared(ready[1], engine):
+            return
+        try:
+            prepare(ready[1])
+        except Exception as e:
+            log.warning("preparing the checkpoint of version %d failed: %s", ready[0], e)
+
     def fetch_loop(self) -> None:
         """Fetch newer checkpoints until stop. Requests wait out outages in the client; a fetch that fails anyway
         (a bad manifest, a full disk, a shard no source could give) is tried again later."""
@@ -144,6 +159,7 @@ class Weights(ReadyWeights):
         while not self._stop.is_set():
             try:
                 self.fetch_newer()
+                self.prepare_ready()
                 failures = 0
             except Exception as e:  # keep the fetch thread alive: the main loop still works with old weights
                 if self._stop.is_set():
@@ -159,6 +175,7 @@ class Weights(ReadyWeights):
     def start(self) -> threading.Thread:
         """The fetch thread, started (it ends once stop is set)."""
         thread = threading.Thread(target=self.fetch_loop, name="fetch", daemon=True)
+        self.preparing = True
         thread.start()
         return thread
 
@@ -194,10 +211,15 @@ class Weights(ReadyWeights):
         log.info("now generating with policy version %d", version)
 
     def in_flight(self, temperature: float, max_version: int) -> Updates:
-        """In-flight updates (`node.inflight`) of a lease: versions ready up to `max_version`, loaded in place."""
+        """In-flight updates (`node.inflight`) of a lease: versions ready up to `max_version`, loaded in place. A
+        version counts as ready once the engine has prepared it (`prepare_ready`, in the fetch thread, once started): a
+        lease stops only for the swap."""
         def ready() -> bool:
             ready = self.ready  # read once: the fetch thread may replace it
-            return ready is not None and self.stats.held_version < ready[0] <= max_version
+            if ready is None or not self.stats.held_version < ready[0] <= max_version:
+                return False
+            # Not yet prepared: the fetch thread is on it (without one, `load` prepares it).
+            return not self.preparing or self._prepared(ready[1])
 
         def load() -> int | None:
             before = self.stats.held_version
@@ -205,6 +227,11 @@ class Weights(ReadyWeights):
             return self.stats.held_version if self.stats.held_version != before else None
 
         return Updates(ready, load)
+
+    def _prepared(self, path: Path, engine: InferenceEngine | None = None) -> bool:
+        """Whether the engine loads `path` at once: it prepared it, or it prepares nothing (`prepare_ready`)."""
+        prepared = getattr(engine or self.engine, "prepared", None)
+        return prepared is None or bool(prepared(path))
 
     def wait_once(self, lease: Lease, max_staleness: int) -> bool:
         """Wait a moment for weights recent enough that `lease`'s groups will be accepted; False when there is no
