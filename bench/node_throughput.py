@@ -37,7 +37,10 @@ vLLM), `lease_gap_s` the median gap between two leases of one version. With `--i
 updates (`sampling.in_flight_updates`, `--chunk-tokens` decode steps between two looks for a new version): the new
 version is loaded between two decode chunks of a lease, and `swap_gap_s` is the time the engine generated nothing
 between the engine call that stopped for the new version and the one that continued the lease's completions on it
-(the reload, in place, between two decode steps of one lease).
+(the reload, in place, between two decode steps of one lease). With the vLLM engine's staged updates (the default;
+`--no-staged-reload`: vLLM's in-place reload) the new version is prepared while the engine generates: `prepare_s` is
+that preparation, `commit_s` the swap between two steps, `reset_s` and `check_s` the prefix cache's reset and the
+lm_head's check after it.
 
     python bench/node_throughput.py --model tiny --swap --in-flight --arms node --repeats 1
 """
@@ -151,7 +154,8 @@ class Bench:
         self.args = args
         cfg = NodeConfig(coordinator_url=url, coordinator_key=coordinator_key, key_path=work_dir / "node.key",
                          name="bench", work_dir=work_dir, max_prompts=args.max_prompts, progress=False,
-                         poll_interval_s=0.05, engine=EngineConfig(kind=args.engine), p2p={"enabled": False})
+                         poll_interval_s=0.05, p2p={"enabled": False},
+                         engine=EngineConfig(kind=args.engine, staged_reload=not args.no_staged_reload))
         self.node = RecordingNode(cfg)
         if args.rtt_ms:  # a node across the internet: every request of its client waits one round trip first
             self.node.client = CoordinatorClient(url, self.node.identity, retry=RetryPolicy(attempts=None),
@@ -224,6 +228,10 @@ class Bench:
                "lease_gap_s": round(statistics.median(same), 4),
                # Whether the last chunk of the old version and the first of the new one were of one lease.
                "swapped_mid_lease": any(t0 <= chunks[at - 1][0] and chunks[at][1] <= t1 for t0, t1, _ in calls)}
+        engine = self.node.engine  # a staged update (`EngineConfig.staged_reload`): its preparation and its swap
+        for name in ("last_prepare_s", "last_commit_s", "last_reset_s", "last_check_s"):
+            if getattr(engine, name, None) is not None:
+                out[name.removeprefix("last_")] = round(getattr(engine, name), 5)
         if self.args.in_flight:  # the gap between two chunks of one version, for comparison
             out["chunk_gap_s"] = round(statistics.median(
                 b[0] - a[1] for a, b in zip(chunks, chunks[1:], strict=False) if a[2] == b[2]), 4)
@@ -263,6 +271,8 @@ def main() -> None:
     ap.add_argument("--swap", action="store_true", help="then publish a new version mid-run: swap_gap_s")
     ap.add_argument("--in-flight", action="store_true", help="in-flight updates (sampling.in_flight_updates)")
     ap.add_argument("--chunk-tokens", type=int, default=1, help="with --in-flight: decode steps between looks")
+    ap.add_argument("--no-staged-reload", action="store_true",
+                    help="vLLM's in-place reload instead of staged updates (EngineConfig.staged_reload)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the child: the pool
@@ -328,6 +338,7 @@ def main() -> None:
                   setup={"window_s": args.window_s, "repeats": args.repeats, "max_prompts": args.max_prompts,
                          "group_size": args.group_size, "max_tokens": args.max_tokens, "rtt_ms": args.rtt_ms,
                          "in_flight": args.in_flight, "chunk_tokens": args.chunk_tokens if args.in_flight else None,
+                         "staged_reload": not args.no_staged_reload,
                          "cpu_threads": 1, "load_avg_end": round(os.getloadavg()[0], 2)})
     print(json.dumps(result), flush=True)
 
