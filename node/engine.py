@@ -102,8 +102,9 @@ class EngineConfig(BaseModel):
     staged_reload: bool = Field(
         True, description="vLLM on the CPU: prepare each new version in a second copy of the model while the engine "
                           "generates with the old one, then swap it in between two decode steps (about a "
-                          "millisecond; vLLM's in-place reload stops the engine for tens). Costs one more copy of "
-                          "the weights (two while a version is prepared). Used where it is exact: unquantized "
+                          "millisecond; vLLM's in-place reload stops the engine for tens). Costs up to two more "
+                          "copies of the weights (1.6 measured after a load, bench/staged_memory.py). Used where it "
+                          "is exact: unquantized "
                           "models whose layers it handles, in this process; elsewhere, and on GPUs, vLLM's "
                           "in-place reload (logged).")
     num_threads: int | None = Field(

@@ -25,7 +25,8 @@ GEMM run on another thread while the engine decoded corrupted the engine's resul
 Memory: the shadow keeps a second copy of the tensors the live model reads directly (embeddings, lm_head, norms,
 biases); the linear layers' packed weights exist twice from `prepare` until the next `prepare` frees the version
 committed away (off the engine's thread); while `prepare` runs, the shadow also holds its linear weights unpacked,
-freed once packed. In all about one more copy of the weights, two while a version is prepared.
+freed once packed. In all up to two more copies of the weights: bench/staged_memory.py measured 1.6 more
+after a load than vLLM's in-place reload (bench/RESULTS.md).
 
 Only what is handled is staged: a model with any layer other than vLLM's unquantized linear and embedding layers and
 parameter-only modules (norms), or not on the CPU, is refused (`StagingUnsupported`, naming the layers), and the engine
