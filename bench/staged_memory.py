@@ -36,21 +36,13 @@ def rss_mib() -> tuple[float, float]:
 
 def make_versions(out: Path, model: str) -> tuple[Path, Path]:
     """Two checkpoints of one architecture (version B is A perturbed by 1%)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from swarmrl.models.build import ModelConfig, build_model, save_checkpoint
     from swarmrl.models.tokenizers import build_bpe_tokenizer
+    from swarmrl.testing.byzantine.harness import perturb_checkpoint
 
     tok = build_bpe_tokenizer(8192)
     a = save_checkpoint(build_model(ModelConfig.preset(model, arch="qwen2"), tok), tok, out / "a")
-    b = out / "b"
-    subprocess.run(["cp", "-r", str(a), str(b)], check=True)
-    weights = load_file(str(a / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    save_file({k: v + 0.01 * v.abs().mean() * torch.randn(v.shape, generator=gen) for k, v in weights.items()},
-              str(b / "model.safetensors"), metadata={"format": "pt"})
-    return a, b
+    return a, perturb_checkpoint(a, out / "b", 0.01)
 
 
 def arm(staged: bool, a: Path, b: Path) -> dict[str, float]:
@@ -59,11 +51,13 @@ def arm(staged: bool, a: Path, b: Path) -> dict[str, float]:
     from swarmrl.node.engines import build_engine
 
     engine = build_engine(EngineConfig(kind="vllm", staged_reload=staged, kv_cache_gib=0.25), a, 0.7)
+    staging = bool(getattr(engine, "staged", False))  # a vLLM engine's; a fallback is logged, not raised
+    if staging != staged:
+        raise SystemExit(f"staged_reload={staged} but the engine's staging is {staging}: see its log")
     requests = [GenerationRequest(prompt_ids=[5, 6, 7, 8], seed=s) for s in range(16)]
     engine.generate(requests, 16)
     start, _ = rss_mib()
-    if staged:
-        engine.prepare(b)  # type: ignore[attr-defined]
+    engine.prepare(b)  # the in-place arm prepares nothing
     engine.load(b)
     engine.generate(requests, 16)
     loaded, peak = rss_mib()

@@ -141,6 +141,17 @@ class InferenceEngine(ABC):
         """Load a checkpoint: the first one, or new weights of the same architecture and tokenizer in place.
         After it returns, every `generate` samples from the new weights."""
 
+    def prepare(self, ckpt_dir: Path) -> None:
+        """Ready `ckpt_dir` (new weights of the loaded architecture) so that a later `load` of it is quick; may run on
+        another thread while the engine generates. Raises where the checkpoint cannot be loaded. Here: nothing (an
+        engine that loads in one go; the vLLM engine on the CPU stages its versions)."""
+        return None
+
+    def prepared(self, ckpt_dir: Path) -> bool:
+        """Whether `load(ckpt_dir)` would be quick (it was prepared, or the engine prepares nothing). Cheap: asked
+        between decode steps."""
+        return True
+
     @abstractmethod
     def generate(self, requests: list[GenerationRequest], max_tokens: int) -> list[Completion]:
         """One completion per request, in request order. Stops at a stop token (included, "stop") or after

@@ -115,6 +115,11 @@ class VLLMEngine(InferenceEngine):
             self._reload(ckpt_dir)
         self._ckpt = ckpt_dir
 
+    @property
+    def staged(self) -> bool:
+        """Whether new versions are staged (`node.vllm_staging`) rather than reloaded in place by vLLM."""
+        return self._staged is not None
+
     def prepare(self, ckpt_dir: Path) -> None:
         """Prepare `ckpt_dir` for a quick `load` (`node.vllm_staging`), on any thread, while the engine generates
         with the weights it has; nothing to do where versions are not staged. Raises where the checkpoint cannot

@@ -144,11 +144,10 @@ class Weights(ReadyWeights):
         not yet: here, off the generating thread, so that loading it stops generation only for a swap. A failure is
         logged; loading it then raises on the generating thread, as without preparation."""
         engine, ready = self.engine, self.ready  # read once: the other thread may replace them
-        prepare = getattr(engine, "prepare", None)
-        if ready is None or prepare is None or self._prepared(ready[1], engine):
+        if ready is None or engine is None or engine.prepared(ready[1]):
             return
         try:
-            prepare(ready[1])
+            engine.prepare(ready[1])
         except Exception as e:
             log.warning("preparing the checkpoint of version %d failed: %s", ready[0], e)
 
@@ -219,7 +218,8 @@ class Weights(ReadyWeights):
             if ready is None or not self.stats.held_version < ready[0] <= max_version:
                 return False
             # Not yet prepared: the fetch thread is on it (without one, `load` prepares it).
-            return not self.preparing or self._prepared(ready[1])
+            engine = self.engine
+            return not self.preparing or engine is None or engine.prepared(ready[1])
 
         def load() -> int | None:
             before = self.stats.held_version
@@ -227,11 +227,6 @@ class Weights(ReadyWeights):
             return self.stats.held_version if self.stats.held_version != before else None
 
         return Updates(ready, load)
-
-    def _prepared(self, path: Path, engine: InferenceEngine | None = None) -> bool:
-        """Whether the engine loads `path` at once: it prepared it, or it prepares nothing (`prepare_ready`)."""
-        prepared = getattr(engine or self.engine, "prepared", None)
-        return prepared is None or bool(prepared(path))
 
     def wait_once(self, lease: Lease, max_staleness: int) -> bool:
         """Wait a moment for weights recent enough that `lease`'s groups will be accepted; False when there is no

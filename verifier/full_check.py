@@ -50,7 +50,9 @@ from swarmrl.verifier.prefill import ChunkedPrefill, length_batches
 from swarmrl.verifier.proofs import proof_errors_many
 
 _TEMPORARIES = 6
-"""float64 / int64 [positions, vocab] tensors alive at once while scoring (noise hashing, scores, log-softmax)."""
+"""[positions, vocab] tensors of 8 bytes each reserved per row while scoring. Since the two-level sampling rule
+(protocol.sampling.replay_tokens) only the logits and their scaled float32 copy are of vocabulary size: a
+conservative bound, kept so that the rows per call are unchanged."""
 
 
 @dataclass(frozen=True)
