@@ -32,15 +32,19 @@ engine spent generating (`engine_busy`; `<arm>_engine_busy`, its median, changes
 `model_params` and the setup. `--rtt-ms` adds a round trip to each of the node's requests (a node across the
 internet from its pool; the coordinator here is on loopback). With `--swap`, after the arms a new version (the
 checkpoint perturbed by 1%) is published while the pipelined node works: `swap_gap_s` is the time its engine
-generated nothing between its last lease on the old version and its first on the new one (fetching, loading into
-vLLM), `lease_gap_s` the median gap between two leases of one version. With `--in-flight` the run has in-flight
-updates (`sampling.in_flight_updates`, `--chunk-tokens` decode steps between two looks for a new version): the new
-version is loaded between two decode chunks of a lease, and `swap_gap_s` is the time the engine generated nothing
-between the engine call that stopped for the new version and the one that continued the lease's completions on it
-(the reload, in place, between two decode steps of one lease). With the vLLM engine's staged updates (the default;
-`--no-staged-reload`: vLLM's in-place reload) the new version is prepared while the engine generates: `prepare_s` is
-that preparation, `commit_s` the swap between two steps, `reset_s` and `check_s` the prefix cache's reset and the
-lm_head's check after it.
+generated nothing around the change, from the end of vLLM's last engine step with the old version to the start of its
+first step with the new one (the torch engine: between engine calls). Without in-flight updates that is at a lease
+boundary (the old lease's proofs, its submission, the new lease's requests handed to vLLM, and the load); for
+comparison `lease_step_gap_s` is the same between two leases of one version, and `lease_gap_s` the median gap
+between two of the node's generations. With `--in-flight` the run has in-flight updates
+(`sampling.in_flight_updates`, `--chunk-tokens` decode steps between two looks for a new version): the new version is
+loaded between two decode steps of a lease, and vLLM goes on with the requests it preempted
+(`node.inflight`); `swapped_mid_lease` says the change fell inside one generation. With the vLLM engine's staged
+updates (the default; `--no-staged-reload`: vLLM's in-place reload) the new version is prepared while the engine
+generates: `prepare_s` is that preparation, `commit_s` the swap between two steps, `reset_s` and `check_s` the KV
+cache's reset (preempting the requests running) and the lm_head's check after it. `first_new_step_s` is the
+first step with the new version (it prefills the requests again, or the new lease's prompts), `median_step_s` a
+median step.
 
     python bench/node_throughput.py --model tiny --swap --in-flight --arms node --repeats 1
 """
@@ -113,25 +117,30 @@ class RecordingNode(Node):
         self.leases: list[m.Lease] = []
         self.calls: list[tuple[float, float, int]] = []  # each generation's start, end and the version it used
         self.engine_calls: list[tuple[float, float, int]] = []  # the same for each call of the engine (a chunk)
+        self.engine_steps: list[tuple[float, float, int]] = []  # the same for each of vLLM's engine steps
 
     def generate(self, lease: m.Lease) -> m.RolloutSubmission:
         self.leases.append(lease)
         engine = self.engine
         if engine is not None and "generate" not in vars(engine):  # once: the engine is kept across reloads
             for name in ("generate", "generate_until"):
-                setattr(engine, name, self._recorded(getattr(engine, name)))
+                setattr(engine, name, self._recorded(getattr(engine, name), self.engine_calls))
+            llm = getattr(engine, "llm", None)  # vLLM: its steps too (each decodes one token of every request)
+            if llm is not None:
+                llm.llm_engine.step = self._recorded(llm.llm_engine.step, self.engine_steps)
         t0 = time.perf_counter()
         submission = super().generate(lease)
         self.calls.append((t0, time.perf_counter(), submission.policy_version))
         return submission
 
 
-    def _recorded(self, call: Callable[..., list]) -> Callable[..., list]:
-        """`call` (an engine's generate or generate_until), its start, end and version kept in `engine_calls`."""
+    def _recorded(self, call: Callable[..., list], into: list[tuple[float, float, int]]) -> Callable[..., list]:
+        """`call` (an engine's generate or generate_until, or vLLM's step), its start, end and the version held at its
+        start kept in `into`."""
         def recorded(*a: Any, **kw: Any) -> list:
             t0, version = time.perf_counter(), self.stats.held_version
             out = call(*a, **kw)
-            self.engine_calls.append((t0, time.perf_counter(), version))
+            into.append((t0, time.perf_counter(), version))
             return out
 
         return recorded
@@ -208,9 +217,9 @@ class Bench:
         return tokens, wall, gen_s / wall
 
     def swap_gap(self, publish: Callable[[], int]) -> dict[str, float]:
-        """A new version published while the node works: the time its engine generated nothing between the last
-        lease of the old version and the first of the new one, and the gap between two leases of one version."""
-        start, chunk0 = len(self.node.calls), len(self.node.engine_calls)
+        """A new version published while the node works: the time its engine generated nothing around the change
+        (module docstring), and for comparison the gaps between two leases of one version."""
+        start, chunk0, step0 = len(self.node.calls), len(self.node.engine_calls), len(self.node.engine_steps)
         while len(self.node.calls) < start + 3:
             self.step()
         version = publish()
@@ -221,22 +230,29 @@ class Bench:
         first_new = next(i for i, (_, _, v) in enumerate(calls) if v == version)
         gaps = [b[0] - a[1] for a, b in zip(calls, calls[1:], strict=False)]
         same = [g for i, g in enumerate(gaps) if i + 1 != first_new]
-        # By engine call (a lease's one call, or with in-flight updates each chunk): the idle time at the change.
+        # The engine's idle time at the change: by vLLM's engine steps (each one decodes a token of every request,
+        # or prefills), else by engine call (a lease's one call, or with in-flight updates each chunk).
         chunks = self.node.engine_calls[chunk0:]
-        at = next(i for i, (_, _, v) in enumerate(chunks) if v == version)
-        out = {"swap_gap_s": round(chunks[at][0] - chunks[at - 1][1], 4),
+        steps = self.node.engine_steps[step0:] or chunks
+        at = next(i for i, (_, _, v) in enumerate(steps) if v == version)
+        out = {"swap_gap_s": round(steps[at][0] - steps[at - 1][1], 4),
                "lease_gap_s": round(statistics.median(same), 4),
-               # Whether the last chunk of the old version and the first of the new one were of one lease.
-               "swapped_mid_lease": any(t0 <= chunks[at - 1][0] and chunks[at][1] <= t1 for t0, t1, _ in calls)}
+               # Whether the last step of the old version and the first of the new one were of one lease.
+               "swapped_mid_lease": any(t0 <= steps[at - 1][0] and steps[at][1] <= t1 for t0, t1, _ in calls)}
+        if steps is not chunks:
+            # The first step with the new version prefills again what the requests going had (in-flight updates) or
+            # the new lease's prompts; beside it, a median step.
+            out["first_new_step_s"] = round(steps[at][1] - steps[at][0], 4)
+            out["median_step_s"] = round(statistics.median(t1 - t0 for t0, t1, _ in steps), 4)
+            # For comparison: the engine's idle time between two leases of one version.
+            bounds = [t1 for _, t1, _ in chunks]
+            out["lease_step_gap_s"] = round(statistics.median(
+                b[0] - a[1] for a, b in zip(steps, steps[1:], strict=False)
+                if a[2] == b[2] and any(a[1] <= t < b[0] for t in bounds)), 4)
         engine = self.node.engine  # a staged update (`EngineConfig.staged_reload`): its preparation and its swap
         for name in ("last_prepare_s", "last_commit_s", "last_reset_s", "last_check_s"):
             if getattr(engine, name, None) is not None:
                 out[name.removeprefix("last_")] = round(getattr(engine, name), 5)
-        # For comparison, the engine's idle time between two calls of one version: between two leases (without
-        # in-flight updates a lease is one call), or two chunks (with them, where the gap after a lease's last chunk
-        # holds its proofs, built once over all its chunks).
-        out["chunk_gap_s"] = round(statistics.median(
-            b[0] - a[1] for a, b in zip(chunks, chunks[1:], strict=False) if a[2] == b[2]), 4)
         return out
 
     def close(self) -> None:

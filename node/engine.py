@@ -158,10 +158,16 @@ class InferenceEngine(ABC):
         `max_tokens` tokens / at `max_model_len` in total ("length")."""
 
     def generate_until(self, requests: list[GenerationRequest], max_tokens: int, interrupt: Callable[[], bool],
-                       every: int = 1) -> list[Completion]:
+                       every: int = 1, swap: Callable[[int], bool] | None = None) -> list[Completion]:
         """`generate`, asking `interrupt()` every `every` decode steps: once it answers True, the completions still
         going stop there, `interrupted`. Here: `generate` in chunks of `every` tokens, each continued from the tokens
-        so far at their completion position (engines that can stop their decode loop do so instead)."""
+        so far at their completion position (engines that can stop their decode loop do so instead).
+
+        `swap` (optional): an engine that can change its weights without stopping (vLLM in this process) calls `swap(n)`
+        instead of stopping when every completion still going has `n` tokens; it loads the new weights and answers
+        whether it did. The completions then go on in this call, recomputed from their prompt and tokens so far
+        with the new weights, so that token `n` on is sampled with them: what stopping and continuing computes,
+        without the stop. Engines that cannot (this one) ignore it and stop."""
         done: list[Completion | None] = [None] * len(requests)
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]

@@ -2,11 +2,15 @@
 lease is generated, between two decode steps, without draining.
 
 The engine decodes as usual, asking every `update_chunk_tokens` steps whether a newer version is ready
-(`InferenceEngine.generate_until`: vLLM's own step loop, the torch engine's decode loop); when one is, it stops the
-completions still going, the version is loaded, and they are continued from their prompt and their tokens so far at
-the completion position where those end (`GenerationRequest.position`), so the sampling rule sees the very positions
-it would have seen in one go (`protocol.sampling`). The continuation re-prefills prompt and tokens so far under the
-new weights, and every token from there on is that version's: the group records where its span starts
+(`InferenceEngine.generate_until`: vLLM's own step loop, the torch engine's decode loop). When one is:
+- vLLM in this process, with every completion going at one token index, loads it between two steps and goes on: the
+  load has vLLM preempt the requests running, which it schedules again with their prompt and tokens so far
+  prefilled under the new weights (`swap`);
+- otherwise the engine stops the completions still going, the version is loaded, and they are continued from their
+  prompt and their tokens so far at the completion position where those end (`GenerationRequest.position`), so the
+  sampling rule sees the very positions it would have seen in one go (`protocol.sampling`).
+Either way prompt and tokens so far are prefilled again under the new weights, and every token from there on is
+that version's: the group records where its span starts
 (`RolloutGroup.version_spans`), and the verifier replays each span by prefilling the whole sequence with its
 version. With no version ready, a lease is generated in one go, exactly as without in-flight updates. The activation
 proof is built once per completion over the states of all its tokens, in order.
@@ -51,11 +55,30 @@ def generate_in_flight(engine: InferenceEngine, requests: list[GenerationRequest
     going = [_Going(r) for r in requests]
     spans = [(0, version)]
     interrupt = updates.ready
+    at = 0
+
+    def new_span(start: int) -> bool:
+        """Load what is ready; its span starts at token `start` of every completion going. False: nothing loaded."""
+        nonlocal interrupt
+        new = updates.load()
+        if new is None:  # what was ready is no longer (or not for this lease): stop asking
+            interrupt = _never
+            return False
+        if new <= spans[-1][1]:
+            raise RuntimeError(f"an in-flight update to version {new} after version {spans[-1][1]}")
+        if spans[-1][0] == start:  # no token came from the version before (a batch not yet started)
+            spans.pop()
+        spans.append((start, new))
+        return True
+
+    def swap(n: int) -> bool:  # the engine changes weights between two steps, every completion going at token n
+        return new_span(at + n)
+
     while live := [g for g in going if g.finish is None]:
         at = len(live[0].tokens)  # every completion going has as many tokens
         chunk = [replace(g.request, prompt_ids=list(g.request.prompt_ids) + g.tokens,
                          position=g.request.position + at, keep_states=proofs) for g in live]
-        done = engine.generate_until(chunk, max_tokens - at, interrupt, every)
+        done = engine.generate_until(chunk, max_tokens - at, interrupt, every, swap)
         cut = min((len(c.token_ids) for c in done if c.interrupted), default=None)
         for g, c in zip(live, done, strict=True):
             n = len(c.token_ids) if cut is None else min(len(c.token_ids), cut)
@@ -71,15 +94,7 @@ def generate_in_flight(engine: InferenceEngine, requests: list[GenerationRequest
                                                  len(g.request.prompt_ids) + len(g.tokens) >= engine.max_model_len):
                 g.finish = "length"
         if cut is not None and any(g.finish is None for g in going):
-            new = updates.load()
-            if new is None:  # what was ready is no longer (or not for this lease): stop asking
-                interrupt = _never
-            else:
-                if new <= spans[-1][1]:
-                    raise RuntimeError(f"an in-flight update to version {new} after version {spans[-1][1]}")
-                if spans[-1][0] == at + cut:  # no token came from the version before (a batch not yet started)
-                    spans.pop()
-                spans.append((at + cut, new))
+            new_span(at + cut)
     out = [Completion(token_ids=g.tokens, logprobs=g.logprobs, finish_reason=g.finish)  # type: ignore[arg-type]
            for g in going]
     if proofs:

@@ -86,9 +86,9 @@ class TorchEngine(InferenceEngine):
         return self.generate_until(requests, max_tokens, lambda: False, every=1 << 30)
 
     def generate_until(self, requests: list[GenerationRequest], max_tokens: int, interrupt: Callable[[], bool],
-                       every: int = 1) -> list[Completion]:
-        """Stops the decode loop itself: requests of a batch not yet started when `interrupt()` said True come back
-        interrupted with no tokens."""
+                       every: int = 1, swap: Callable[[int], bool] | None = None) -> list[Completion]:
+        """Stops the decode loop itself (it ignores `swap`): requests of a batch not yet started when `interrupt()`
+        said True come back interrupted with no tokens."""
         if self.model is None:
             raise RuntimeError("no checkpoint loaded")
         budgets = [self._token_budget(r, max_tokens) for r in requests]

@@ -157,14 +157,20 @@ class VLLMEngine(InferenceEngine):
             if not self._staged.commit(key):
                 raise RuntimeError(f"{key} was prepared but another version replaced it before the commit")
         t1 = time.perf_counter()
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self._reset_kv_cache()
         t2 = time.perf_counter()
         # One row: the cost of one sequence's logits, on this thread (the only one that may run the packed GEMMs).
         error = _lm_head_error(self._staged.live, rows=1)
         if error > 1e-2:
             raise RuntimeError(f"lm_head does not compute with its weights after the update (rel. error {error})")
         self.last_commit_s, self.last_reset_s, self.last_check_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    def _reset_kv_cache(self) -> None:
+        """After new weights: no KV computed with the old ones is used again. The prefix cache is emptied, and the
+        requests running (an in-flight update, `generate_until`'s `swap`) are preempted by vLLM: they are
+        scheduled again with their prompt and tokens so far prefilled with the new weights."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
 
     def _stage(self) -> None:
         """Set up staged updates (`cfg.staged_reload`) where they are correct: in this process, on the CPU, for a
@@ -246,8 +252,7 @@ class VLLMEngine(InferenceEngine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt_dir)})
         if self._tied:
             self.llm.apply_model(_refresh_tied_lm_head)
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
+        self._reset_kv_cache()
         errors = self.llm.apply_model(_lm_head_error)
         if max(errors) > 1e-2:
             raise RuntimeError(f"lm_head does not compute with its weights after reload (rel. error {errors})")
@@ -284,9 +289,12 @@ class VLLMEngine(InferenceEngine):
         return completions
 
     def generate_until(self, requests: list[GenerationRequest], max_tokens: int, interrupt: Callable[[], bool],
-                       every: int = 1) -> list[Completion]:
-        """vLLM's own step loop, asking `interrupt()` every `every` engine steps; once it says True the requests still
-        going are aborted, and their tokens so far are read from the sampling processor's records."""
+                       every: int = 1, swap: Callable[[int], bool] | None = None) -> list[Completion]:
+        """vLLM's own step loop, asking `interrupt()` every `every` engine steps. Once it says True: with `swap`, and
+        every request still going running with as many tokens (`_even_progress`), `swap` loads the new weights and
+        the requests go on in this call (`load` has vLLM preempt them: their KV cache is recomputed with the new
+        weights, as in a continuation); otherwise the requests still going are aborted, and their tokens so far are
+        read from the sampling processor's records."""
         if self.llm is None:
             raise RuntimeError("no checkpoint loaded")
         if not requests:
@@ -299,18 +307,26 @@ class VLLMEngine(InferenceEngine):
         ids = [i.rsplit("-", 1)[0] for i in internal]
         engine = self.llm.llm_engine
         finished: dict[str, object] = {}
-        steps, stopped = 0, False
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    if o.request_id not in ids:
-                        raise RuntimeError(f"vLLM output for request {o.request_id!r}, not one of {ids[:4]}...")
-                    finished[o.request_id] = o
-            steps += 1
-            if not stopped and steps % every == 0 and len(finished) < len(ids) and interrupt():
-                engine.abort_request([i for i, e in zip(internal, ids, strict=True) if e not in finished],
-                                     internal=True)
-                stopped = True
+        steps, asking = 0, True
+        try:
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        if o.request_id not in ids:
+                            raise RuntimeError(f"vLLM output for request {o.request_id!r}, not one of {ids[:4]}...")
+                        finished[o.request_id] = o
+                steps += 1
+                if asking and steps % every == 0 and len(finished) < len(ids) and interrupt():
+                    n = None if swap is None else self._even_progress(len(ids) - len(finished))
+                    if n is not None:
+                        asking = swap(n)  # loaded: go on with the new weights; not: nothing more to wait for
+                        continue
+                    engine.abort_request([i for i, e in zip(internal, ids, strict=True) if e not in finished],
+                                         internal=True)
+                    asking = False
+        except BaseException:  # a failed load or step: none of this call's requests is left in the engine
+            engine.abort_request([i for i, e in zip(internal, ids, strict=True) if e not in finished], internal=True)
+            raise
         records = self.llm.apply_model(functools.partial(take_records, keys))[0]
         tokens = self.llm.apply_model(functools.partial(taken_tokens, keys))[0]
         completions, states = [], []
@@ -329,6 +345,18 @@ class VLLMEngine(InferenceEngine):
         if self.cfg.proofs:
             self._attach_proofs(requests, completions, states)
         return completions
+
+    def _even_progress(self, going: int) -> int | None:
+        """The number of tokens each of the `going` requests still going has, where all of them run (none waits to
+        start) with as many, vLLM's scheduler is in this process and schedules synchronously; else None (they
+        are stopped instead: a span of a version starts at one token index in every rollout of a lease)."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # None: vLLM runs in another process
+        scheduler = getattr(core, "scheduler", None)
+        if scheduler is None or scheduler.scheduler_config.async_scheduling or len(scheduler.waiting) or \
+                len(scheduler.running) != going:
+            return None
+        counts = {r.num_output_tokens for r in scheduler.running}
+        return counts.pop() if len(counts) == 1 else None
 
     def _requests(self, requests: list[GenerationRequest], max_tokens: int) -> tuple[list[int], list, list]:
         """(capture keys, vLLM prompts, sampling params) of `requests`."""

@@ -99,11 +99,12 @@ def test_staleness_is_judged_by_the_oldest_span(oldest, newest, lease, fine):
 def test_a_stopped_and_continued_generation_is_the_same_sample_as_one_go(tmp_path, engine):
     """Stopped by `generate_until` (the engine's own decode loop) and continued from its tokens at their completion
     positions, with no version change in between, a completion is the one a single call samples; so is the
-    engines' default, chunked `generate_until`."""
+    engines' default, chunked `generate_until`. (vLLM stops here because two of the six requests wait for a place in
+    its batch of four: a span must start at one token index in every rollout.)"""
     if engine == "vllm":
         pytest.importorskip("vllm", exc_type=ImportError)
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    eng = build_engine(EngineConfig(kind=engine), ckpt, 0.8)
+    eng = build_engine(EngineConfig(kind=engine, max_num_seqs=4), ckpt, 0.8)
     try:
         reqs = [GenerationRequest(prompt_ids=[1, 5, 6, 7], seed=s) for s in range(6)]
         whole = eng.generate(reqs, max_tokens=12)
@@ -124,10 +125,58 @@ def test_a_stopped_and_continued_generation_is_the_same_sample_as_one_go(tmp_pat
     assert not any(c.interrupted for c in in_flight[1])
     assert not any(c.interrupted for c in never + chunked)
     for got in (out, chunked):
-        assert [c.token_ids for c in got] == [c.token_ids for c in whole]
-        assert [c.finish_reason for c in got] == [c.finish_reason for c in whole]
-        assert max(abs(a - b) for c, w in zip(got, whole, strict=True)
-                   for a, b in zip(c.logprobs, w.logprobs, strict=True)) < 1e-5
+        _assert_same_sample(got, whole)
+
+
+@pytest.mark.vllm
+def test_vllm_changes_weights_between_two_steps_without_stopping(tmp_path):
+    """vLLM in this process with every completion at one token index loads a version between two steps and goes on
+    in the same call: the load preempts the requests, and vLLM prefills their prompt and tokens so far again with the
+    new weights. Loading the same weights twice (versions 8 and 9), the completions are the one-go sample, in one
+    engine call, with spans at the two looks; loading other weights, the tokens from the first look on are theirs."""
+    pytest.importorskip("vllm", exc_type=ImportError)
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    other = perturb_checkpoint(ckpt, tmp_path / "other", 0.5)
+    eng = build_engine(EngineConfig(kind="vllm"), ckpt, 0.8)
+    try:
+        assert eng.staged
+        reqs = [GenerationRequest(prompt_ids=[1, 5, 6, 7], seed=s) for s in range(6)]
+        whole = eng.generate(reqs, max_tokens=12)
+        asked, versions = [], iter([8, 9])
+        ready = lambda: asked.append(1) or len(asked) <= 2  # noqa: E731 - ready twice, then never
+        calls = []
+        until = eng.generate_until
+        eng.generate_until = lambda *a, **kw: calls.append(until(*a, **kw)) or calls[-1]  # type: ignore[method-assign]
+        out, spans = generate_in_flight(eng, reqs, 12, 3, version=7,
+                                        updates=Updates(ready, lambda: eng.load(ckpt) or next(versions)))
+        assert len(calls) == 1 and not any(c.interrupted for c in calls[0])
+        # Other weights from token 3 on: what a continuation from the first 3 tokens samples with them.
+        asked.clear()
+        ready = lambda: asked.append(1) or len(asked) == 1  # noqa: E731 - once
+        mixed, mixed_spans = generate_in_flight(eng, reqs, 12, 3, version=9,
+                                                updates=Updates(ready, lambda: eng.load(other) or 10))
+        continued = eng.generate([GenerationRequest(prompt_ids=r.prompt_ids + c.token_ids[:3], seed=r.seed,
+                                                    position=3) for r, c in zip(reqs, whole, strict=True)], 9)
+    finally:
+        eng.close()
+    assert max(len(c.token_ids) for c in whole) > 6  # every look found completions going
+    assert spans == [(0, 7), (3, 8), (6, 9)]
+    _assert_same_sample(out, whole)
+    assert mixed_spans == [(0, 9), (3, 10)]
+    for got, first, rest in zip(mixed, whole, continued, strict=True):
+        if len(first.token_ids) <= 3:  # ended before the look
+            assert got.token_ids == first.token_ids
+            continue
+        assert got.token_ids == first.token_ids[:3] + rest.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs[3:], rest.logprobs, strict=True)) < 1e-5
+    assert [c.token_ids for c in mixed] != [c.token_ids for c in whole]  # the other weights sample otherwise
+
+
+def _assert_same_sample(got, whole) -> None:
+    assert [c.token_ids for c in got] == [c.token_ids for c in whole]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in whole]
+    assert max(abs(a - b) for c, w in zip(got, whole, strict=True)
+               for a, b in zip(c.logprobs, w.logprobs, strict=True)) < 1e-5
 
 
 # -- a pool ---------------------------------------------------------------------------------------------------------
