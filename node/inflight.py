@@ -46,9 +46,10 @@ class _Going:
 def generate_in_flight(engine: InferenceEngine, requests: list[GenerationRequest], max_tokens: int, every: int,
                        version: int, updates: Updates) -> tuple[list[Completion], list[tuple[int, int]]]:
     """(one completion per request, in order; the version spans: (first token index, version), the first (0,
-    `version`)). The engine asks `updates.ready()` every `every` decode steps (`InferenceEngine.generate_until`); when
-    it stops for a ready version, every completion still going is cut to the fewest tokens any of them has (so a
-    span starts at one token index in every rollout), the version is loaded in place, and they go on from there."""
+    `version`)). The engine asks `updates.ready()` every `every` decode steps (`InferenceEngine.generate_until`). For a
+    ready version it either loads it between two steps and goes on (`swap`: every completion going at one token
+    index), or stops: every completion still going is then cut to the fewest tokens any of them has (so a span
+    starts at one token index in every rollout), the version is loaded in place, and they go on from there."""
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
     proofs = bool(engine.cfg.proofs)
