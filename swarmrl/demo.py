@@ -227,13 +227,12 @@ def describe_model(source: ModelSource) -> str:
 
 def buffered_groups(cfg: DemoConfig, run: RunSpec) -> int:
     """The coordinator's backpressure bound: enough groups in flight to keep the nodes busy, few enough that they do
-    not go stale. The coordinator counts a group as in flight until the trainer acknowledges the step that consumed
-    it; a trainer that fills each batch with informative groups (`fill_with_informative`) reads past the
-    zero-advantage ones first, so it gets three times the room: a batch stalls only when fewer than a sixth of the
-    groups in flight are informative (then the trainer waits for groups that the coordinator no longer leases).
-    More room would let the nodes and the verifier work on groups that go stale before the trainer reads them."""
-    base = cfg.batch_groups * max(run.max_staleness, 1)
-    return base * 3 if cfg.roles.get("trainer", {}).get("fill_with_informative") else base
+    not go stale. Groups handed to the trainer leave the count at once, the zero-advantage ones a trainer that fills
+    its batches with informative groups reads past included, so `batch_groups * k` is room for every batch. More
+    room only lengthens the queue before the verifier: with three times as much, groups waited 6-8 s for their
+    verdict, one to three trainer steps, and half of those the trainer read had gone stale (bench/RESULTS.md,
+    "reasoning-gym through the whole swarm, warmed up to 0.2")."""
+    return cfg.batch_groups * max(run.max_staleness, 1)
 
 
 def start_roles(swarm: Swarm, cfg: DemoConfig, run: RunSpec, url: str, port: int, keys: dict[str, Identity]) -> None:
