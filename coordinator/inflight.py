@@ -16,11 +16,15 @@ lease in one transaction), so "the prompts of open leases" and "the prompts of o
 number.
 
 The counters: `nodes.in_flight` (the node's own, any version), and rows of the `in_flight` table keyed by
-(class, source, policy version, stripe): class `proven` and `unproven` per policy version (source ''), and class
-`source` per source the unproven identities registered from (any version: policy version 0). The stripe is a hash
-of the node id, so that concurrent PostgreSQL writers rarely wait on one row; a read sums the few rows of the live
-policy versions. A lease records what it was counted as (`leases.flight_class`, `flight_source`, `flight_stripe`,
-`flight_n`), and its closing takes back exactly that.
+(class, source, policy version, stripe): class `proven` and `unproven` per policy version (source ''), class
+`source` per source the unproven identities registered from (any version, one row: policy version 0, stripe 0),
+and class `sources`, the number of `source` rows (sources holding unproven prompts, which `admission.source_share`
+divides the unproven share by), moved when a `source` row is created or reaches zero. The stripe of a `proven` or
+`unproven` row is a hash of the node id, and of a `sources` row a hash of the source, so that concurrent
+PostgreSQL writers rarely wait on one row; a read sums the few rows of the live policy versions, its source's row
+and the `sources` rows: a fixed number of rows, however many nodes and sources the pool has (counting the sources
+at each request read a row per source, and sorted them). A lease records what it was counted as
+(`leases.flight_class`, `flight_source`, `flight_stripe`, `flight_n`), and its closing takes back exactly that.
 
 How this differs from counting the open leases at each request (what the coordinator did before):
 - a lease counts in the class and source its node had when it was granted: a node that becomes proven (or
@@ -50,7 +54,7 @@ from swarmrl.coordinator.db.schema import nodes, prompt_queue
 from swarmrl.coordinator.db.store import Tx, insert
 
 STRIPES = 16
-PROVEN, UNPROVEN, SOURCE = "proven", "unproven", "source"
+PROVEN, UNPROVEN, SOURCE, SOURCES = "proven", "unproven", "source", "sources"
 
 Key = tuple[str, str, int, int]
 """A counter row: (class, source, policy version, stripe)."""
@@ -81,8 +85,9 @@ class InFlight:
     the same statement."""
 
 
-def stripe(node_id: str) -> int:
-    return zlib.crc32(node_id.encode()) % STRIPES
+def stripe(key: str) -> int:
+    """The stripe of a node's (by its id) or a source's counter rows."""
+    return zlib.crc32(key.encode()) % STRIPES
 
 
 def counted_as(proven: bool, source: str) -> tuple[str, str]:
@@ -96,7 +101,7 @@ def keys(cls: str, source: str, version: int, stripe_: int) -> list[Key]:
     if cls == PROVEN:
         return [(PROVEN, "", version, stripe_)]
     if cls == UNPROVEN:
-        return [(UNPROVEN, "", version, stripe_), (SOURCE, source, 0, stripe_)]
+        return [(UNPROVEN, "", version, stripe_), (SOURCE, source, 0, 0)]
     return []
 
 
@@ -123,42 +128,74 @@ def _upsert(dialect: str) -> Prepared:
 
 
 _ADD = {"sqlite": _upsert("sqlite"), "postgresql": _upsert("postgresql")}
+_INC = Prepared(update(table).where(_KEY).values(n=_c.n + bindparam("b_n", type_=BigInteger)))
+
+
+def _create(dialect: str) -> Prepared:
+    return Prepared(insert(dialect, table).values(
+        cls=bindparam("b_cls"), source=bindparam("b_source"), policy_version=bindparam("b_version", type_=BigInteger),
+        stripe=bindparam("b_stripe", type_=Integer), n=bindparam("b_n", type_=BigInteger)).on_conflict_do_nothing())
+
+
+_CREATE = {"sqlite": _create("sqlite"), "postgresql": _create("postgresql")}
 
 
 def apply(tx: Tx, deltas: dict[Key, int]) -> None:
-    """Move the counter rows by `deltas`, in key order (two transactions never wait on each other's rows in
-    opposite orders); a row that reaches zero is deleted."""
+    """Move the counter rows by `deltas`, and the `sources` rows by the `source` rows created and emptied, in key
+    order (`source` < `sources` < `unproven`), so that two transactions never wait on each other's rows in opposite
+    orders; a row that reaches zero is deleted."""
+    sources: dict[Key, int] = {}
     for key in sorted(deltas):
-        n = deltas[key]
-        params = dict(b_cls=key[0], b_source=key[1], b_version=key[2], b_stripe=key[3])
-        if n > 0:
-            _ADD[tx.dialect.name].rowcount(tx, b_n=n, **params)
-        elif n < 0:
-            _SUB.rowcount(tx, b_n=-n, **params)
-            _DROP.rowcount(tx, **params)
+        if key[0] > SOURCES and sources:
+            apply(tx, sources)
+            sources = {}
+        change = _move(tx, key, deltas[key])
+        if change and key[0] == SOURCE:
+            counter = (SOURCES, "", 0, stripe(key[1]))
+            sources[counter] = sources.get(counter, 0) + change
+    if sources:
+        apply(tx, sources)
+
+
+def _move(tx: Tx, key: Key, n: int) -> int:
+    """Move row `key` by `n`: 1 when that created a `source` row, -1 when it emptied (deleted) a row, else 0."""
+    params = dict(b_cls=key[0], b_source=key[1], b_version=key[2], b_stripe=key[3])
+    if n < 0:
+        _SUB.rowcount(tx, b_n=-n, **params)
+        return -_DROP.rowcount(tx, **params)
+    if n > 0 and key[0] != SOURCE:
+        _ADD[tx.dialect.name].rowcount(tx, b_n=n, **params)
+    while n > 0 and key[0] == SOURCE:
+        # Added to, or else created. On PostgreSQL a concurrent transaction may create or delete the row between
+        # the two statements (the insert then waits for it): round again.
+        if _INC.rowcount(tx, b_n=n, **params) == 1:
+            return 0
+        if _CREATE[tx.dialect.name].rowcount(tx, b_n=n, **params) == 1:
+            return 1
+    return 0
 
 
 _min = bindparam("b_min", type_=BigInteger)
-_o = table.alias("other")
 _src = bindparam("b_src")
 _SUMS = Prepared(select(
     func.coalesce(func.sum(case((and_(_c.cls == PROVEN, _c.policy_version >= _min), _c.n), else_=0)), 0),
     func.coalesce(func.sum(case((_c.cls == UNPROVEN, _c.n), else_=0)), 0),
     func.coalesce(func.sum(case((and_(_c.cls == UNPROVEN, _c.policy_version >= _min), _c.n), else_=0)), 0),
     func.coalesce(func.sum(case((_c.cls == SOURCE, _c.n), else_=0)), 0),
+    func.coalesce(func.sum(case((_c.cls == SOURCES, _c.n), else_=0)), 0),
     exists().where(prompt_queue.c.abandoned_by != bindparam("b_node")),
-    # What else a grant reads, in the same round trip: the source's record and the other sources holding prompts.
+    # What else a grant reads, in the same round trip: the source's record.
     select(func.coalesce(func.sum(nodes.c.prompts_leased), 0)).where(nodes.c.source == _src).scalar_subquery(),
     select(func.coalesce(func.sum(nodes.c.prompts_abandoned), 0)).where(nodes.c.source == _src).scalar_subquery(),
-    select(func.count(func.distinct(_o.c.source))).where(_o.c.cls == SOURCE, _o.c.source != _src).scalar_subquery(),
-).where(or_(_c.cls == PROVEN, _c.cls == UNPROVEN, and_(_c.cls == SOURCE, _c.source == _src))))
+).where(or_(_c.cls == PROVEN, _c.cls == UNPROVEN, _c.cls == SOURCES, and_(_c.cls == SOURCE, _c.source == _src))))
 
 
 def read(tx: Tx, node: NodeRow, min_version: int, pending: dict[Key, int] | None = None) -> InFlight:
     """What is in flight, as seen by `node` (its row as read in this transaction) asking for a lease; usable: of
     policy version >= `min_version`. `pending`: counter moves of this transaction not yet applied, counted too."""
-    proven, unproven, usable, same, queued, leased, abandoned, others = _SUMS.first(
+    proven, unproven, usable, same, sources, queued, leased, abandoned = _SUMS.first(
         tx, b_min=min_version, b_src=node.source, b_node=node.id)
+    others = sources - (1 if same > 0 else 0)
     for (cls, source, version, _), n in (pending or {}).items():
         if cls == PROVEN:
             proven += n if version >= min_version else 0

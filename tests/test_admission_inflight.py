@@ -1,5 +1,5 @@
-"""The in-flight counters (`coordinator.inflight`) against a recount: random sequences of registrations (from two
-sources, and again from the other), leases, submissions (whole, partial, stale), expiries (the clock advanced, the
+"""The in-flight counters (`coordinator.inflight`) against a recount: random sequences of registrations (from three
+sources, and again from another), leases, submissions (whole, partial, stale), expiries (the clock advanced, the
 sweep run by the next lease request), verdicts (acceptances that make nodes proven, bans), new policy versions and
 nodes marked gone, all through a real coordinator's HTTP API (SQLite and PostgreSQL); after each step the figures
 a lease request reads equal a recount over every open lease, for every node.
@@ -72,6 +72,7 @@ def oracle(tx: Tx, granted: dict[str, Granted], me: str, source: str, min_versio
     """The figures `me` (registered from `source`) sees, recounted; the open leases whose node changed class or
     source since the grant (where the pre-counter rule would class them otherwise) are added to `changed`."""
     own = proven = unproven = usable = same = 0
+    sources: set[str] = set()
     for lease_id, node_id, version, accepted, node_source, n in tx.execute(_OPEN_PROMPTS):
         g = granted[lease_id]
         assert g.node_id == node_id
@@ -84,7 +85,8 @@ def oracle(tx: Tx, granted: dict[str, Granted], me: str, source: str, min_versio
             unproven += n
             usable += n if version >= min_version else 0
             same += n if g.source == source else 0
-    return InFlight(own, proven, unproven, usable, same)
+            sources.add(g.source)
+    return InFlight(own, proven, unproven, usable, same, other_sources=len(sources - {source}))
 
 
 class Swarm:
@@ -103,13 +105,14 @@ class Swarm:
         self.refused: set[int] = set()  # the statuses of refused submissions
         self.changed: set[str] = set()  # leases seen open after their node changed class or source
         self.next_leases = 0  # leases granted with a submission
+        self.most_other_sources = 0  # the most other sources holding unproven prompts any node saw
 
     def client(self, identity, address: str) -> CoordinatorClient:
         return CoordinatorClient(self.run.url, identity, retries=0, coordinator_key=self.run.key.public_key_hex,
                                  transport=httpx.HTTPTransport(local_address=address))
 
     def register(self, node: CoordinatorClient | None = None) -> None:
-        address = self.rng.choice(["127.0.0.1", "127.0.0.2"])
+        address = self.rng.choice(["127.0.0.1", "127.0.0.2", "127.0.0.3"])
         identity = node.identity if node is not None else Identity.generate()
         client = self.client(identity, address)
         client.register(name="n", engine="torch")
@@ -211,6 +214,8 @@ class Swarm:
                 got = admission.in_flight(tx, row, min_version)
                 want = oracle(tx, self.granted, node_id, row.source, min_version, self.changed)
                 assert got == want, (node_id, got, want)
+                assert got.other_sources == want.other_sources, (node_id, got, want)
+                self.most_other_sources = max(self.most_other_sources, got.other_sources)
                 per_node[node_id] = want.own
             assert all(n > 0 for n in tx.execute(select(in_flight.c.n)).scalars())  # rows at zero are gone
             assert {r.id: r.in_flight for r in tx.execute(select(_n.id, _n.in_flight))} == per_node
@@ -243,6 +248,7 @@ def test_the_counters_equal_a_recount_after_every_step(run_factory, tmp_path: Pa
         *(s.kinds for s in swarms))
     assert 409 in set().union(*(s.refused for s in swarms))  # stale submissions
     assert all(s.next_leases for s in swarms)
+    assert max(s.most_other_sources for s in swarms) == 2  # every other source was counted at some point
     assert any(s.banned for s in swarms) and any(s.changed for s in swarms)
     granted = [g for s in swarms for g in s.granted.values()]
     assert any(g.proven for g in granted) and any(not g.proven for g in granted)

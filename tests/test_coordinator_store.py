@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 import stat
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection, text
 
-from swarmrl.coordinator import admission, feed, leasequeries, nonces, registry, status, verification
+from swarmrl.coordinator import admission, feed, inflight, leasequeries, nonces, registry, status, verification
 from swarmrl.coordinator.checkpoints import current_version, get_manifest, latest_manifests
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
@@ -29,7 +30,7 @@ from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import ConfigError, load_config
 from tests.support.postgres import fresh_database, needs_pg
 
-HEAD = "0014"
+HEAD = "0015"
 """The newest migration's revision."""
 
 
@@ -291,6 +292,37 @@ def test_concurrent_accepts_give_every_group_one_position(store: Store) -> None:
     assert sorted(r.accepted_seq for r in store.read(lambda tx: feed.entries_after(tx, 0, 1000))) == list(range(1, 61))
 
 
+def test_sources_stay_counted_while_writers_race_to_create_and_empty_their_rows(store: Store) -> None:
+    """Eight threads each lease and settle a prompt of one of two sources, 40 times (on PostgreSQL concurrently: a
+    source's row is created, added to and emptied under each other's feet): while they run, every committed state
+    counts as many sources as it has source rows, and at the end every row is gone."""
+    key = {src: (inflight.SOURCE, src, 0, 0) for src in ("a", "b")}
+    states: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def churn(i: int) -> None:
+        for _ in range(40):
+            k = key["ab"[i % 2]]
+            store.write(lambda tx, k=k: inflight.apply(tx, {k: 1}))
+            store.write(lambda tx, k=k: inflight.apply(tx, {k: -1}))
+
+    def counted(tx: Tx) -> tuple[int, int]:
+        rows = tx.execute(text("SELECT cls, n FROM in_flight")).all()
+        return (sum(n for c, n in rows if c == inflight.SOURCES), sum(1 for c, _ in rows if c == inflight.SOURCE))
+
+    def watch() -> None:
+        while not done.is_set():
+            states.append(store.read(counted))
+
+    with ThreadPoolExecutor(9) as pool:
+        watcher = pool.submit(watch)
+        list(pool.map(churn, range(8)))
+        done.set()
+        watcher.result(timeout=120)
+    assert states and all(sources == rows for sources, rows in states), states
+    assert store.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM in_flight")).scalar_one()) == 0
+
+
 @needs_pg
 def test_connections_the_server_closed_are_replaced_without_a_ping() -> None:
     """No ping before a pooled connection is used: a write or read on a connection the server closed (a restart,
@@ -530,6 +562,59 @@ def test_lease_numbers_continue_through_0014_both_ways(store_url: str) -> None: 
         s.close()
     with _database_at(store_url, "0013", down=True) as conn:
         assert conn.execute(text(f"SELECT value FROM kv WHERE key = '{LEASE_COUNTER}'")).scalar_one() == 44
+
+
+def test_sources_are_counted_through_0015_both_ways(store_url: str) -> None:  # noqa: F811
+    """Revision 0015 merges a source's in-flight rows (one per stripe before it) into one and counts the sources
+    holding unproven prompts: a lease request reads the other sources from that count, settling the migrated
+    leases takes back exactly what was counted (the table ends empty), and a downgrade restores the rows by
+    stripe."""
+    nodes_ = [("p", 9, "a"), ("u", 0, "b"), ("v", 0, "b"), ("w", 0, "c")]
+    leases_ = [("L1", "p", "proven", "", 2), ("L2", "u", "unproven", "b", 3), ("L3", "v", "unproven", "b", 1),
+               ("L4", "w", "unproven", "c", 2)]
+    stripes = {node: inflight.stripe(node) for node, _, _ in nodes_}
+    assert stripes["u"] != stripes["v"]  # source b had two rows before the revision
+    by_stripe = {("b", stripes["u"]): 3, ("b", stripes["v"]): 1, ("c", stripes["w"]): 2}
+    with _database_at(store_url, "0014") as conn:
+        for node, accepted, source in nodes_:
+            conn.execute(text(f"INSERT INTO nodes (id, public_key, registered_at, last_seen, groups_accepted, source) "
+                              f"VALUES ('{node}', 'k{node}', 1.0, 2.0, {accepted}, '{source}')"))
+        for lease, node, cls, source, n in leases_:
+            conn.execute(text(f"INSERT INTO leases (id, node_id, policy_version, issued_at, expires_at, sampling, "
+                              f"flight_n, flight_class, flight_source, flight_stripe) VALUES ('{lease}', '{node}', "
+                              f"0, 1.0, 99.0, '{{}}', {n}, '{cls}', '{source}', {stripes[node]})"))
+            for i in range(n):
+                conn.execute(text(f"INSERT INTO lease_prompts (lease_id, prompt_id, position, text, answer, seeds) "
+                                  f"VALUES ('{lease}', '{lease}.{i}', {i}, 't', 'a', '[]')"))
+        conn.execute(text("INSERT INTO in_flight (cls, source, policy_version, stripe, n) VALUES "
+                          + ", ".join(f"('source', '{src}', 0, {st}, {n})" for (src, st), n in by_stripe.items())))
+
+    def source_rows(tx) -> dict[tuple[str, str, int], int]:
+        return {(c, src, st): n for c, src, st, n in tx.execute(text(
+            "SELECT cls, source, stripe, n FROM in_flight WHERE cls IN ('source', 'sources')"))}
+
+    s = Store(store_url)
+    try:
+        assert _revision(s) == HEAD
+        assert s.read(source_rows) == {("source", "b", 0): 4, ("source", "c", 0): 2,
+                                       **{("sources", "", st): n for st, n in Counter(
+                                           [inflight.stripe("b"), inflight.stripe("c")]).items()}}
+        seen = s.read(lambda tx: admission.in_flight(tx, registry.get_node(tx, "u"), 0))
+        assert (seen.unproven_same_source, seen.other_sources) == (4, 1)
+        assert s.read(lambda tx: admission.in_flight(tx, registry.get_node(tx, "p"), 0)).other_sources == 2
+        s.write(lambda tx: admission.settle_lease(tx, "L4", now=100.0))
+        assert s.read(lambda tx: admission.in_flight(tx, registry.get_node(tx, "u"), 0)).other_sources == 0
+    finally:
+        s.close()
+    with _database_at(store_url, "0014", down=True) as conn:
+        assert source_rows(conn) == {("source", "b", stripes["u"]): 3, ("source", "b", stripes["v"]): 1}
+    s = Store(store_url)
+    try:
+        for lease in ("L1", "L2", "L3"):
+            assert s.write(lambda tx, lease=lease: admission.settle_lease(tx, lease, now=100.0)) > 0
+        assert s.read(lambda tx: tx.execute(text("SELECT COUNT(*) FROM in_flight")).scalar_one()) == 0
+    finally:
+        s.close()
 
 
 def test_the_migrations_make_what_the_schema_says(store: Store) -> None:
