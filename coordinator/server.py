@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
+from sqlalchemy.engine import make_url
 
 from swarmrl.coordinator.app import build_app
 from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.connections import ConnectionGuard, raise_open_file_limit
 from swarmrl.coordinator.db.sqlite.writer import WriterServer
-from swarmrl.coordinator.db.store import Store
+from swarmrl.coordinator.db.store import Store, upgrade
 from swarmrl.coordinator.httpguard import GuardedHttpProtocol, RecordKeeper
 from swarmrl.coordinator.pool import attach_pool
 from swarmrl.coordinator.registry import Registry
@@ -144,7 +145,13 @@ class Workers:
     def __init__(self, config: CoordinatorConfig, identity: Identity, first: socket.socket, writer: bool):
         self._stopping = False
         port = first.getsockname()[1]
-        context = mp.get_context("fork")  # before any thread or connection exists in this process
+        # Forked before any other thread exists in this process: a child inherits every lock as it was, and one
+        # held by another thread stays held there. (A thread just joined may still run native exit handlers: the
+        # store's change listener, left by a store opened to migrate, could leave libpq's OpenSSL lock taken, and
+        # every connection of that worker to PostgreSQL then hung.)
+        if threading.active_count() > 1:
+            raise RuntimeError(f"the coordinator forks its workers with threads running: {threading.enumerate()}")
+        context = mp.get_context("fork")
         self.writer: str | None = None
         self.writer_proc: mp.process.BaseProcess | None = None
         if writer:
@@ -249,9 +256,9 @@ def serve(config: CoordinatorConfig, identity: Identity | None = None) -> None:
     sock = _listen(config.host, config.port, shared=config.workers > 1)
     workers = None
     if config.workers > 1:
-        store = Store(config.resolved_store_url, pool_size=1)  # migrations run once, before the workers open it
-        store.close()
-        workers = Workers(config, identity, sock, writer=store.dialect == "sqlite" and config.sqlite.writer_process)
+        upgrade(config.resolved_store_url)  # migrations run once, before the workers open the store
+        sqlite = make_url(config.resolved_store_url).get_backend_name() == "sqlite"
+        workers = Workers(config, identity, sock, writer=sqlite and config.sqlite.writer_process)
     app = build_app(config, identity, writer=workers.writer if workers is not None else None)
     seed = attach_seed(app, config)
     follower = VersionFollower(app, seed) if seed is not None and workers is not None else None

@@ -51,6 +51,9 @@ from swarmrl.testing.http1 import Connection, ProtocolError
 from swarmrl.transfer.store import ShardStore, cut_checkpoint
 
 JSON = {"content-type": "application/json"}
+REQUEST_TIMEOUT_S = 60.0
+"""A request unanswered this long counts as a transport error (status 0), so that a coordinator that stops answering
+fails the run instead of hanging it."""
 
 
 @dataclass(frozen=True)
@@ -183,9 +186,9 @@ class LoadSwarm:
         try:
             if conn is None or conn.closed:
                 conn = await Connection.open(self.host, self.port)
-            resp = await conn.request("POST", path, body, headers)
+            resp = await asyncio.wait_for(conn.request("POST", path, body, headers), REQUEST_TIMEOUT_S)
             status, out = resp.status, resp.body
-        except (OSError, ProtocolError, asyncio.IncompleteReadError) as e:
+        except (OSError, ProtocolError, asyncio.IncompleteReadError, TimeoutError) as e:  # the connection is closed
             conn, status, out = None, 0, type(e).__name__.encode()
         if self._measuring:
             tally = self.tallies[kind]

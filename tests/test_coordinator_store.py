@@ -24,7 +24,7 @@ from swarmrl.coordinator.config import CoordinatorConfig
 from swarmrl.coordinator.db.rows import NodeRow
 from swarmrl.coordinator.db.schema import CURRENT_VERSION, LEASE_COUNTER, manifests, metadata
 from swarmrl.coordinator.db.sqlite.config import SqliteConfig
-from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, raise_counter
+from swarmrl.coordinator.db.store import Store, Tx, add_to_counter, counter, raise_counter, upgrade
 from swarmrl.protocol.identity import Identity
 from swarmrl.protocol.manifest import CheckpointManifest, SignedManifest
 from swarmrl.runtime.config import ConfigError, load_config
@@ -562,6 +562,24 @@ def test_lease_numbers_continue_through_0014_both_ways(store_url: str) -> None: 
         s.close()
     with _database_at(store_url, "0013", down=True) as conn:
         assert conn.execute(text(f"SELECT value FROM kv WHERE key = '{LEASE_COUNTER}'")).scalar_one() == 44
+
+
+def test_upgrading_a_store_starts_no_thread(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """`upgrade` (what a coordinator runs before it forks its workers) migrates the database from the calling thread
+    and starts none: a thread that has just ended may still hold a native lock (libpq's OpenSSL one) that a forked
+    worker would then inherit taken."""
+
+    def refuse(thread: threading.Thread) -> None:
+        raise AssertionError(f"thread {thread.name!r} started")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    upgrade(store_url)
+    monkeypatch.undo()
+    s = Store(store_url)
+    try:
+        assert _revision(s) == HEAD
+    finally:
+        s.close()
 
 
 def test_sources_are_counted_through_0015_both_ways(store_url: str) -> None:  # noqa: F811

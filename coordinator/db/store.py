@@ -176,27 +176,13 @@ class Store:
         self._writer_lock: WriterLock | None = None
         self._watcher: ChangeWatcher | None = None
         self._checkpointer: WalCheckpointer | None = None
-        json_args = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
+        # On SQLite one more connection than asked for: the group commit's committer keeps one.
+        self.engine = _engine(url, pool_size + (self.dialect == "sqlite"))
         if self.dialect == "sqlite":
-            if not parsed.database or parsed.database == ":memory:":
-                raise ValueError("an SQLite store needs a file: sqlite:///path/to/coordinator.sqlite")
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-            # One more connection than asked for: the group commit's committer keeps one.
-            self.engine = create_engine(parsed, pool_size=pool_size + 1, max_overflow=0, **json_args,
-                                        connect_args={"timeout": 30.0, "check_same_thread": False})
-            event.listen(self.engine, "connect", _sqlite_connect)
-            event.listen(self.engine, "begin", _sqlite_begin)
             if processes > 1:
                 self._writer_lock = WriterLock(Path(f"{parsed.database}-writer.lock"))
             self._group = GroupCommit(self.engine, group_commit, self._writer_lock, realtime=realtime_committer,
                                       min_interval_s=commit_interval_s, threaded=committer_thread)
-        elif self.dialect == "postgresql":
-            # No ping before each checkout (a round trip per transaction): a connection the server closed fails its
-            # transaction before the commit, and that transaction is run again on a new one (`_write_pg`, `read`).
-            self.engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, **json_args)
-        else:
-            raise ValueError(f"unsupported store_url {parsed.render_as_string()!r}: use sqlite:///... or "
-                             "postgresql+psycopg://...")
         self._changed = threading.Condition()
         self._generation = 0
         migrate(self.engine)
@@ -301,6 +287,37 @@ class Store:
         with self._changed:
             self._generation += 1
             self._changed.notify_all()
+
+
+def upgrade(url: str) -> None:
+    """Bring the database at `url` to the newest migration (`migrate`), from this thread, starting none: a process
+    that forks next must have no other thread, not even one that has just ended (`coordinator.server.Workers`)."""
+    engine = _engine(url, 1)
+    try:
+        migrate(engine)
+    finally:
+        engine.dispose()
+
+
+def _engine(url: str, pool_size: int) -> Engine:
+    """The engine of a store at `url`, its JSON columns encoded by orjson (`_json_dumps`), set up for its dialect."""
+    parsed = make_url(url)
+    json_args = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
+    if parsed.get_backend_name() == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise ValueError("an SQLite store needs a file: sqlite:///path/to/coordinator.sqlite")
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, pool_size=pool_size, max_overflow=0, **json_args,
+                               connect_args={"timeout": 30.0, "check_same_thread": False})
+        event.listen(engine, "connect", _sqlite_connect)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    if parsed.get_backend_name() == "postgresql":
+        # No ping before each checkout (a round trip per transaction): a connection the server closed fails its
+        # transaction before the commit, and that transaction is run again on a new one (`_write_pg`, `read`).
+        return create_engine(parsed, pool_size=pool_size, max_overflow=0, **json_args)
+    raise ValueError(f"unsupported store_url {parsed.render_as_string()!r}: use sqlite:///... or "
+                     "postgresql+psycopg://...")
 
 
 def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
