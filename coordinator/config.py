@@ -91,7 +91,9 @@ class CoordinatorConfig(BaseModel):
         None, ge=1, description="Lease no more prompts while this many usable groups are already in flight "
         "(leased, pending verification, or accepted but not yet taken by the trainer; unproven identities' leases "
         "count only up to admission.unproven_share of it); None: no limit. About batch_groups * (max_staleness + 1) "
-        "keeps nodes busy without producing groups that go stale.")
+        "keeps the trainer fed where new weights take a while to reach the nodes (the simulator's default); where "
+        "they arrive at once and the verifiers are the narrow part (the local demo), batch_groups * max_staleness "
+        "queues fewer groups that go stale (bench/RESULTS.md, 'Which backpressure bound').")
     p2p: P2PConfig | None = Field(
         None, description="Run a DHT bootstrap peer that also seeds every published checkpoint over libp2p, so that "
         "nodes share shards with each other; None: nodes fetch from the HTTP origin only.")

@@ -231,7 +231,8 @@ def buffered_groups(cfg: DemoConfig, run: RunSpec) -> int:
     its batches with informative groups reads past included, so `batch_groups * k` is room for every batch. More
     room only lengthens the queue before the verifier: with three times as much, groups waited 6-8 s for their
     verdict, one to three trainer steps, and half of those the trainer read had gone stale (bench/RESULTS.md,
-    "reasoning-gym through the whole swarm, warmed up to 0.2")."""
+    "reasoning-gym through the whole swarm, warmed up to 0.2"). Here new weights reach the nodes at once; a pool
+    whose nodes wait for them needs a batch more (`CoordinatorConfig.max_buffered_groups`)."""
     return cfg.batch_groups * max(run.max_staleness, 1)
 
 
