@@ -23,8 +23,11 @@ divides the unproven share by), moved when a `source` row is created or reaches 
 `unproven` row is a hash of the node id, and of a `sources` row a hash of the source, so that concurrent
 PostgreSQL writers rarely wait on one row; a read sums the few rows of the live policy versions, its source's row
 and the `sources` rows: a fixed number of rows, however many nodes and sources the pool has (counting the sources
-at each request read a row per source, and sorted them). A lease records what it was counted as
-(`leases.flight_class`, `flight_source`, `flight_stripe`, `flight_n`), and its closing takes back exactly that.
+at each request read a row per source, and sorted them). A source's row is not striped: the leases of one
+source's unproven identities take turns at it, a commit each; a source holds at most `unproven_per_source` unproven
+prompts in flight (`admission.source_share`), so few of its leases open or close at once. A lease records what it
+was counted as (`leases.flight_class`, `flight_source`, `flight_stripe`, `flight_n`), and its closing takes back
+exactly that.
 
 How this differs from counting the open leases at each request (what the coordinator did before):
 - a lease counts in the class and source its node had when it was granted: a node that becomes proven (or
