@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.postgres import PG_URL, needs_pg
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,3 +51,18 @@ def test_the_load_bench_records_its_scaling_curve_in_processes(tmp_path: Path) -
         (20, 2, True), (20, 1, False)]
     assert set(last["scaling"]) == {"sqlite"} and set(last["scaling"]["sqlite"]) == {"1", "2"}
     assert all(r["lost"] == 0 and r["accepted_total"] > 0 for r in last["runs"]), last["runs"]
+
+
+@needs_pg
+@pytest.mark.timeout(600)
+def test_two_coordinator_processes_on_postgresql_serve_and_lose_nothing(tmp_path: Path) -> None:
+    """The same, on PostgreSQL, with one and two coordinator processes: the second forks from the first after the
+    migrations, and both serve nodes from one database."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "coordinator_load.py"), "--stores", "postgresql",
+                           "--pg-url", PG_URL or "", "--nodes", "20", "--duration", "2", "--warmup", "1", "--workers",
+                           "1", "--concurrency", "4", "--no-baseline", "--scaling", "1,2"],
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    assert sorted((r["store"], r["coordinator_workers"]) for r in runs) == [("postgresql", 1), ("postgresql", 2)]
+    assert all(r["lost"] == 0 and r["errors"] == 0 and r["accepted_total"] > 0 for r in runs), runs
