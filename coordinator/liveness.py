@@ -8,8 +8,8 @@ when its leases were freed) and settles its open leases (`admission.settle_lease
 allowance and the backpressure buffer's room: their unsubmitted prompts are queued and leased again to other
 nodes, and count as abandoned by the gone node, as they would at the leases' expiry. A gone node that comes back
 with groups of a settled lease is told, group by group, that they were leased again: nothing is counted twice.
-Its next request makes it live again (`registry.touch` clears `gone_since`). Each sweep that freed anything logs
-one line.
+Its next heartbeat or lease request makes it live again (`registry.note_beat`, `registry.touch_settled` clear
+`gone_since`). Each sweep that freed anything logs one line.
 
 `Housekeeping` runs `sweep` every `housekeeping_interval_s` in a thread of the coordinator. With several
 coordinator processes on one PostgreSQL store each sweeps: every statement is a conditional update or a delete,

@@ -42,10 +42,6 @@ _c = nodes.c
 _GET = select(nodes).where(_c.id == bindparam("b_id"))
 _GET_LOCKED = Prepared(_GET.with_for_update())
 _GET = Prepared(_GET)
-_TOUCH = update(nodes).where(_c.id == bindparam("b_id")).values(last_seen=bindparam("b_now", type_=Double),
-                                                               gone_since=None)
-_TOUCH_HELD = Prepared(_TOUCH.values(held_version=bindparam("b_held", type_=BigInteger)))
-_TOUCH = Prepared(_TOUCH)
 _held = bindparam("b_held", type_=BigInteger)
 _TOUCH_SETTLED = Prepared(update(nodes).where(_c.id == bindparam("b_id")).values(
     last_seen=bindparam("b_now", type_=Double), gone_since=None, held_version=func.coalesce(_held, _c.held_version),
@@ -58,10 +54,12 @@ _COUNT = update(nodes).where(_c.id == bindparam("b_id")).values(
     # Reputation: the Laplace-smoothed acceptance rate.
     reputation=(_c.groups_accepted + _acc + 1.0) / (_c.groups_accepted + _c.groups_rejected + _acc + _rej + 2.0))
 
-_SET_COUNTERS = Prepared(update(nodes).where(_c.id == bindparam("b_id")).values(
+_now = bindparam("b_now", type_=Double)
+_BEAT = Prepared(update(nodes).where(_c.id == bindparam("b_id")).values(
+    last_seen=_now, gone_since=None, held_version=_held,
     idle_s=bindparam("b_idle", type_=Double), busy_s=bindparam("b_busy", type_=Double),
     idle_total=_c.idle_total + bindparam("b_add_idle", type_=Double),
-    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=bindparam("b_now", type_=Double)))
+    busy_total=_c.busy_total + bindparam("b_add_busy", type_=Double), counters_at=_now))
 
 
 def get_node(tx: Tx, node_id: str, *, lock: bool = False) -> NodeRow | None:
@@ -119,17 +117,10 @@ def upsert_node(tx: Tx, node_id: str, public_key: str, name: str, engine: str, n
                                       registered_at=now, last_seen=now, source=source)
 
 
-def touch(tx: Tx, node_id: str, now: float, held_version: int | None = None) -> None:
-    """Note the node seen at `now` (holding `held_version`, if given): live again if it was gone."""
-    if held_version is None:
-        _TOUCH.rowcount(tx, b_id=node_id, b_now=now)
-    else:
-        _TOUCH_HELD.rowcount(tx, b_id=node_id, b_now=now, b_held=held_version)
-
-
 def touch_settled(tx: Tx, node_id: str, now: float, held_version: int | None, settled: list[int] | None = None
                   ) -> NodeRow:
-    """`touch`, and the node's part of a settlement (`admission.Settlement.nodes`: [abandoned, no longer in flight])
+    """Note the node seen at `now` (holding `held_version`, if given; live again if it was gone), and the node's
+    part of a settlement (`admission.Settlement.nodes`: [abandoned, no longer in flight])
     applied, in one statement; the node's row after both, locked until the transaction ends. Refused(403) if it is
     unknown or banned."""
     abandoned, flight = settled or (0, 0)
@@ -149,12 +140,13 @@ def ban(tx: Tx, node_id: str, reason: str) -> None:
                .values(banned=True, ban_reason=reason))
 
 
-def set_counters(tx: Tx, node_id: str, idle_s: float, busy_s: float, add_idle: float, add_busy: float,
-                 now: float) -> None:
-    """Store a node's latest self-reported counters (`idle_s`, `busy_s`, as reported) and add to its
+def note_beat(tx: Tx, node_id: str, now: float, held_version: int, idle_s: float, busy_s: float,
+              add_idle: float, add_busy: float) -> None:
+    """A heartbeat's write, in one statement: the node seen at `now` holding `held_version` (live again if it was
+    gone), its latest self-reported counters stored (`idle_s`, `busy_s`, as reported) and added to its
     coordinator-side totals (`idle_total`, `busy_total`, which never decrease, whatever the node reports)."""
-    _SET_COUNTERS.rowcount(tx, b_id=node_id, b_idle=idle_s, b_busy=busy_s, b_add_idle=add_idle,
-                           b_add_busy=add_busy, b_now=now)
+    _BEAT.rowcount(tx, b_id=node_id, b_now=now, b_held=held_version, b_idle=idle_s, b_busy=busy_s,
+                   b_add_idle=add_idle, b_add_busy=add_busy)
 
 
 def time_totals(tx: Tx) -> tuple[float, float]:
@@ -273,8 +265,7 @@ class Registry:
             if d_idle + d_busy > allowed:
                 scale = allowed / (d_idle + d_busy)
                 d_idle, d_busy = d_idle * scale, d_busy * scale
-            set_counters(tx, req.signer, idle_s, busy_s, d_idle, d_busy, now)
-            touch(tx, req.signer, now, held_version)
+            note_beat(tx, req.signer, now, held_version, idle_s, busy_s, d_idle, d_busy)
 
         return beat
 

@@ -208,7 +208,7 @@ def test_counter_columns_added_to_an_existing_database(tmp_path: Path) -> None:
         assert node.counters_at is None
         assert store.read(lambda tx: status.recent_metrics(tx, 10))[0].data == {"reward": 0.5}
         assert store.read(status.last_node_totals) == (0.0, 0.0)
-        store.write(lambda tx: registry.set_counters(tx, "n1", 4.0, 6.0, 4.0, 6.0, now=10.0))
+        store.write(lambda tx: registry.note_beat(tx, "n1", 10.0, 0, 4.0, 6.0, 4.0, 6.0))
         assert store.read(registry.time_totals) == (4.0, 6.0)
         store.write(lambda tx: status.insert_metrics(tx, 5, 2, {"reward": 0.6}, now=11.0, node_totals=(4.0, 6.0)))
         assert store.read(status.last_node_totals) == (4.0, 6.0)
