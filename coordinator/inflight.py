@@ -121,26 +121,21 @@ _SUB = Prepared(update(table).where(_KEY).values(n=_c.n - bindparam("b_n", type_
 _DROP = Prepared(delete(table).where(_KEY, _c.n == 0))
 
 
-def _upsert(dialect: str) -> Prepared:
+def _inserts(dialect: str) -> tuple[Prepared, Prepared]:
+    """The row inserted, or added to where it exists (`_ADD`); and inserted only where it does not (`_CREATE`)."""
     stmt = insert(dialect, table).values(cls=bindparam("b_cls"), source=bindparam("b_source"),
                                          policy_version=bindparam("b_version", type_=BigInteger),
                                          stripe=bindparam("b_stripe", type_=Integer),
                                          n=bindparam("b_n", type_=BigInteger))
-    return Prepared(stmt.on_conflict_do_update(index_elements=[_c.cls, _c.source, _c.policy_version, _c.stripe],
-                                               set_={"n": _c.n + stmt.excluded.n}))
+    return (Prepared(stmt.on_conflict_do_update(index_elements=[_c.cls, _c.source, _c.policy_version, _c.stripe],
+                                                set_={"n": _c.n + stmt.excluded.n})),
+            Prepared(stmt.on_conflict_do_nothing()))
 
 
-_ADD = {"sqlite": _upsert("sqlite"), "postgresql": _upsert("postgresql")}
+_SQLITE_INSERTS, _PG_INSERTS = _inserts("sqlite"), _inserts("postgresql")
+_ADD = {"sqlite": _SQLITE_INSERTS[0], "postgresql": _PG_INSERTS[0]}
+_CREATE = {"sqlite": _SQLITE_INSERTS[1], "postgresql": _PG_INSERTS[1]}
 _INC = Prepared(update(table).where(_KEY).values(n=_c.n + bindparam("b_n", type_=BigInteger)))
-
-
-def _create(dialect: str) -> Prepared:
-    return Prepared(insert(dialect, table).values(
-        cls=bindparam("b_cls"), source=bindparam("b_source"), policy_version=bindparam("b_version", type_=BigInteger),
-        stripe=bindparam("b_stripe", type_=Integer), n=bindparam("b_n", type_=BigInteger)).on_conflict_do_nothing())
-
-
-_CREATE = {"sqlite": _create("sqlite"), "postgresql": _create("postgresql")}
 
 
 def apply(tx: Tx, deltas: dict[Key, int]) -> None:
@@ -166,16 +161,18 @@ def _move(tx: Tx, key: Key, n: int) -> int:
     if n < 0:
         _SUB.rowcount(tx, b_n=-n, **params)
         return -_DROP.rowcount(tx, **params)
-    if n > 0 and key[0] != SOURCE:
+    if n == 0:
+        return 0
+    if key[0] != SOURCE:
         _ADD[tx.dialect.name].rowcount(tx, b_n=n, **params)
-    while n > 0 and key[0] == SOURCE:
+        return 0
+    while True:
         # Added to, or else created. On PostgreSQL a concurrent transaction may create or delete the row between
         # the two statements (the insert then waits for it): round again.
         if _INC.rowcount(tx, b_n=n, **params) == 1:
             return 0
         if _CREATE[tx.dialect.name].rowcount(tx, b_n=n, **params) == 1:
             return 1
-    return 0
 
 
 _min = bindparam("b_min", type_=BigInteger)

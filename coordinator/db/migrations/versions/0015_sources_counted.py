@@ -14,6 +14,7 @@ Create Date: 2026-12-07
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 
 import sqlalchemy as sa
 from alembic import op
@@ -55,9 +56,7 @@ def _replace_source_rows(rows: list[dict[str, object]]) -> None:
 
 def upgrade() -> None:
     rows = _recount(by_stripe=False)
-    counts: dict[int, int] = {}
-    for row in rows:
-        counts[_stripe(str(row["source"]))] = counts.get(_stripe(str(row["source"])), 0) + 1
+    counts = Counter(_stripe(str(row["source"])) for row in rows)
     _replace_source_rows(rows + [dict(cls="sources", source="", policy_version=0, stripe=s, n=n)
                                  for s, n in sorted(counts.items())])
 
